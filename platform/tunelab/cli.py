@@ -1,0 +1,129 @@
+"""`exp`: the command line. Bad input ends in one paragraph on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from tunelab.errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="tunelab: instruction-tuning experiment matrices, trained, evaluated and tabulated.")
+out = Console()
+err = Console(stderr=True)
+
+RunsDir = Annotated[Path, typer.Option("--runs-dir", help="where runs/<matrix>/<cell>/ folders go")]
+
+
+def _plan_table(name: str, cells) -> Table:
+    table = Table(title=f"{name}: {len(cells)} cells")
+    keys = list(dict.fromkeys(k for c in cells for k in c.varying))
+    for col in ("id", "cell", *keys):
+        table.add_column(col)
+    for c in cells:
+        table.add_row(c.id, c.slug, *(str(c.varying.get(k)) for k in keys))
+    return table
+
+
+@app.command()
+def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")]) -> None:
+    """Expand a matrix file and print its cells; runs nothing."""
+    from tunelab import matrix
+
+    spec, cells = matrix.load(file)
+    out.print(_plan_table(spec.name, cells))
+
+
+@app.command()
+def run(
+    file: Annotated[Path, typer.Argument(help="matrix YAML")],
+    only: Annotated[str | None, typer.Option(help="run only cells whose slug or id matches this glob")] = None,
+    rerun_failed: Annotated[bool, typer.Option(help="run cells that failed before again")] = False,
+    fail_fast: Annotated[bool, typer.Option(help="stop at the first failed cell")] = False,
+    runs_dir: RunsDir = Path("runs"),
+) -> None:
+    """Run every cell of a matrix (skipping done ones), then print and write the leaderboard."""
+    from tunelab import matrix, runner
+    from tunelab.report import leaderboard
+    from tunelab.store import write_text
+
+    spec, cells = matrix.load(file)
+    chosen = runner.select(cells, only)
+    if not chosen:
+        raise UserError(f"--only {only!r} matches none of the cells: {', '.join(c.slug for c in cells)}")
+    mdir = runs_dir / spec.name
+    mdir.mkdir(parents=True, exist_ok=True)
+    write_text(mdir / "matrix.yaml", file.read_text())
+    outcomes = runner.run_cells(chosen, spec.name, runs_dir, rerun_failed=rerun_failed, fail_fast=fail_fast,
+                                console=err)
+    rows = leaderboard.write(mdir)
+    out.print(leaderboard.to_rich(rows, f"{spec.name} leaderboard"))
+    out.print(f"wrote {mdir / 'leaderboard.md'} and {mdir / 'leaderboard.csv'}")
+    failed = [o for o in outcomes if o.state in ("failed", "skipped-failed")]
+    for o in failed:
+        err.print(f"[red]{o.cell.dirname} failed:[/] {o.error} (log: {mdir / o.cell.dirname / 'cell.log'})")
+    if any(o.state == "skipped-failed" for o in failed):
+        err.print("run again with --rerun-failed to retry failed cells")
+    raise typer.Exit(1 if failed else 0)
+
+
+@app.command()
+def status(matrix_dir: Annotated[Path, typer.Argument(help="runs/<matrix> folder")]) -> None:
+    """Print the state of every cell of a matrix's run folder."""
+    from tunelab.store import cell_dirs, read_json, read_status
+
+    if not matrix_dir.is_dir():
+        raise UserError("no such run folder", file=matrix_dir)
+    table = Table(title=str(matrix_dir))
+    for col in ("cell", "state", "train s", "eval s", "error"):
+        table.add_column(col)
+    colors = {"done": "green", "failed": "red", "running": "yellow", "pending": "dim"}
+    for d in cell_dirs(matrix_dir):
+        st, meta = read_status(d), read_json(d / "cell.json") or {}
+        state = st.get("state", "?")
+        t = st.get("timings") or {}
+        table.add_row(meta.get("slug", d.name), f"[{colors.get(state, 'white')}]{state}",
+                      f"{t['train_s']:.0f}" if "train_s" in t else "-",
+                      f"{t['eval_s']:.0f}" if "eval_s" in t else "-", (st.get("error") or "")[:100])
+    out.print(table)
+
+
+@app.command("leaderboard")
+def leaderboard_cmd(matrix_dir: Annotated[Path, typer.Argument(help="runs/<matrix> folder")]) -> None:
+    """Rebuild and print the leaderboard of a matrix's run folder."""
+    from tunelab.report import leaderboard
+
+    if not matrix_dir.is_dir():
+        raise UserError("no such run folder", file=matrix_dir)
+    out.print(leaderboard.to_rich(leaderboard.write(matrix_dir), f"{matrix_dir.name} leaderboard"))
+
+
+@app.command()
+def models() -> None:
+    """List the model catalog's aliases."""
+    from tunelab.models import CATALOG
+
+    table = Table(title="model catalog")
+    table.add_column("alias")
+    table.add_column("what")
+    for name, a in CATALOG.items():
+        table.add_row(name, a.description)
+    out.print(table)
+
+
+def main() -> None:
+    try:
+        app()
+    except UserError as e:
+        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""User-facing errors: one paragraph naming the file, the key path and what is allowed.
+
+The CLI turns a `UserError` into that paragraph on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+
+class UserError(Exception):
+    """Bad input from the user: a message meant to be read, not a bug."""
+
+    def __init__(self, message: str, *, file: str | Path | None = None, key: str | None = None):
+        where = ": ".join(str(p) for p in (file, key) if p)
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+def load_yaml(path: str | Path) -> Any:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError("no such file", file=p)
+    try:
+        return yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"YAML syntax error{where}: {problem}", file=p) from None
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str] | None:
+    """The field names allowed at `loc` inside `model`, to list them in an unknown-key error."""
+    cls: Any = model
+    for part in loc:
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:
+            return None
+        cls = cls.model_fields[part].annotation
+        if get_origin(cls) is not None:  # Optional[X] and friends: take the model among the args
+            cls = next((a for a in get_args(cls) if isinstance(a, type) and issubclass(a, BaseModel)), cls)
+    if isinstance(cls, type) and issubclass(cls, BaseModel):
+        return list(cls.model_fields)
+    return None
+
+
+def explain(
+    err: ValidationError,
+    model: type[BaseModel],
+    *,
+    file: str | Path,
+    where: Callable[[tuple], str] = lambda loc: ".".join(map(str, loc)),
+) -> UserError:
+    """Turn a pydantic error into a UserError; `where` maps a config loc to a key path in the file."""
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        if e["type"] == "extra_forbidden":
+            allowed = _fields_at(model, loc[:-1])
+            hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
+            lines.append(f"{where(loc)}: unknown key{hint}")
+        elif e["type"] == "missing":
+            lines.append(f"{where(loc)}: required key is missing")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            got = e.get("input")
+            shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+            lines.append(f"{where(loc)}: {msg}{shown}")
+    return UserError("; ".join(lines), file=file)

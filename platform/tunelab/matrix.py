@@ -1,0 +1,180 @@
+"""Matrix files -> resolved cells. A cell's id is a short hash of its resolved config."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tunelab.config import CellConfig
+from tunelab.errors import UserError, explain, load_yaml
+
+
+class MatrixFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="runs go to runs/<name>/")
+    description: str = ""
+    base: dict[str, Any] = Field(default_factory=dict, description="partial cell config shared by all cells")
+    matrix: dict[str, list[Any]] = Field(default_factory=dict, description="dotted key -> values")
+    include: list[dict[str, Any]] = Field(default_factory=list, description="extra cells (dotted keys)")
+    exclude: list[dict[str, Any]] = Field(default_factory=list, description="drop cells matching all keys")
+    seeds: list[int] | None = Field(None, min_length=1, description="run every cell with each train.seed")
+
+
+@dataclass(frozen=True)
+class Cell:
+    config: CellConfig
+    id: str
+    slug: str
+    varying: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dirname(self) -> str:
+        return f"{self.slug}-{self.id}"
+
+
+def cell_id(config: CellConfig) -> str:
+    canonical = json.dumps(config.identity(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:10]
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """{'optim': {'lr': 1}} -> {'optim.lr': 1}; dotted keys pass through."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v and "." not in key:  # sections are one level deep
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def set_dotted(d: dict, key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    for p in parents:
+        nxt = d.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            nxt = d[p] = {}
+        d = nxt
+    d[last] = copy.deepcopy(value)
+
+
+def _origin(loc: tuple, origins: dict[str, str]) -> str:
+    """The place in the matrix file a config loc came from (the longest matching dotted key)."""
+    dotted = ".".join(map(str, loc))
+    best = max((k for k in origins if dotted == k or dotted.startswith(k + ".")), key=len, default=None)
+    if best is None:
+        return f"base.{dotted}"
+    return origins[best] + dotted[len(best):]
+
+
+def _slug_part(key: str, value: Any) -> str:
+    """Strings stand for themselves; numbers and flags carry their key's last part (lr2e-05)."""
+    leaf = key.rsplit(".", 1)[-1]
+    if key == "train.seed":
+        return f"s{value}"
+    if isinstance(value, bool):
+        return leaf if value else f"no_{leaf}"
+    if isinstance(value, (int, float)):
+        return f"{leaf}{value:g}"
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    text = text.rsplit("/", 1)[-1]
+    return "".join(c if c.isalnum() or c in ".+-" else "_" for c in text).strip("_") or "x"
+
+
+def load(path: str | Path) -> tuple[MatrixFile, list[Cell]]:
+    path = Path(path)
+    raw = load_yaml(path)
+    if not isinstance(raw, dict):
+        raise UserError("a matrix file is a mapping with keys name, base, matrix, include, exclude, seeds",
+                        file=path)
+    try:
+        spec = MatrixFile.model_validate(raw)
+    except ValidationError as e:
+        raise explain(e, MatrixFile, file=path) from None
+    return spec, expand(spec, path)
+
+
+def expand(spec: MatrixFile, path: Path) -> list[Cell]:
+    for key, values in spec.matrix.items():
+        if not values:
+            raise UserError("an axis needs at least one value", file=path, key=f"matrix.{key}")
+    axes = list(spec.matrix.items())
+    combos: list[tuple[dict, dict]] = []  # (dotted overrides, dotted key -> where in the file)
+    for values in itertools.product(*(v for _, v in axes)):
+        picks = {k: v for (k, _), v in zip(axes, values)}
+        origins = {k: f"matrix.{k}[{axes[i][1].index(v)}]" for i, (k, v) in enumerate(picks.items())}
+        combos.append((picks, origins))
+
+    for j, ex in enumerate(spec.exclude):
+        flat = flatten(ex)
+        unknown = [k for k in flat if k not in spec.matrix]
+        if unknown:
+            raise UserError(f"keys {unknown} are not matrix axes; axes: {list(spec.matrix)}",
+                            file=path, key=f"exclude[{j}]")
+        kept = [c for c in combos if not all(c[0].get(k) == v for k, v in flat.items())]
+        if len(kept) == len(combos):
+            raise UserError(f"matches no cell: {flat}", file=path, key=f"exclude[{j}]")
+        combos = kept
+    for j, inc in enumerate(spec.include):
+        flat = flatten(inc)
+        combos.append((flat, {k: f"include[{j}].{k}" for k in flat}))
+    if not combos:
+        raise UserError("every cell was excluded", file=path, key="exclude")
+
+    if spec.seeds is not None:
+        if any("train.seed" in c[0] for c in combos):
+            raise UserError("set train.seed either in 'seeds' or in the matrix, not both", file=path, key="seeds")
+        combos = [({**p, "train.seed": s}, {**o, "train.seed": f"seeds[{i}]"})
+                  for p, o in combos for i, s in enumerate(spec.seeds)]
+
+    cells, seen = [], set()
+    for picks, origins in combos:
+        raw = copy.deepcopy(spec.base)
+        for k, v in picks.items():
+            set_dotted(raw, k, v)
+        try:
+            config = CellConfig.model_validate(raw)
+        except ValidationError as e:
+            raise explain(e, CellConfig, file=path, where=lambda loc, o=origins: _origin(loc, o)) from None
+        cid = cell_id(config)
+        if cid not in seen:
+            seen.add(cid)
+            cells.append((config, cid, picks))
+
+    keys = list(dict.fromkeys(k for _, _, picks in cells for k in picks))
+    dumps = [config.model_dump(mode="json") for config, _, _ in cells]
+    values = [{k: _get(d, k) for k in keys} for d in dumps]
+    varying = [k for k in keys if len({json.dumps(v[k], sort_keys=True) for v in values}) > 1]
+    varying.sort(key=lambda k: k == "train.seed")  # the seed reads best last
+    named = _slug_keys(varying, values)
+    out = []
+    for (config, cid, _), vals in zip(cells, values):
+        slug = "-".join(_slug_part(k, vals[k]) for k in named) or spec.name
+        out.append(Cell(config=config, id=cid, slug=slug, varying={k: vals[k] for k in varying}))
+    return out
+
+
+def _slug_keys(varying: list[str], values: list[dict]) -> list[str]:
+    """The shortest leading run of varying keys that tells the cells apart (the seed always shows),
+    so slugs stay readable when include entries vary many keys at once."""
+    seed = [k for k in varying if k == "train.seed"]
+    rest = [k for k in varying if k != "train.seed"]
+    for n in range(len(rest) + 1):
+        keys = rest[:n] + seed
+        if len({json.dumps([v[k] for k in keys]) for v in values}) == len(values):
+            return keys
+    return varying
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = obj.get(part) if isinstance(obj, dict) else None
+    return obj

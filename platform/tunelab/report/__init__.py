@@ -1,0 +1,1 @@
+"""Reports: the leaderboard table of a matrix's cells."""

@@ -1,0 +1,79 @@
+"""report.leaderboard(runs/<matrix>/) -> leaderboard.md and .csv: one row per cell."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from rich.table import Table
+
+from tunelab.store import cell_dirs, read_json, read_status, write_text
+
+TRAIN_COLUMNS = {  # summary.json key -> column header
+    "final_loss": "train loss",
+    "tokens_per_s": "tok/s",
+    "peak_mem_mb": "peak MB",
+    "train_seconds": "train s",
+}
+
+
+def collect(matrix_dir: Path) -> list[dict]:
+    rows = []
+    for d in cell_dirs(matrix_dir):
+        meta = read_json(d / "cell.json") or {}
+        row = {"cell": meta.get("slug", d.name), "id": meta.get("id", ""), **meta.get("varying", {}),
+               "status": read_status(d).get("state", "?")}
+        for name, res in ((read_json(d / "eval" / "results.json") or {}).get("tasks") or {}).items():
+            header = name if res.get("metric") in (None, "loss", name) else f"{name} {res['metric']}"
+            row[header] = res.get("value")
+        summary = read_json(d / "train" / "summary.json") or {}
+        row.update({col: summary.get(key) for key, col in TRAIN_COLUMNS.items() if key in summary})
+        rows.append(row)
+    return rows
+
+
+def columns(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(k for r in rows for k in r))
+
+
+def fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def to_markdown(rows: list[dict], title: str) -> str:
+    cols = columns(rows)
+    lines = [f"# {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    lines += ["", "tok/s: non-padding tokens per second of training; peak MB: peak process RSS on CPU, "
+              "CUDA max allocated on GPU; scores from eval/results.json of each cell."]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns(rows), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def to_rich(rows: list[dict], title: str) -> Table:
+    table = Table(title=title)
+    cols = [c for c in columns(rows) if c != "id"]  # ids are in the files; the terminal is narrow
+    for c in cols:
+        table.add_column(c, justify="right" if any(isinstance(r.get(c), (int, float)) for r in rows) else "left")
+    for r in rows:
+        table.add_row(*(fmt(r.get(c)) for c in cols))
+    return table
+
+
+def write(matrix_dir: Path) -> list[dict]:
+    rows = collect(matrix_dir)
+    write_text(matrix_dir / "leaderboard.md", to_markdown(rows, f"Leaderboard: {matrix_dir.name}"))
+    write_text(matrix_dir / "leaderboard.csv", to_csv(rows))
+    return rows

@@ -1,0 +1,47 @@
+"""Shared fixtures: one model/data cache per test session, W&B off unless a test turns it on."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("tunelab-cache")
+    os.environ["TUNELAB_CACHE"] = str(cache)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "2")
+    yield cache
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """Run `exp ARGS` in-process; returns (exit code, stdout, stderr)."""
+    from tunelab.cli import main
+
+    def run(*args: str, cwd: Path | None = None):
+        if cwd:
+            monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", ["exp", *map(str, args)])
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path

@@ -1,0 +1,133 @@
+import copy
+import json
+import math
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tunelab.evals import humaneval
+from tunelab.evals.humaneval import generate, load_problems, pass_at_k, run, score, truncate_at_stop
+
+
+def test_all_problems_load():
+    problems = load_problems()
+    assert len(problems) == 164
+    assert problems[0]["task_id"] == "HumanEval/0" and problems[-1]["task_id"] == "HumanEval/163"
+    assert {"prompt", "canonical_solution", "test", "entry_point"} <= problems[0].keys()
+    assert [p["task_id"] for p in load_problems(limit=3)] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+
+
+def test_canonical_solutions_pass_and_wrong_ones_fail():
+    problems = load_problems(limit=10)
+    completions = [[p["canonical_solution"], "    return None\n"] for p in problems]
+    records = score(problems, completions, timeout_s=5.0)
+    assert [(r["task_id"], r["sample"]) for r in records[:2]] == [("HumanEval/0", 0), ("HumanEval/0", 1)]
+    assert [r["status"] for r in records[0::2]] == ["passed"] * 10
+    assert [r["status"] for r in records[1::2]] == ["failed"] * 10
+
+
+def test_pass_at_k_matches_hand_computed_values():
+    assert pass_at_k(1, 1, 1) == 1.0 and pass_at_k(1, 0, 1) == 0.0
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    # 1 - C(8,2)/C(10,2) = 1 - 28/45
+    assert pass_at_k(10, 2, 2) == pytest.approx(17 / 45)
+    # 1 - C(15,10)/C(20,10)
+    assert pass_at_k(20, 5, 10) == pytest.approx(1 - math.comb(15, 10) / math.comb(20, 10))
+    assert pass_at_k(5, 3, 3) == 1.0  # fewer than k failures: some draw must pass
+    assert pass_at_k(200, 0, 100) == 0.0
+    with pytest.raises(ValueError):
+        pass_at_k(5, 6, 1)
+
+
+def test_truncate_at_stop():
+    assert truncate_at_stop("    return 1\n\ndef g():\n    pass") == "    return 1\n"
+    assert truncate_at_stop("    x = 1\n# note\nprint(x)") == "    x = 1"
+    assert (
+        truncate_at_stop("    # comment inside the body\n    return 2\n")
+        == "    # comment inside the body\n    return 2\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A random 2-layer Llama and a 300-token byte-level BPE trained on the prompts."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([p["prompt"] for p in load_problems()], trainer)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<pad>"
+    )
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config), tokenizer
+
+
+def test_run_on_a_tiny_model(tiny, tmp_path):
+    model, tokenizer = tiny
+    model.train()
+    samples = tmp_path / "samples.jsonl"
+    result = run(model, tokenizer, limit=3, max_new_tokens=16, batch_size=2, samples_path=samples)
+    assert result["task"] == "humaneval" and result["metric"] == "pass@1" and result["shots"] == 0
+    assert result["n"] == 3 and result["n_samples"] == 1
+    assert 0.0 <= result["value"] <= 1.0 and result["stderr"] >= 0.0
+    assert list(result["extra"]["pass@k"]) == ["pass@1"]
+    lines = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert len(lines) == 3
+    assert {"task_id", "completion", "status", "passed", "prompt_sha256"} <= lines[0].keys()
+    # generate() leaves the model and tokenizer as it found them
+    assert model.training and tokenizer.padding_side == "right"
+
+
+def test_greedy_generation_does_not_depend_on_batch_size(tiny):
+    model, tokenizer = tiny
+    prompts = [p["prompt"] for p in load_problems(limit=3)]
+    one = generate(model, tokenizer, prompts, max_new_tokens=16, batch_size=1)
+    three = generate(model, tokenizer, prompts, max_new_tokens=16, batch_size=3)
+    assert one == three
+    assert all(len(c) == 1 and not any(s in c[0] for s in humaneval.STOP_SEQUENCES) for c in one)
+    no_pad = copy.deepcopy(tokenizer)
+    no_pad.pad_token = None  # then eos pads, and the tokenizer is handed back unchanged
+    assert generate(model, no_pad, prompts, max_new_tokens=16, batch_size=3) == one
+    assert no_pad.pad_token is None and no_pad.padding_side == "right"
+
+
+def test_sampling_gives_n_samples_and_is_seeded(tiny):
+    model, tokenizer = tiny
+    prompts = [p["prompt"] for p in load_problems(limit=2)]
+    kwargs = {"max_new_tokens": 8, "batch_size": 2, "n_samples": 3, "temperature": 1.0, "seed": 1}
+    first = generate(model, tokenizer, prompts, **kwargs)
+    assert [len(c) for c in first] == [3, 3]
+    assert first == generate(model, tokenizer, prompts, **kwargs)
+
+
+def test_generation_halts_at_a_stop_string(tiny):
+    model, tokenizer = tiny
+    # A head that always emits "#": after a prompt ending in "\n" that is "\n#" at once.
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    head.bias.data[tokenizer.convert_tokens_to_ids("#")] = 10.0
+    original, model.lm_head = model.lm_head, head
+    try:
+        assert generate(model, tokenizer, ["def f():\n"], max_new_tokens=16, batch_size=1) == [["#"]]
+    finally:
+        model.lm_head = original
