@@ -34,6 +34,7 @@ def done_run(tmp_path_factory):
     path = write(tmp / "tiny.yaml", TINY.replace("WANDB", "true"))
     env = {**os.environ, "WANDB_MODE": "offline"}
     proc = subprocess.run([sys.executable, "-m", "tunelab.cli", "run", str(path), "--runs-dir", str(tmp / "runs")],
+                          check=False,
                           capture_output=True, text=True, env=env, timeout=600)
     return tmp, path, proc
 

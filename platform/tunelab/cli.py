@@ -47,21 +47,35 @@ def run(
     rerun_failed: Annotated[bool, typer.Option(help="run cells that failed before again")] = False,
     fail_fast: Annotated[bool, typer.Option(help="stop at the first failed cell")] = False,
     runs_dir: RunsDir = Path("runs"),
+    nnodes: Annotated[int, typer.Option(help="nodes a multi-process cell spans (torchrun rendezvous)")] = 1,
+    node_rank: Annotated[int, typer.Option(help="this node's rank, 0..nnodes-1")] = 0,
+    rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT of the rendezvous, for --nnodes > 1")] = None,
+    launcher: Annotated[str, typer.Option(help="local: run here; slurm: one sbatch job per cell")] = "local",
+    gpus_per_node: Annotated[int | None, typer.Option(help="slurm: --gpus-per-node")] = None,
+    dry_run: Annotated[bool, typer.Option(help="slurm: write the sbatch scripts, do not submit")] = False,
 ) -> None:
     """Run every cell of a matrix (skipping done ones), then print and write the leaderboard."""
     from tunelab import matrix, runner
+    from tunelab.launch import Launch, procs_per_node
     from tunelab.report import leaderboard
     from tunelab.store import write_text
 
+    how = Launch(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, launcher=launcher,
+                 dry_run=dry_run, gpus_per_node=gpus_per_node)
+    how.check()
     spec, cells = matrix.load(file)
     chosen = runner.select(cells, only)
     if not chosen:
         raise UserError(f"--only {only!r} matches none of the cells: {', '.join(c.slug for c in cells)}")
+    for c in chosen:  # a layout that cannot split over the nodes fails before anything is written
+        procs_per_node(runner.world_size(c), how)
     mdir = runs_dir / spec.name
     mdir.mkdir(parents=True, exist_ok=True)
     write_text(mdir / "matrix.yaml", file.read_text())
     outcomes = runner.run_cells(chosen, spec.name, runs_dir, rerun_failed=rerun_failed, fail_fast=fail_fast,
-                                console=err)
+                                console=err, how=how)
+    if how.launcher == "slurm":
+        return
     rows = leaderboard.write(mdir)
     out.print(leaderboard.to_rich(rows, f"{spec.name} leaderboard"))
     out.print(f"wrote {mdir / 'leaderboard.md'} and {mdir / 'leaderboard.csv'}")
@@ -115,6 +129,18 @@ def models() -> None:
     for name, a in CATALOG.items():
         table.add_row(name, a.description)
     out.print(table)
+
+
+def _add_subcommands() -> None:
+    """Stage CLIs live beside their stage (`exp data ...`, `exp eval ...`)."""
+    from tunelab.data.cli import app as data_app
+    from tunelab.evals.cli import app as eval_app
+
+    app.add_typer(data_app, name="data", help="Build, inspect and preview data recipes.")
+    app.add_typer(eval_app, name="eval", help="Evaluate any model on a suite; fetch offline eval data.")
+
+
+_add_subcommands()
 
 
 def main() -> None:

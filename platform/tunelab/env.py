@@ -25,8 +25,8 @@ def _git_commit() -> str | None:
     from tunelab.paths import REPO_ROOT
 
     try:
-        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=5)
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], check=False,
+                             capture_output=True, text=True, timeout=5)
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None

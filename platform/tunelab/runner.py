@@ -9,7 +9,6 @@ import fnmatch
 import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,14 +16,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from tunelab.launch import Launch, cell_command, sbatch_script
 from tunelab.matrix import Cell
-from tunelab.store import is_locked, read_status, write_json, write_status, write_yaml
+from tunelab.store import is_locked, read_status, write_json, write_status, write_text, write_yaml
 
 
 @dataclass
 class Outcome:
     cell: Cell
-    state: str  # done | failed | skipped-done | skipped-failed | skipped-locked
+    state: str  # done | failed | skipped-done | skipped-failed | skipped-locked | submitted | written
     error: str | None = None
 
 
@@ -48,12 +48,16 @@ def prepare(run_dir: Path, cell: Cell, matrix: str) -> None:
     write_status(run_dir, "pending", created_at=time.time())
 
 
-def launch(run_dir: Path, on_event) -> int:
+def world_size(cell: Cell) -> int:
+    p = cell.config.parallel
+    return p.dp * p.tp * p.pp
+
+
+def launch(run_dir: Path, on_event, command: list[str]) -> int:
     """Run the cell process; its stdout carries JSON events, its stderr goes to cell.log."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with (run_dir / "cell.log").open("a") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tunelab.cell", str(run_dir)], stdout=subprocess.PIPE,
-                                stderr=log, text=True, env=env)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         assert proc.stdout is not None
         for line in proc.stdout:
             try:
@@ -68,43 +72,75 @@ def _progress(console: Console) -> Progress:
                     TextColumn("{task.fields[info]}"), console=console, transient=False)
 
 
+def submit(run_dir: Path, cell: Cell, how: Launch) -> Outcome:
+    """SLURM: write the cell's batch script, and submit it unless this is a dry run."""
+    script = run_dir / "slurm.sbatch"
+    write_text(script, sbatch_script(run_dir, world_size(cell), how, job_name=cell.dirname))
+    if how.dry_run:
+        return Outcome(cell, "written", f"wrote {script}")
+    out = subprocess.run(["sbatch", "--parsable", str(script)], check=False, capture_output=True, text=True)
+    if out.returncode != 0:
+        write_status(run_dir, "failed", error=f"sbatch failed: {out.stderr.strip()}")
+        return Outcome(cell, "failed", out.stderr.strip())
+    write_status(run_dir, "pending", slurm_job=out.stdout.strip())
+    return Outcome(cell, "submitted", f"slurm job {out.stdout.strip()}")
+
+
+def _skip_reason(run_dir: Path, rerun_failed: bool) -> str | None:
+    state = read_status(run_dir).get("state")
+    if state == "done":
+        return "skipped-done"
+    if state == "failed" and not rerun_failed:
+        return "skipped-failed"
+    return "skipped-locked" if is_locked(run_dir) else None
+
+
+def _run_here(run_dir: Path, cell: Cell, how: Launch, progress: Progress) -> Outcome:
+    """Start the cell's process(es) on this node, follow its events, and settle its status."""
+    current = progress.add_task(f"  {cell.slug}", total=cell.config.train.steps, info="starting")
+
+    def on_event(ev: dict) -> None:
+        if ev.get("stage") == "train":
+            progress.update(current, completed=ev["step"], info=f"train loss {ev['loss']:.4f}")
+        else:
+            progress.update(current, info=" ".join(str(v) for v in ev.values()))
+
+    rc = launch(run_dir, on_event, cell_command(run_dir, world_size(cell), how))
+    if how.node_rank > 0:  # global rank 0 lives on node 0 and owns the cell's status
+        return Outcome(cell, "done" if rc == 0 else "failed", None if rc == 0 else f"exit code {rc}")
+    status = read_status(run_dir)
+    if rc == 0 and status.get("state") == "done":
+        progress.update(current, info="[green]done")
+        return Outcome(cell, "done")
+    if status.get("state") != "failed":  # died before it could say why (killed, out of memory)
+        status = write_status(run_dir, "failed", error=f"cell process exited with code {rc}")
+    progress.update(current, info=f"[red]failed: {status.get('error', '')[:80]}")
+    return Outcome(cell, "failed", status.get("error"))
+
+
 def run_cells(cells: list[Cell], matrix: str, runs_dir: Path, *, rerun_failed: bool = False,
-              fail_fast: bool = False, console: Console | None = None) -> list[Outcome]:
+              fail_fast: bool = False, console: Console | None = None, how: Launch | None = None) -> list[Outcome]:
     console = console or Console(stderr=True)
+    how = how or Launch()
     outcomes: list[Outcome] = []
     with _progress(console) as progress:
         overall = progress.add_task(f"[bold]{matrix}", total=len(cells), info="")
         for cell in cells:
             run_dir = cell_dir(runs_dir / matrix, cell)
-            state = read_status(run_dir).get("state")
-            skip = ("skipped-done" if state == "done" else
-                    "skipped-failed" if state == "failed" and not rerun_failed else
-                    "skipped-locked" if is_locked(run_dir) else None)
+            skip = _skip_reason(run_dir, rerun_failed)
             if skip:
-                outcomes.append(Outcome(cell, skip, read_status(run_dir).get("error")))
+                outcome = Outcome(cell, skip, read_status(run_dir).get("error"))
                 progress.console.print(f"[dim]{cell.dirname}: {skip.removeprefix('skipped-')}, skipped")
-                progress.advance(overall)
-                continue
-            prepare(run_dir, cell, matrix)
-            current = progress.add_task(f"  {cell.slug}", total=cell.config.train.steps, info="starting")
-
-            def on_event(ev: dict, task=current) -> None:
-                if ev.get("stage") == "train":
-                    progress.update(task, completed=ev["step"], info=f"train loss {ev['loss']:.4f}")
-                else:
-                    progress.update(task, info=" ".join(str(v) for v in ev.values()))
-
-            rc = launch(run_dir, on_event)
-            status = read_status(run_dir)
-            if rc != 0 or status.get("state") != "done":
-                if status.get("state") != "failed":  # died before it could say why (killed, OOM)
-                    status = write_status(run_dir, "failed", error=f"cell process exited with code {rc}")
-                outcomes.append(Outcome(cell, "failed", status.get("error")))
-                progress.update(current, info=f"[red]failed: {status.get('error', '')[:80]}")
             else:
-                outcomes.append(Outcome(cell, "done"))
-                progress.update(current, info="[green]done")
+                if how.node_rank == 0:
+                    prepare(run_dir, cell, matrix)
+                if how.launcher == "slurm":
+                    outcome = submit(run_dir, cell, how)
+                    progress.console.print(f"{cell.dirname}: {outcome.error}")
+                else:
+                    outcome = _run_here(run_dir, cell, how, progress)
+            outcomes.append(outcome)
             progress.advance(overall)
-            if fail_fast and outcomes[-1].state == "failed":
+            if fail_fast and outcome.state == "failed":
                 break
     return outcomes

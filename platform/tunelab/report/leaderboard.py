@@ -18,6 +18,10 @@ TRAIN_COLUMNS = {  # summary.json key -> column header
 }
 
 
+NOTE = ("tok/s: non-padding tokens per second of training; peak MB: peak process RSS on CPU, "
+        "CUDA max allocated on GPU; scores from eval/results.json of each cell.")
+
+
 def collect(matrix_dir: Path) -> list[dict]:
     rows = []
     for d in cell_dirs(matrix_dir):
@@ -49,8 +53,7 @@ def to_markdown(rows: list[dict], title: str) -> str:
     cols = columns(rows)
     lines = [f"# {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
-    lines += ["", "tok/s: non-padding tokens per second of training; peak MB: peak process RSS on CPU, "
-              "CUDA max allocated on GPU; scores from eval/results.json of each cell."]
+    lines += ["", NOTE]
     return "\n".join(lines) + "\n"
 
 
