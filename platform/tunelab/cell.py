@@ -37,53 +37,85 @@ def device_for(name: str):
     return torch.device(name)
 
 
-def run_cell(run_dir: Path, emit) -> None:
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def run_cell(run_dir: Path, emit, cfg, layout) -> None:
+    """The stages of one cell, on every process of its layout; only the main process writes files."""
+    from transformers import set_seed
+
     from tunelab import env, evals, models, train
     from tunelab.data.build import build as build_data
-    from tunelab.config import CellConfig
     from tunelab.store import read_json, write_json, write_status
     from tunelab.tracking import Tracker
     from tunelab.train import peft
 
-    cfg = CellConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    main = layout.is_main
     meta = read_json(run_dir / "cell.json") or {}
-    write_json(run_dir / "env.json", env.snapshot())
     timings: dict[str, float] = {}
-    write_status(run_dir, "running", started_at=time.time(), pid=os.getpid(), timings=timings)
-    tracker = Tracker(cfg, run_dir, group=meta.get("matrix", "adhoc"), name=meta.get("slug", run_dir.name),
-                      config=cfg.model_dump(mode="json"), tags=[f"{k}={v}" for k, v in meta.get("varying", {}).items()])
+    tracker = None
+    if main:
+        write_json(run_dir / "env.json", env.snapshot())
+        write_status(run_dir, "running", started_at=time.time(), pid=os.getpid(), timings=timings,
+                     world_size=layout.pp * layout.dp * layout.tp)
+        tracker = Tracker(cfg, run_dir, group=meta.get("matrix", "adhoc"), name=meta.get("slug", run_dir.name),
+                          config=cfg.model_dump(mode="json"),
+                          tags=[f"{k}={v}" for k, v in meta.get("varying", {}).items()])
     try:
         t0 = time.perf_counter()
         emit(stage="load")
-        model, tokenizer = models.load(cfg.model, device_for(cfg.train.device))
+        set_seed(cfg.train.seed)  # weights a model may create on load
+        device = layout.device if layout.distributed else device_for(cfg.train.device)
+        model, tokenizer = models.load(cfg.model, device, **peft.load_kwargs(cfg.peft, device))
         emit(stage="data")
+        if not main:  # the main process builds the cache once; the others read it
+            _barrier()
         datasets = build_data(cfg.data, tokenizer, models.cache_dir())
+        if main:
+            _barrier()
+        # Again: building data draws from the global RNGs on a cache miss only, and adapter init must not
+        # depend on whether the data was cached.
+        set_seed(cfg.train.seed)
         model = peft.apply(model, cfg.peft)
         timings["setup_s"] = time.perf_counter() - t0
 
         def emit_and_log(**event):
+            if event.get("stage") == "train" and tracker:
+                metrics = event.pop("metrics", {})
+                tracker.log({("val/loss" if k == "val_loss" else f"train/{k}"): v for k, v in metrics.items()
+                             if k != "step" and v is not None}, step=event["step"])
             emit(**event)
-            if event.get("stage") == "train":
-                tracker.log({"train/loss": event["loss"]}, step=event["step"])
 
         t0 = time.perf_counter()
-        result = train.run(model, tokenizer, datasets, cfg, run_dir, emit_and_log)
+        result = train.run(model, tokenizer, datasets, cfg, run_dir, emit_and_log, layout=layout)
         timings["train_s"] = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        ctx = evals.Context(out_dir=run_dir / "eval", validation=datasets["validation"],
+        if main:  # evaluation needs the whole model: one process does it while the others wait
+            t0 = time.perf_counter()
+            ctx = evals.Context(out_dir=run_dir / "eval", validation=datasets["validation"],
                                 val_loss=result.val_loss)
-        scores = evals.run(peft.for_eval(model), tokenizer, cfg.eval, ctx, emit)
-        timings["eval_s"] = time.perf_counter() - t0
-
-        tracker.summary({**{f"train/{k}": v for k, v in result.__dict__.items()},
-                         **{f"eval/{k}": r["value"] for k, r in scores["tasks"].items()}})
-        tracker.finish()
-        write_status(run_dir, "done", finished_at=time.time(), timings=timings)
+            scores = evals.run(peft.for_eval(result.model), tokenizer, cfg.eval, ctx, emit)
+            timings["eval_s"] = time.perf_counter() - t0
+            tracker.summary({**{f"train/{k}": v for k, v in result.summary().items()},
+                             **{f"eval/{k}": r["value"] for k, r in scores["tasks"].items()
+                                if r.get("value") is not None}})
+            tracker.finish()
+            write_status(run_dir, "done", finished_at=time.time(), timings=timings)
+        _barrier()
+    except KeyboardInterrupt:
+        if main:  # interrupted, not broken: the next `exp run` picks it up (from its last checkpoint)
+            tracker.finish(failed=True)
+            write_status(run_dir, "pending", finished_at=time.time(), timings=timings, note="interrupted")
+        raise
     except BaseException as e:
-        tracker.finish(failed=True)
-        write_status(run_dir, "failed", finished_at=time.time(), timings=timings,
-                     error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        if main:
+            tracker.finish(failed=True)
+            write_status(run_dir, "failed", finished_at=time.time(), timings=timings,
+                         error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
         raise
 
 
@@ -92,20 +124,37 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m tunelab.cell RUN_DIR", file=sys.stderr)
         return 2
+    from contextlib import nullcontext
+
+    from tunelab.config import CellConfig
     from tunelab.store import Locked, lock
+    from tunelab.train import parallel
 
     run_dir = Path(argv[0]).resolve()
     emit = _event_stream()
     try:
-        with lock(run_dir):
-            run_cell(run_dir, emit)
+        cfg = CellConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+        layout = parallel.setup(cfg.parallel)  # joins torchrun's process group for multi-process layouts
+        if not layout.is_main:
+            emit = _quiet
+        with lock(run_dir) if layout.is_main else nullcontext():
+            run_cell(run_dir, emit, cfg, layout)
     except Locked:
         print(f"{run_dir} is locked by another process", file=sys.stderr)
         return 3
-    except Exception:
+    except Exception:  # noqa: BLE001 - the traceback goes to cell.log, the exit code says failed
         traceback.print_exc()
         return 1
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
+
+
+def _quiet(**event) -> None:
+    """Events come from the main process only."""
 
 
 if __name__ == "__main__":

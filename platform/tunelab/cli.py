@@ -138,6 +138,9 @@ def _add_subcommands() -> None:
 
     app.add_typer(data_app, name="data", help="Build, inspect and preview data recipes.")
     app.add_typer(eval_app, name="eval", help="Evaluate any model on a suite; fetch offline eval data.")
+    from tunelab.train.parallel.cli import memory
+
+    app.command("memory")(memory)
 
 
 _add_subcommands()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -17,8 +17,11 @@ class Section(BaseModel):
 class ModelCfg(Section):
     name: str = Field(description="catalog alias (see `exp models`), local folder, or hub id org/name")
     revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype")
-    attn: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa", description="attention kernel")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights dtype; auto = bfloat16 on a CUDA device that supports it, else float32")
+    attn: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
+        "auto", description="attention kernel; auto = flash_attention_2 when flash-attn is installed, the "
+        "device is CUDA and the weights are 16-bit, else sdpa")
 
     @field_validator("name")
     @classmethod
@@ -31,9 +34,14 @@ class ModelCfg(Section):
 
 class DataCfg(Section):
     recipe: str = Field(description="recipe name in data_recipes/ or a path to a recipe YAML")
-    template: str | None = Field(None, description="override the recipe's prompt template")
-    max_length: int = Field(512, gt=8, description="tokens per example; longer ones are truncated")
+    template: str | None = Field(None, description="override the recipe's prompt template: alpaca, chat, plain")
+    max_length: int = Field(512, gt=8, description="tokens per example (and per packed row)")
+    truncation: Literal["cut", "drop"] = Field(
+        "cut", description="longer examples: cut = keep the first max_length tokens (dropped if no reply token "
+                           "is left), drop = leave them out")
     train_on_prompt: bool = Field(False, description="also train on prompt tokens")
+    pack: bool = Field(False, description="pack training examples into rows of max_length tokens; attention "
+                                          "and positions stay per example, so losses are unchanged")
 
     @field_validator("recipe")
     @classmethod
@@ -43,23 +51,51 @@ class DataCfg(Section):
         find_recipe(v)
         return v
 
+    @field_validator("template")
+    @classmethod
+    def _template(cls, v: str | None) -> str | None:
+        from tunelab.data.templates import TEMPLATES
 
-PeftMethod = Literal["none", "lora"]
+        if v is not None and v not in TEMPLATES:
+            raise ValueError(f"unknown template {v!r}; known: {', '.join(TEMPLATES)}")
+        return v
+
+
+PeftMethod = Literal["none", "lora", "dora", "ia3", "prefix", "prompt", "p_tuning", "qlora"]
 
 
 class PeftCfg(Section):
-    method: PeftMethod = Field("none", description="none = full-parameter training")
-    r: int = Field(8, gt=0, description="LoRA rank")
-    alpha: float = Field(16.0, gt=0, description="LoRA alpha")
-    dropout: float = Field(0.05, ge=0, lt=1, description="LoRA dropout")
-    target_modules: list[str] | None = Field(None, description="modules to adapt; None = the family default")
+    method: PeftMethod = Field("none", description="none = full-parameter training; qlora needs CUDA")
+    r: int = Field(8, gt=0, description="LoRA/DoRA/QLoRA rank")
+    alpha: float = Field(16.0, gt=0, description="LoRA/DoRA/QLoRA alpha")
+    dropout: float = Field(0.05, ge=0, lt=1, description="LoRA/DoRA/QLoRA dropout")
+    target_modules: list[str] | None = Field(
+        None, description="modules to adapt (LoRA, DoRA, QLoRA, IA3); None = the model family's default")
+    feedforward_modules: list[str] | None = Field(
+        None, description="IA3: which of target_modules are feed-forward (scaled on the input); None = default")
+    num_virtual_tokens: int = Field(20, gt=0, description="prefix/prompt/p_tuning: virtual tokens")
+    prefix_projection: bool = Field(False, description="prefix: reparameterize the prefix through an MLP")
+    encoder_hidden_size: int | None = Field(
+        None, gt=0, description="p_tuning: hidden size of the prompt encoder; None = the model's hidden size")
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="qlora: 4-bit data type")
+    double_quant: bool = Field(True, description="qlora: also quantize the quantization constants")
+
+    @field_validator("method")
+    @classmethod
+    def _runnable_here(cls, v: str) -> str:
+        from tunelab.train.peft import check_method
+
+        check_method(v)
+        return v
 
 
 class OptimCfg(Section):
-    name: str = Field("adamw", description="optimizer name (see `exp optimizers`)")
+    name: str = Field("adamw", description="a registered optimizer (docs/optimizers.md), any "
+                      "'torch.optim.Name' or any 'package.module:Class'")
     lr: float = Field(2e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra constructor arguments")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra constructor arguments "
+                                   "(checked against the constructor's signature)")
 
     @field_validator("name")
     @classmethod
@@ -69,11 +105,48 @@ class OptimCfg(Section):
         check_name(v)
         return v
 
+    @model_validator(mode="after")
+    def _constructor_takes_args(self) -> OptimCfg:
+        from tunelab.train.optim import check_args
+
+        check_args(self.name, self.weight_decay, self.kwargs)
+        return self
+
 
 class ParallelCfg(Section):
-    dp: Literal[1] = Field(1, description="data-parallel degree (multi-process layouts are not built yet)")
-    tp: Literal[1] = Field(1, description="tensor-parallel degree")
-    pp: Literal[1] = Field(1, description="pipeline-parallel degree")
+    """The process layout: dp x tp x pp processes (see docs/parallelism.md).
+
+    A layout the chosen backend cannot run is refused here, so `exp plan` reports it.
+    """
+
+    dp: int = Field(1, ge=1, description="data-parallel degree: FSDP2 (native) or ZeRO (deepspeed) shards")
+    tp: int = Field(1, ge=1, description="tensor-parallel degree (native only)")
+    pp: int = Field(1, ge=1, description="pipeline-parallel degree: stages of consecutive layers (native only)")
+    backend: Literal["native", "deepspeed"] = Field(
+        "native", description="native: DeviceMesh + FSDP2 + tensor/pipeline parallel; deepspeed: ZeRO data parallel")
+    zero: Literal[1, 2, 3] = Field(
+        3, description="what dp shards: 1 optimizer state, 2 + gradients, 3 + parameters "
+                       "(native: 3 = FSDP2 resharding after forward, 2 = keeping parameters gathered until backward)")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b", description="pipeline schedule; interleaved_1f1b puts 2 stages on each pipeline rank")
+    microbatches: int = Field(
+        1, ge=1, description="pipeline chunks each micro-batch is split into (pp > 1); 1f1b needs at least pp")
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer in backward")
+    cpu_offload: bool = Field(
+        False, description="keep sharded parameters, gradients and optimizer state in CPU memory "
+                           "(native: FSDP2 CPUOffloadPolicy; deepspeed: offload_optimizer, + offload_param at zero 3)")
+
+    @model_validator(mode="after")
+    def _backend_can_run(self) -> ParallelCfg:
+        from tunelab.train.parallel.validate import check_parallel
+
+        check_parallel(self)
+        return self
+
+
+def world_size(cfg: ParallelCfg) -> int:
+    """Processes a cell with this layout needs (the runner starts that many under torchrun)."""
+    return cfg.dp * cfg.tp * cfg.pp
 
 
 class TrainCfg(Section):
@@ -87,17 +160,45 @@ class TrainCfg(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_every: int = Field(1, gt=0)
     save_final: bool = Field(True, description="write final weights (or adapter) to final/")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="bf16 = autocast forward in bfloat16 (CPU or GPU); auto = bf16 on CUDA, else fp32")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    eval_every: int | None = Field(
+        None, gt=0, description="validation loss every N steps (eval.batch_size, eval.val_batches); null = off")
+    save_every: int | None = Field(
+        None, gt=0, description="checkpoint to checkpoints/step-N/ every N steps (and at the end); null = off")
+    keep_checkpoints: int = Field(1, gt=0, description="how many of the latest checkpoints to keep")
+    resume: bool = Field(True, description="a cell that finds a checkpoint resumes from the latest one")
 
 
 class EvalCfg(Section):
-    tasks: list[str] = Field(default_factory=lambda: ["val_loss", "humaneval"], description="tasks to score")
-    limit: int | None = Field(None, gt=0, description="examples per task; null = all")
+    suite: str | None = Field(None, description="a suite in evals/ (paper, quick, full) or a path to one: its keys "
+                              "are the defaults of this section; keys set here override them")
+    tasks: list[str] = Field(default_factory=lambda: ["val_loss", "humaneval"],
+                             description="tasks to score: val_loss, humaneval, mmlu, gsm8k, bbh, gsm8k_smoke, bbh_smoke")
+    limit: int | None = Field(None, gt=0, description="examples per task (per MMLU subject / BBH task); null = all")
+    limits: dict[str, int] = Field(default_factory=dict, description="per-task limit, overriding `limit`")
+    subtasks: dict[str, list[str]] = Field(default_factory=dict,
+                                           description="run only these MMLU subjects / BBH tasks, e.g. {mmlu: [anatomy]}")
+    data_dir: str | None = Field(None, description="local benchmark data (<dir>/<task>/<subset>/<split>.jsonl) "
+                                 "instead of the hub; $TUNELAB_EVAL_DATA sets it too")
     val_batches: int | None = Field(None, gt=0, description="validation batches for val_loss; null = all")
     batch_size: int = Field(8, gt=0)
-    max_new_tokens: int = Field(256, gt=0)
+    max_new_tokens: int | None = Field(None, gt=0, description="cap on generated tokens; null = each task's own "
+                                       "(HumanEval 256, GSM8K 256, BBH 1024)")
     n_samples: int = Field(1, gt=0, description="HumanEval samples per problem (pass@k)")
     temperature: float = Field(0.0, ge=0)
     timeout_s: float = Field(5.0, gt=0, description="wall-clock limit per generated program")
+    chat_template: bool = Field(False, description="wrap prompts in the tokenizer's chat template (the literature: no)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_suite(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not data.get("suite"):
+            return data
+        from tunelab.evals.suites import load_suite
+
+        return {**load_suite(data["suite"]), **data}
 
     @field_validator("tasks")
     @classmethod
@@ -108,6 +209,21 @@ class EvalCfg(Section):
         if unknown:
             raise ValueError(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
         return v
+
+    @field_validator("limits", "subtasks")
+    @classmethod
+    def _known_keys(cls, v: dict) -> dict:
+        from tunelab.evals.engine import TASKS
+
+        unknown = [t for t in v if t not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
+        if any(not isinstance(n, int) or n <= 0 for n in v.values() if not isinstance(n, list)):
+            raise ValueError("limits must be positive integers")
+        return v
+
+    def limit_for(self, task: str) -> int | None:
+        return self.limits.get(task, self.limit)
 
 
 class TrackingCfg(Section):
@@ -128,6 +244,17 @@ class CellConfig(Section):
     train: TrainCfg = TrainCfg()
     eval: EvalCfg = EvalCfg()
     tracking: TrackingCfg = TrackingCfg()
+
+    @model_validator(mode="after")
+    def _sections_fit_together(self):
+        """Checks across sections, so a combination that cannot train fails at `exp plan`, not after an hour."""
+        from tunelab.train import optim, peft
+        from tunelab.train.parallel import validate
+
+        optim.check_compatible(self)
+        peft.check_cell(self)
+        validate.check_cell(self)
+        return self
 
     def identity(self) -> dict[str, Any]:
         """What decides a cell's results: everything but where it is logged."""

@@ -143,7 +143,9 @@ def expand(spec: MatrixFile, path: Path) -> list[Cell]:
         try:
             config = CellConfig.model_validate(raw)
         except ValidationError as e:
-            raise explain(e, CellConfig, file=path, where=lambda loc, o=origins: _origin(loc, o)) from None
+            label = "cell " + ", ".join(f"{k}={v}" for k, v in picks.items()) if picks else "base"
+            raise explain(e, CellConfig, file=path,
+                          where=lambda loc, o=origins, lb=label: _origin(loc, o) if loc else lb) from None
         cid = cell_id(config)
         if cid not in seen:
             seen.add(cid)

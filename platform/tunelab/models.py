@@ -60,21 +60,49 @@ def resolve(name: str) -> str:
     return str(local) if local.is_dir() else name
 
 
-def load(cfg, device: torch.device | str = "cpu"):
-    """models.load(cfg.model) -> (model, tokenizer)."""
+def load(cfg, device: torch.device | str = "cpu", **from_pretrained):
+    """models.load(cfg.model, device) -> (model, tokenizer).
+
+    dtype auto: bfloat16 on a CUDA device that supports it, else float32. attn auto: flash_attention_2
+    when flash-attn is importable, the device is CUDA and the weights are 16-bit; sdpa otherwise.
+    Extra keyword arguments go to from_pretrained (a PEFT method's quantization_config, for instance).
+    """
+    import importlib.util
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tunelab.errors import UserError
+
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    dtype_name = cfg.dtype
+    if dtype_name == "auto":
+        dtype_name = "bfloat16" if cuda and torch.cuda.is_bf16_supported() else "float32"
+    dtype = getattr(torch, dtype_name)
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    attn = cfg.attn
+    if attn == "auto":
+        attn = "flash_attention_2" if cuda and has_flash and dtype in (torch.bfloat16, torch.float16) else "sdpa"
+    elif attn == "flash_attention_2" and not (cuda and has_flash):
+        raise UserError(f"flash_attention_2 needs a CUDA device and the flash-attn package (pip install "
+                        f"flash-attn); here the device is {device} and flash-attn is "
+                        f"{'installed' if has_flash else 'not installed'}. Use auto, sdpa or eager.",
+                        key="model.attn")
+    if "quantization_config" in from_pretrained:  # quantized weights are placed at load, never moved
+        from_pretrained.setdefault("device_map", {"": device})
     src = resolve(cfg.name)
     try:
         tok = AutoTokenizer.from_pretrained(src, revision=cfg.revision)
         model = AutoModelForCausalLM.from_pretrained(
-            src, revision=cfg.revision, dtype=getattr(torch, cfg.dtype), attn_implementation=cfg.attn
+            src, revision=cfg.revision, dtype=dtype, attn_implementation=attn, **from_pretrained
         )
     except OSError as e:  # transformers' message does not always say which model it was
         raise OSError(f"could not load model {cfg.name!r}: {e}") from e
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    return model.to(device), tok
+    if "device_map" not in from_pretrained:
+        model = model.to(device)
+    return model, tok
 
 
 def _atomic_folder(dest: Path, build: Callable[[Path], None]) -> Path:

@@ -49,8 +49,9 @@ def prepare(run_dir: Path, cell: Cell, matrix: str) -> None:
 
 
 def world_size(cell: Cell) -> int:
-    p = cell.config.parallel
-    return p.dp * p.tp * p.pp
+    from tunelab.config import world_size as processes
+
+    return processes(cell.config.parallel)
 
 
 def launch(run_dir: Path, on_event, command: list[str]) -> int:

@@ -2,6 +2,104 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Annotated
+
 import typer
+from rich.console import Console
+
+from tunelab.errors import UserError
 
 app = typer.Typer(no_args_is_help=True)
+out = Console()
+
+Recipe = Annotated[str, typer.Argument(help="recipe name in data_recipes/ or a path to a recipe YAML")]
+Model = Annotated[str, typer.Option("--model", "-m", help="model whose tokenizer is used: alias, folder or hub id")]
+MaxLength = Annotated[int, typer.Option(help="tokens per example (and per packed row)")]
+Template = Annotated[str | None, typer.Option(help="override the recipe's template: alpaca, chat, plain")]
+Truncation = Annotated[str, typer.Option(help="cut or drop examples longer than --max-length")]
+TrainOnPrompt = Annotated[bool, typer.Option(help="also train on prompt tokens")]
+Pack = Annotated[bool, typer.Option(help="pack training examples into rows of --max-length tokens")]
+NumProc = Annotated[int | None, typer.Option(help="tokenizer worker processes (default: by dataset size)")]
+CacheDir = Annotated[Path | None, typer.Option(help="cache root (default: $TUNELAB_CACHE or ~/.cache/tunelab)")]
+
+
+def data_cfg(**values):
+    from pydantic import ValidationError
+
+    from tunelab.config import DataCfg
+    from tunelab.errors import explain
+
+    try:
+        return DataCfg(**{k: v for k, v in values.items() if v is not None})
+    except ValidationError as e:
+        raise explain(e, DataCfg, file="command line", where=lambda loc: "--" + "-".join(map(str, loc))) from None
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    from tunelab.models import check_name, resolve
+
+    try:
+        check_name(name)
+    except ValueError as e:
+        raise UserError(str(e), key="--model") from None
+    tok = AutoTokenizer.from_pretrained(resolve(name))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _built(recipe, model, max_length, template, truncation, train_on_prompt, pack, num_proc, cache_dir):
+    from tunelab.data.build import build_info
+    from tunelab.models import cache_dir as default_cache
+
+    cfg = data_cfg(recipe=recipe, max_length=max_length, template=template, truncation=truncation,
+                   train_on_prompt=train_on_prompt, pack=pack)
+    return build_info(cfg, load_tokenizer(model), cache_dir or default_cache(), num_proc=num_proc)
+
+
+@app.command()
+def build(recipe: Recipe, model: Model, max_length: MaxLength = 512, template: Template = None,
+          truncation: Truncation = "cut", train_on_prompt: TrainOnPrompt = False, pack: Pack = False,
+          num_proc: NumProc = None, cache_dir: CacheDir = None) -> None:
+    """Build (or find in the cache) a recipe's tokenized train/validation sets for a model's tokenizer."""
+    b = _built(recipe, model, max_length, template, truncation, train_on_prompt, pack, num_proc, cache_dir)
+    how = "cached" if b.cached else f"built in {b.stats['build_seconds']:.1f} s"
+    rows = ", ".join(f"{name} {len(ds)} rows" for name, ds in b.datasets.items())
+    out.print(f"{recipe}: {rows} ({how})\n{b.path}")
+
+
+@app.command()
+def stats(recipe: Recipe, model: Model, max_length: MaxLength = 512, template: Template = None,
+          truncation: Truncation = "cut", train_on_prompt: TrainOnPrompt = False, pack: Pack = False,
+          num_proc: NumProc = None, cache_dir: CacheDir = None,
+          as_json: Annotated[bool, typer.Option("--json", help="print the stats as JSON")] = False) -> None:
+    """Counts per source, duplicates removed, token-length percentiles and the share truncated."""
+    s = _built(recipe, model, max_length, template, truncation, train_on_prompt, pack, num_proc, cache_dir).stats
+    if as_json:
+        out.print_json(json.dumps(s))
+        return
+    from tunelab.data.preview import stats_tables
+
+    for table in stats_tables(s):
+        out.print(table)
+
+
+@app.command()
+def preview(recipe: Recipe, n: Annotated[int, typer.Option("-n", help="examples to show")] = 5,
+            model: Annotated[str | None, typer.Option("--model", "-m", help="show tokens of this model's "
+                                                      "tokenizer; without it, text segments")] = None,
+            max_length: MaxLength = 512, template: Template = None, truncation: Truncation = "cut",
+            train_on_prompt: TrainOnPrompt = False) -> None:
+    """Render the first examples of a recipe; trained text is highlighted, masked text dimmed."""
+    from tunelab.data import preview as pv
+
+    cfg = data_cfg(recipe=recipe, max_length=max_length, template=template, truncation=truncation,
+                   train_on_prompt=train_on_prompt)
+    tok = load_tokenizer(model) if model else None
+    for panel in pv.panels(cfg, tok, n):
+        out.print(panel)
+    out.print(pv.legend())

@@ -1,44 +1,96 @@
-"""Recipe files (data_recipes/*.yaml): where examples come from and how they are rendered."""
+"""Recipe files (data_recipes/*.yaml): where examples come from, how they are read, cleaned and rendered.
+
+The schema is the reference documentation (docs/data.md walks through it).
+"""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tunelab.data.formats import FORMATS
 from tunelab.data.generators import GENERATORS
+from tunelab.data.sources import KINDS
 from tunelab.data.templates import TEMPLATES
 from tunelab.errors import UserError, explain, load_yaml
 from tunelab.paths import available, find_named
 
 
 class Source(BaseModel):
-    """One source: a built-in generator or a local JSON/JSONL file in the Alpaca schema."""
+    """One source of rows: a hub dataset, a local file or a built-in generator (exactly one)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    generator: str | None = Field(None, description="built-in generator name")
+    hub: str | None = Field(None, description="Hugging Face dataset id, e.g. tatsu-lab/alpaca")
+    config: str | None = Field(None, description="hub dataset configuration (subset) name")
+    split: str = Field("train", description="hub dataset split")
+    revision: str | None = Field(None, description="hub dataset revision (branch, tag or commit)")
+    path: str | None = Field(None, description="local .json, .jsonl, .parquet or .csv file, relative to the recipe")
+    generator: str | None = Field(None, description=f"built-in generator: {', '.join(GENERATORS)}")
     args: dict[str, Any] = Field(default_factory=dict, description="generator arguments")
-    path: str | None = Field(None, description="JSON or JSONL file, relative to the recipe")
-    limit: int | None = Field(None, gt=0, description="keep the first N rows")
+    format: str = Field("alpaca", description=f"row format: {', '.join(FORMATS)}")
+    fields: dict[str, str] = Field(
+        default_factory=dict, description="format field -> column of this source, e.g. {output: response}"
+    )
+    weight: float = Field(1.0, gt=0, description="share of the training mix: rows x weight (2 = twice, 0.5 = half)")
+    limit: int | None = Field(None, gt=0, description="read only the first N rows")
 
     @model_validator(mode="after")
     def _one_kind(self):
-        if (self.generator is None) == (self.path is None):
-            raise ValueError("a source has exactly one of 'generator' or 'path'")
+        given = [k for k in KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"a source has exactly one of {', '.join(map(repr, KINDS))} (got {given or 'none'})")
         if self.generator is not None and self.generator not in GENERATORS:
             raise ValueError(f"unknown generator {self.generator!r}; known: {', '.join(GENERATORS)}")
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown format {self.format!r}; known: {', '.join(FORMATS)}")
+        unknown = sorted(set(self.fields) - set(FORMATS[self.format].fields))
+        if unknown:
+            raise ValueError(f"fields {unknown} are not fields of format {self.format!r}; "
+                             f"its fields: {', '.join(FORMATS[self.format].fields)}")
         return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) is not None)
+
+    def label(self, index: int) -> str:
+        """How errors and stats name this source: its position and what it reads."""
+        return f"sources[{index}] ({self.kind}: {getattr(self, self.kind)})"
+
+
+class Filters(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    empty_response: bool = Field(True, description="drop rows whose assistant reply is blank (or missing)")
+    min_tokens: int | None = Field(None, ge=0, description="drop examples shorter than this (tokens, untruncated)")
+    max_tokens: int | None = Field(None, gt=0, description="drop examples longer than this (tokens, untruncated)")
+
+    @model_validator(mode="after")
+    def _order(self):
+        if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) is above max_tokens ({self.max_tokens})")
+        return self
+
+
+class Dedup(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    exact: bool = Field(True, description="drop rows whose normalized text (lowercase, collapsed spaces) repeats")
+    near: bool = Field(False, description="also drop near-duplicates found by MinHash LSH")
+    threshold: float = Field(0.8, gt=0, le=1, description="estimated Jaccard similarity that counts as duplicate")
+    num_perm: int = Field(128, ge=8, le=1024, description="MinHash permutations")
+    ngram: int = Field(5, ge=1, le=20, description="word n-gram size of the shingles")
 
 
 class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     description: str = ""
-    template: str = Field("alpaca", description=f"one of: {', '.join(TEMPLATES)}")
+    template: str = Field("alpaca", description=f"prompt template: {', '.join(TEMPLATES)}")
     sources: list[Source] = Field(min_length=1)
+    filters: Filters = Filters()
+    dedup: Dedup = Dedup()
     val_size: float = Field(0.05, gt=0, description="validation share (<1) or count (>=1)")
-    seed: int = Field(0, description="seed of the train/validation split")
+    seed: int = Field(0, description="seed of the train/validation split and of weighted sampling")
 
     @field_validator("template")
     @classmethod
@@ -57,7 +109,10 @@ def find_recipe(name: str) -> Path:
 
 
 def load_recipe(name: str) -> tuple[Recipe, Path]:
-    path = find_recipe(name)
+    try:
+        path = find_recipe(name)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     raw = load_yaml(path)
     if not isinstance(raw, dict):
         raise UserError("a recipe is a mapping with 'sources'", file=path)
@@ -65,32 +120,3 @@ def load_recipe(name: str) -> tuple[Recipe, Path]:
         return Recipe.model_validate(raw), path
     except ValidationError as e:
         raise explain(e, Recipe, file=path) from None
-
-
-REQUIRED = ("instruction", "output")
-
-
-def read_source(src: Source, recipe_path: Path, index: int) -> list[dict]:
-    if src.generator:
-        rows = GENERATORS[src.generator](**src.args)
-    else:
-        file = (recipe_path.parent / src.path).resolve()
-        if not file.is_file():
-            raise UserError(f"file {str(file)!r} does not exist", file=recipe_path, key=f"sources[{index}].path")
-        text = file.read_text()
-        rows = json.loads(text) if file.suffix == ".json" else [json.loads(x) for x in text.splitlines() if x.strip()]
-    rows = rows[: src.limit] if src.limit else rows
-    for i, row in enumerate(rows):
-        missing = [k for k in REQUIRED if not isinstance(row.get(k), str)]
-        if missing:
-            raise UserError(f"row {i} lacks string field(s) {missing}; the Alpaca schema is instruction, "
-                            f"input (optional), output", file=recipe_path, key=f"sources[{index}]")
-    return [{"instruction": r["instruction"], "input": r.get("input") or "", "output": r["output"]} for r in rows]
-
-
-def source_fingerprint(src: Source, recipe_path: Path) -> str:
-    """What a source's rows depend on, for the dataset cache key."""
-    if src.path:
-        file = (recipe_path.parent / src.path).resolve()
-        return f"{file}:{file.stat().st_size}:{file.stat().st_mtime_ns}" if file.exists() else str(file)
-    return src.model_dump_json()

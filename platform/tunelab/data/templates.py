@@ -1,4 +1,8 @@
-"""Prompt templates: a row in the Alpaca schema -> (prompt, response) strings."""
+"""Prompt templates: a conversation -> text segments, each marked trained (assistant) or masked (the rest).
+
+Segments are tokenized apart, so a label mask falls exactly on their boundaries. `eos` on a segment asks
+the tokenizer stage to append the tokenizer's EOS token after it (trained with the reply).
+"""
 
 from __future__ import annotations
 
@@ -16,38 +20,116 @@ ALPACA_NO_INPUT = (
     "Write a response that appropriately completes the request.\n\n"
     "### Instruction:\n{instruction}\n\n### Response:"
 )
+SECTIONS = "### Instruction:"  # where the preamble ends; the preamble never contains it
 
 
-def _alpaca(row: dict, tokenizer=None) -> tuple[str, str]:
-    fmt = ALPACA_INPUT if row.get("input") else ALPACA_NO_INPUT
-    return fmt.format(instruction=row["instruction"], input=row.get("input", "")), row["output"]
+class TemplateError(ValueError):
+    """The template cannot render this conversation, or renders it without the reply."""
 
 
-def _plain(row: dict, tokenizer=None) -> tuple[str, str]:
-    prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
-    return prompt + "\n", row["output"]
+@dataclass(frozen=True)
+class Segment:
+    text: str
+    trained: bool
+    eos: bool = False
 
 
-def _chat(row: dict, tokenizer=None) -> tuple[str, str]:
-    """The tokenizer's own chat template; the response is the assistant turn's content."""
+def _user_text(turn: dict) -> str:
+    return turn["content"] + (f"\n\n{turn['input']}" if turn.get("input") else "")
+
+
+def _split_system(conv: list[dict]) -> tuple[str | None, list[dict]]:
+    if conv and conv[0]["role"] == "system":
+        return conv[0]["content"], conv[1:]
+    return None, conv
+
+
+def _alpaca(conv: list[dict], tokenizer=None) -> list[Segment]:
+    """Stanford Alpaca's prompt for the first exchange (a system turn replaces its preamble); later
+    exchanges repeat the Instruction/Input/Response sections."""
+    system, turns = _split_system(conv)
+    out: list[Segment] = []
+    for turn in turns:
+        if turn["role"] == "assistant":
+            out.append(Segment(turn["content"], True, eos=True))
+            continue
+        if turn["role"] != "user":
+            raise TemplateError(f"the alpaca template has no place for a {turn['role']!r} turn after the start")
+        fmt = ALPACA_INPUT if turn.get("input") else ALPACA_NO_INPUT
+        text = fmt.format(instruction=turn["content"], input=turn.get("input", ""))
+        if out:  # a later exchange: sections only
+            text = "\n\n" + text[text.index(SECTIONS):]
+        elif system is not None:
+            text = system + "\n\n" + text[text.index(SECTIONS):]
+        out.append(Segment(text, False))
+    return out
+
+
+def _plain(conv: list[dict], tokenizer=None) -> list[Segment]:
+    """No markup: the user's text and a newline, then the reply and EOS."""
+    out = []
+    for turn in conv:
+        if turn["role"] == "assistant":
+            out.append(Segment(turn["content"], True, eos=True))
+        else:
+            out.append(Segment(_user_text(turn) + ("\n\n" if turn["role"] == "system" else "\n"), False))
+    return out
+
+
+def _chat(conv: list[dict], tokenizer=None) -> list[Segment]:
+    """The tokenizer's own chat template. Each assistant turn is the text the template adds when that turn
+    is appended to the conversation so far, so the template must render a conversation as a prefix of
+    any longer one (most do; templates that rewrite earlier turns are rejected). Turns end with the
+    template's own marker; EOS goes after the last one only, and only if the template did not write it."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the 'chat' template needs a tokenizer with a chat_template")
-    user = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
-    )
-    return prompt, row["output"]
+        raise TemplateError("the 'chat' template needs a tokenizer with a chat_template")
+    msgs = [{"role": t["role"], "content": _user_text(t) if t["role"] == "user" else t["content"]} for t in conv]
+    eos = tokenizer.eos_token
+    out, done = [], ""
+    try:
+        for i, turn in enumerate(msgs):
+            if turn["role"] != "assistant":
+                continue
+            prompt = tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
+            full = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False)
+            if not (prompt.startswith(done) and full.startswith(prompt)):
+                raise TemplateError("the tokenizer's chat template does not render a conversation as a prefix of "
+                                    "its continuation, so turn boundaries cannot be found")
+            out += [Segment(prompt[len(done):], False), Segment(full[len(prompt):], True)]
+            done = full
+        if out and eos and eos not in out[-1].text:  # the template ends turns with its own marker
+            out[-1] = Segment(out[-1].text, True, eos=True)
+    except TemplateError:
+        raise
+    except Exception as e:  # noqa: BLE001 - jinja errors raised by the template itself (e.g. role order)
+        raise TemplateError(f"the tokenizer's chat template failed: {type(e).__name__}: {e}") from None
+    return out
 
 
 @dataclass(frozen=True)
 class Template:
     name: str
-    fn: Callable[..., tuple[str, str]]
+    fn: Callable[..., list[Segment]]
+    add_special_tokens: bool  # prepend the tokenizer's BOS (chat templates write their own)
+
+    def segments(self, conv: list[dict], tokenizer=None) -> list[Segment]:
+        segs = self.fn(conv, tokenizer)
+        trained = "".join(s.text for s in segs if s.trained)
+        for turn in conv:
+            reply = turn["content"].strip()
+            if turn["role"] == "assistant" and reply and reply not in trained:
+                raise TemplateError(f"template {self.name!r} drops the response: the reply {reply[:60]!r} is not in "
+                                    f"the text it trains on")
+        return segs
 
     def render(self, row: dict, tokenizer=None) -> tuple[str, str]:
-        return self.fn(row, tokenizer)
+        """An Alpaca row -> (prompt, response) text, for callers that want plain strings."""
+        conv = [{"role": "user", "content": row["instruction"], "input": row.get("input", "")},
+                {"role": "assistant", "content": row["output"]}]
+        segs = self.segments(conv, tokenizer)
+        return "".join(s.text for s in segs if not s.trained), "".join(s.text for s in segs if s.trained)
 
 
 TEMPLATES: dict[str, Template] = {t.name: t for t in (
-    Template("alpaca", _alpaca), Template("plain", _plain), Template("chat", _chat)
+    Template("alpaca", _alpaca, True), Template("plain", _plain, True), Template("chat", _chat, False),
 )}

@@ -1,7 +1,65 @@
-"""`exp eval ...`: run an evaluation suite on any model, and fetch what can be had offline."""
+"""`exp eval ...`: run an evaluation suite on any model, and fetch what can be had offline.
+
+A typer group cannot take a positional MODEL and subcommands at once, hence `exp eval run MODEL`.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
 app = typer.Typer(no_args_is_help=True)
+
+
+@app.command("run")
+def run_cmd(
+    model: Annotated[str, typer.Argument(help="catalog alias, local folder (a cell's final/) or hub id")],
+    suite: Annotated[str, typer.Option(help="suite in evals/ (paper, quick, full) or a suite YAML")] = "quick",
+    out: Annotated[Path, typer.Option(help="folder for results.json and samples.jsonl")] = Path("eval-out"),
+    tasks: Annotated[str | None, typer.Option(help="comma-separated tasks, replacing the suite's")] = None,
+    limit: Annotated[int | None, typer.Option(help="examples per task (per subject), replacing the suite's")] = None,
+    data_dir: Annotated[str | None, typer.Option(help="local benchmark data instead of the hub")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="batch size, replacing the suite's")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
+) -> None:
+    """Evaluate MODEL on a suite; writes OUT/results.json and OUT/samples.jsonl."""
+    from pydantic import ValidationError
+    from rich.console import Console
+
+    from tunelab import evals, models
+    from tunelab.cell import device_for
+    from tunelab.config import EvalCfg, ModelCfg
+    from tunelab.errors import UserError, explain
+    from tunelab.report.leaderboard import fmt
+
+    raw = {"suite": suite, **{k: v for k, v in (("limit", limit), ("data_dir", data_dir), ("batch_size", batch_size))
+                              if v is not None}}
+    if tasks:
+        raw["tasks"] = [t.strip() for t in tasks.split(",") if t.strip()]
+    try:
+        model_cfg = ModelCfg(name=model)
+        cfg = EvalCfg.model_validate(raw)
+    except ValidationError as e:
+        where = lambda loc: "--" + (".".join(map(str, loc)) or "suite")  # noqa: E731
+        raise explain(e, EvalCfg, file="command line", where=where) from None
+    if device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device {device!r}: allowed are auto, cpu, cuda")
+    lm, tok = models.load(model_cfg, device_for(device))
+    result = evals.run(lm, tok, cfg, evals.Context(out_dir=out))
+    console = Console()
+    for name, r in result["tasks"].items():
+        shown = fmt(r.get("value")) if r.get("status", "ok") == "ok" else f"unavailable: {r.get('reason')}"
+        console.print(f"{name:12s} {r.get('metric', ''):28s} {shown}", highlight=False, soft_wrap=True)
+    console.print(f"wrote {out / 'results.json'}")
+
+
+@app.command("pull")
+def pull_cmd(
+    dest: Annotated[Path | None, typer.Option(help="target folder; default: $TUNELAB_CACHE/eval-data")] = None,
+) -> None:
+    """Put the benchmark data that needs no hub into the offline cache (HumanEval, MMLU, exemplars)."""
+    from tunelab.evals.pull import pull
+
+    pull(dest)

@@ -30,7 +30,12 @@ def collect(matrix_dir: Path) -> list[dict]:
                "status": read_status(d).get("state", "?")}
         for name, res in ((read_json(d / "eval" / "results.json") or {}).get("tasks") or {}).items():
             header = name if res.get("metric") in (None, "loss", name) else f"{name} {res['metric']}"
-            row[header] = res.get("value")
+            # A test set that could not be had shows as such, never as a blank or a 0; smoke stand-ins
+            # carry "_smoke" in their name, and subsets a "*" (see eval/results.json).
+            if res.get("status", "ok") != "ok":
+                row[header] = "unavailable"
+            else:
+                row[header] = f"{fmt(res.get('value'))}*" if res.get("subset") else res.get("value")
         summary = read_json(d / "train" / "summary.json") or {}
         row.update({col: summary.get(key) for key, col in TRAIN_COLUMNS.items() if key in summary})
         rows.append(row)

@@ -1,4 +1,13 @@
-"""Batches for the loop: pad to the longest row of the batch, labels padded with -100."""
+"""Batches for the loop.
+
+One example per row (the default): rows padded to the longest of the batch, a 2D attention mask.
+Packed rows (a dataset with `position_ids`, see tunelab/data/pack.py): several examples per row.
+transformers 5 only infers example boundaries from `position_ids` when no attention mask and no KV
+cache are given, and a causal LM builds a cache unless `use_cache=False` reaches it, which a batch of
+tensors cannot carry. So a packed batch brings its own 4D additive mask, block-diagonal and causal,
+which the sdpa and eager kernels apply as given. flash_attention_2 takes no 4D mask: there the batch
+is flattened into one row and the kernel's varlen path splits it where `position_ids` restart.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +15,8 @@ import torch
 from torch.utils.data import DataLoader
 
 IGNORE = -100
+# Finite, so that a float16/bfloat16 cast stays finite too and summing a mask cannot overflow to -inf.
+MASKED = -1e9
 
 
 def collate(pad_id: int):
@@ -24,10 +35,47 @@ def collate(pad_id: int):
     return fn
 
 
-def loader(ds, batch_size: int, pad_id: int, *, shuffle: bool, seed: int = 0) -> DataLoader:
+def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, L, L) additive mask: a token sees earlier tokens of its own example only.
+    An example starts where position_ids is 0."""
+    segment = (position_ids == 0).cumsum(dim=1)
+    same = segment[:, :, None] == segment[:, None, :]
+    causal = torch.ones(position_ids.shape[1], position_ids.shape[1], dtype=torch.bool).tril()
+    allowed = same & causal
+    return torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, MASKED)[:, None]
+
+
+def collate_packed(pad_id: int, varlen: bool = False):
+    """Padding gets position 0 at every token: each pad is a one-token example of its own, which
+    nothing else attends to and whose label is IGNORE."""
+
+    def fn(rows: list[dict]) -> dict[str, torch.Tensor]:
+        if varlen:  # one row, no padding: the flash-attention varlen path
+            cat = lambda key: torch.tensor([t for r in rows for t in r[key]], dtype=torch.long)[None]  # noqa: E731
+            return {"input_ids": cat("input_ids"), "labels": cat("labels"), "position_ids": cat("position_ids")}
+        width = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+        pos = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r["input_ids"])
+            ids[i, :n] = torch.tensor(r["input_ids"])
+            labels[i, :n] = torch.tensor(r["labels"])
+            pos[i, :n] = torch.tensor(r["position_ids"])
+        return {"input_ids": ids, "labels": labels, "position_ids": pos, "attention_mask": block_causal_mask(pos)}
+
+    return fn
+
+
+def is_packed(ds) -> bool:
+    return "position_ids" in (getattr(ds, "column_names", None) or [])
+
+
+def loader(ds, batch_size: int, pad_id: int, *, shuffle: bool, seed: int = 0, attn: str = "sdpa") -> DataLoader:
+    """`attn` is the model's attention implementation; it only matters for packed datasets."""
     g = torch.Generator().manual_seed(seed)
-    return DataLoader(ds.with_format(None), batch_size=batch_size, shuffle=shuffle, generator=g,
-                      collate_fn=collate(pad_id))
+    fn = collate_packed(pad_id, varlen=attn.startswith("flash")) if is_packed(ds) else collate(pad_id)
+    return DataLoader(ds.with_format(None), batch_size=batch_size, shuffle=shuffle, generator=g, collate_fn=fn)
 
 
 def forever(dl: DataLoader):
@@ -39,3 +87,15 @@ def forever(dl: DataLoader):
 def label_tokens(batch: dict) -> int:
     """Tokens that carry a loss after the causal shift."""
     return int((batch["labels"][:, 1:] != IGNORE).sum())
+
+
+def batch_tokens(batch: dict) -> int:
+    """Real (non-padding) tokens of a batch, whatever its layout. In packed batches a padding token is
+    a position-0 token followed by another position 0 (or the row's end); every real example has at
+    least two tokens (a prompt token and a reply token), so its start is followed by position 1."""
+    mask = batch.get("attention_mask")
+    if mask is not None and mask.dim() == 2:
+        return int(mask.sum())
+    pos = batch["position_ids"]
+    starts_real = (pos[:, :-1] == 0) & (pos[:, 1:] == 1)
+    return int((pos > 0).sum() + starts_real.sum())

@@ -1,18 +1,79 @@
-"""PEFT methods through the peft library: method name -> a function wrapping the model."""
+"""PEFT methods through the peft library: `peft.method` -> how to load the base model and wrap it.
+
+Defaults for which modules to adapt come from the model family (config.model_type); `peft.target_modules`
+overrides them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
-PEFT_METHODS: dict[str, Callable] = {}
+from tunelab.errors import UserError
 
 
-def register(name: str):
+@dataclass(frozen=True)
+class Family:
+    """Module names of one model family: what LoRA adapts by default, and IA3's targets."""
+
+    linear: tuple[str, ...]  # every projection but the output head, as the QLoRA paper adapts
+    ia3: tuple[str, ...]  # keys, values and the feed-forward output, as the IA3 paper scales
+    ia3_feedforward: tuple[str, ...]
+
+
+_LLAMA_LIKE = Family(
+    linear=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    ia3=("k_proj", "v_proj", "down_proj"),
+    ia3_feedforward=("down_proj",),
+)
+FAMILIES: dict[str, Family] = {name: _LLAMA_LIKE for name in
+                               ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2")}
+
+
+@dataclass(frozen=True)
+class Method:
+    wrap: Callable  # (model, PeftCfg) -> model
+    load_kwargs: Callable = lambda cfg, device: {}  # extra from_pretrained arguments (quantization)
+    needs_cuda: bool = False
+
+
+PEFT_METHODS: dict[str, Method] = {}
+
+
+def register(name: str, **kw):
     def deco(fn: Callable) -> Callable:
-        PEFT_METHODS[name] = fn
+        PEFT_METHODS[name] = Method(wrap=fn, **kw)
         return fn
 
     return deco
+
+
+def family(model) -> Family | None:
+    return FAMILIES.get(getattr(model.config, "model_type", ""))
+
+
+def _targets(model, cfg):
+    if cfg.target_modules is not None:
+        return list(cfg.target_modules)
+    fam = family(model)
+    # peft's "all-linear" finds every linear layer but the output head: a safe default for unknown families.
+    return list(fam.linear) if fam else "all-linear"
+
+
+def _get_peft_model(model, config):
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:  # e.g. a target module the model does not have
+        raise UserError(f"peft could not wrap the model: {e}", key="peft") from None
+
+
+def _lora_config(model, cfg, **extra):
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=_targets(model, cfg),
+                      task_type="CAUSAL_LM", **extra)
 
 
 @register("none")
@@ -22,23 +83,113 @@ def _full(model, cfg):
 
 @register("lora")
 def _lora(model, cfg):
-    from peft import LoraConfig, get_peft_model
+    return _get_peft_model(model, _lora_config(model, cfg))
 
-    # target_modules=None lets peft pick its per-family default (q_proj, v_proj for Llama).
-    lora = LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                      target_modules=cfg.target_modules, task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
+
+@register("dora")
+def _dora(model, cfg):
+    return _get_peft_model(model, _lora_config(model, cfg, use_dora=True))
+
+
+@register("ia3")
+def _ia3(model, cfg):
+    from peft import IA3Config
+
+    fam = family(model)
+    targets = cfg.target_modules or (list(fam.ia3) if fam else None)
+    ff = cfg.feedforward_modules or (list(fam.ia3_feedforward) if fam and not cfg.target_modules else None)
+    if targets is not None and ff is None:
+        ff = []  # peft requires feedforward_modules to be a subset of target_modules; none is a valid subset
+    return _get_peft_model(model, IA3Config(target_modules=targets, feedforward_modules=ff, task_type="CAUSAL_LM"))
+
+
+@register("prefix")
+def _prefix(model, cfg):
+    from peft import PrefixTuningConfig
+
+    return _get_peft_model(model, PrefixTuningConfig(num_virtual_tokens=cfg.num_virtual_tokens,
+                                                     prefix_projection=cfg.prefix_projection,
+                                                     task_type="CAUSAL_LM"))
+
+
+@register("prompt")
+def _prompt(model, cfg):
+    from peft import PromptTuningConfig
+
+    return _get_peft_model(model, PromptTuningConfig(num_virtual_tokens=cfg.num_virtual_tokens,
+                                                     task_type="CAUSAL_LM"))
+
+
+@register("p_tuning")
+def _p_tuning(model, cfg):
+    from peft import PromptEncoderConfig
+
+    hidden = cfg.encoder_hidden_size or model.config.hidden_size
+    return _get_peft_model(model, PromptEncoderConfig(num_virtual_tokens=cfg.num_virtual_tokens,
+                                                      encoder_hidden_size=hidden, task_type="CAUSAL_LM"))
+
+
+def _qlora_load(cfg, device) -> dict:
+    import importlib.util
+
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if torch.device(device).type != "cuda":
+        raise UserError(f"qlora loads the base model in 4 bits with bitsandbytes, which needs a CUDA device; "
+                        f"this cell trains on {device}. Set train.device to cuda (or auto on a GPU machine), "
+                        "or use peft.method lora.", key="peft.method")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError("qlora needs the bitsandbytes package: pip install bitsandbytes", key="peft.method")
+    return {"quantization_config": BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=cfg.quant_type, bnb_4bit_use_double_quant=cfg.double_quant,
+        bnb_4bit_compute_dtype=torch.bfloat16)}
+
+
+@register("qlora", load_kwargs=_qlora_load, needs_cuda=True)
+def _qlora(model, cfg):
+    from peft import prepare_model_for_kbit_training
+
+    # The loop turns on gradient checkpointing itself when train.gradient_checkpointing says so.
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return _get_peft_model(model, _lora_config(model, cfg))
+
+
+def check_method(name: str) -> None:
+    """Config-time check (ValueError): a method that needs CUDA on a machine without it."""
+    if PEFT_METHODS[name].needs_cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name} quantizes the base model to 4 bits with bitsandbytes, which needs a "
+                             "CUDA device, and this machine has none; use lora or dora here, or plan and run "
+                             "the cell on a GPU machine")
+
+
+def check_cell(cfg) -> None:
+    """Cross-section check for CellConfig (ValueError): a CUDA-only method with train.device cpu."""
+    if PEFT_METHODS[cfg.peft.method].needs_cuda and cfg.train.device == "cpu":
+        raise ValueError(f"peft.method {cfg.peft.method} needs a CUDA device, but train.device is cpu")
+
+
+def load_kwargs(cfg, device) -> dict:
+    """Extra `from_pretrained` arguments the method needs (4-bit quantization for qlora)."""
+    return PEFT_METHODS[cfg.method].load_kwargs(cfg, device)
 
 
 def apply(model, cfg):
-    return PEFT_METHODS[cfg.method](model, cfg)
+    return PEFT_METHODS[cfg.method].wrap(model, cfg)
 
 
 def for_eval(model):
-    """A model ready for generation: adapters merged into the weights where peft can merge them."""
-    if hasattr(model, "merge_and_unload"):
-        try:
-            return model.merge_and_unload()
-        except (AttributeError, NotImplementedError, ValueError):
-            return model
-    return model
+    """A model ready for generation: adapters merged into the weights where the method allows it.
+
+    Prompt-learning methods (prefix, prompt, p_tuning) cannot merge and generate through the PeftModel;
+    4-bit bases keep their adapters unmerged, since merging would re-round the weights.
+    """
+    cfg = getattr(model, "active_peft_config", None)
+    if cfg is None or cfg.is_prompt_learning or getattr(model, "is_loaded_in_4bit", False):
+        return model
+    if getattr(model.base_model.model, "is_loaded_in_4bit", False):
+        return model
+    return model.merge_and_unload()

@@ -1,0 +1,151 @@
+"""Peak memory of one training step of a ~100M-parameter Llama, per optimizer, each in a fresh process.
+
+    python benchmarks/optimizer_memory.py [--seq 64] [--only adamw,lomo]
+
+Each method runs in its own subprocess: random-init Llama (fp32, CPU), one batch of 1 x --seq tokens,
+one full training step as tunelab's loop does it (forward, backward, clip to norm 1.0, step; or the fused
+step for LOMO/AdaLomo, which clip inside their two backward passes). Measured: the process's peak RSS
+(getrusage ru_maxrss) for the whole run, and that peak minus the RSS right after the model was built
+(what training added). The ratios to AdamW are printed with the issue's goals.
+
+Peak RSS also depends on glibc's allocator history: its mmap threshold grows each time a large block is
+freed, after which blocks of that size come from the heap and may stay resident after free. Update-in-
+backward optimizers free many parameter-sized blocks mid-backward, so their peak varies by tens of MB
+with the order of frees. Every method is therefore measured twice: with the default allocator, and with
+the threshold pinned (MALLOC_MMAP_THRESHOLD_=65536), which measures the tensors rather than that history.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+
+METHODS = {  # name -> what it is, for the table
+    "adamw": "torch AdamW",
+    "lion": "tunelab Lion",
+    "adan": "tunelab Adan",
+    "sophiag": "tunelab SophiaG (Hessian refresh in the step)",
+    "lomo": "tunelab LOMO",
+    "adalomo": "tunelab AdaLomo",
+    "lora": "LoRA r=8 (q,v) + AdamW",
+    "lomo-optim": "lomo-optim Lomo (official)",
+}
+ALLOCATORS = {"default": {}, "pinned": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def one(method: str, seq: int) -> dict:
+    """Runs in the child process: build, one step, report."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tunelab.config import OptimCfg
+    from tunelab.train import optim
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=1700, num_hidden_layers=12,
+                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048,
+                         tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    after_model = rss_mb()
+    ids = torch.randint(0, config.vocab_size, (1, seq))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+
+    if method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                 task_type="CAUSAL_LM"))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    if method == "lomo-optim":
+        from lomo_optim import Lomo
+
+        opt = Lomo(model, lr=1e-3, clip_grad_norm=1.0)
+        loss = model(**batch).loss
+        opt.grad_norm(loss)
+        opt.fused_backward(loss, 1e-3)
+        loss = float(loss)
+    else:
+        name = "adamw" if method == "lora" else method
+        kwargs = {"hessian_interval": 1} if name == "sophiag" else {}
+        opt = optim.build(params, OptimCfg(name=name, lr=1e-3, kwargs=kwargs), max_grad_norm=1.0)
+        if hasattr(opt, "fused_step"):
+            loss, _ = opt.fused_step(lambda: model(**batch).loss)
+        else:
+            out = model(**batch).loss
+            out.backward()
+            loss = float(out)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if hasattr(opt, "after_step"):
+            opt.after_step(step=1, model=model, batch=batch)
+    peak = peak_rss_mb()
+    return {"method": method, "params": total, "trainable": sum(p.numel() for p in params), "loss": loss,
+            "peak_mb": peak, "after_model_mb": after_model, "added_mb": peak - after_model}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--only", default=",".join(METHODS), help="comma-separated methods")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one, args.seq)))
+        return
+
+    for allocator, extra in ALLOCATORS.items():
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), **extra}
+        rows = []
+        for method in args.only.split(","):
+            out = subprocess.run([sys.executable, __file__, "--one", method, "--seq", str(args.seq)],
+                                 check=False, capture_output=True, text=True, env=env)
+            if out.returncode:
+                sys.exit(f"{method} failed:\n{out.stderr[-3000:]}")
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"measured {method} ({allocator} allocator)", file=sys.stderr)
+        report(rows, allocator, args.seq)
+
+
+def report(rows: list[dict], allocator: str, seq: int) -> None:
+    base = next((r for r in rows if r["method"] == "adamw"), rows[0])
+    print(f"\n### {allocator} allocator\n\nLlama {rows[0]['params'] / 1e6:.1f}M parameters, fp32, CPU, "
+          f"batch 1 x {seq} tokens, one training step per fresh process\n")
+    print(f"| method | what | trainable | peak RSS MB | x {base['method']} | added MB | x {base['method']} |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['method']} | {METHODS[r['method']]} | {r['trainable'] / 1e6:.2f}M | {r['peak_mb']:,.0f} | "
+              f"{r['peak_mb'] / base['peak_mb']:.2f} | {r['added_mb']:,.0f} | "
+              f"{r['added_mb'] / base['added_mb']:.2f} |")
+    by = {r["method"]: r for r in rows}
+    if "adamw" in by:
+        print()
+        for m in ("lomo", "adalomo"):
+            if m in by:
+                ratio = by[m]["peak_mb"] / by["adamw"]["peak_mb"]
+                line = f"- {m}: peak {ratio:.2f}x AdamW's (goal <= 0.45x: {'met' if ratio <= 0.45 else 'NOT met'})"
+                if "lomo-optim" in by:
+                    diff = by[m]["peak_mb"] - by["lomo-optim"]["peak_mb"]
+                    verdict = "met" if diff <= 0 else "equal within 1 MB" if diff <= 1 else "NOT met"
+                    line += f"; {diff:+.1f} MB against lomo-optim Lomo's peak (goal: no worse: {verdict})"
+                print(line)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Update-in-backward machinery shared by LOMO and AdaLomo.
+
+Each trainable parameter gets a post-accumulate-grad hook. The moment autograd has finished that
+parameter's gradient, the hook applies the subclass's update and drops the gradient, so at no time do
+the gradients of the whole model exist together (the saving LOMO is about). Global gradient-norm
+clipping needs the norm before the first update, hence the papers' two backward passes over one graph:
+the first only measures, the second updates with the clip coefficient.
+
+The training loop calls `fused_step(closure)` instead of backward + clip + step.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+
+import torch
+
+Closure = Callable[[], torch.Tensor]
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base class: subclasses implement `_update(p, grad_fp32, group)` for one parameter."""
+
+    def __init__(self, params, defaults: dict, clip_grad_norm: float | None, clip_grad_value: float | None):
+        if clip_grad_norm is not None and clip_grad_norm <= 0:
+            raise ValueError(f"clip_grad_norm must be positive or None, got {clip_grad_norm}")
+        if clip_grad_value is not None and clip_grad_value <= 0:
+            raise ValueError(f"clip_grad_value must be positive or None, got {clip_grad_value}")
+        super().__init__(params, defaults)
+        self.clip_grad_norm = clip_grad_norm
+        self.clip_grad_value = clip_grad_value
+        self.last_grad_norm = math.nan
+        self._mode: str | None = None  # None outside fused_step: a stray backward leaves grads alone
+        self._sq_norm: torch.Tensor | None = None  # running sum of squared gradient norms, one 0-d tensor
+        self._clip_coef: torch.Tensor | None = None
+        self._done: set[int] = set()
+        self._group_of: dict[int, dict] = {}
+        # A weak reference: the hooks live on the parameters and must not keep the optimizer alive.
+        ref = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            opt = ref()
+            if opt is not None:
+                opt._on_grad(p)
+
+        self._handles = [p.register_post_accumulate_grad_hook(hook)
+                         for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # --- the hook -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self._mode is None:
+            return
+        if id(p) in self._done:
+            # Autograd finished this parameter's gradient twice in one pass (reentrant activation
+            # checkpointing around a shared weight): updating on a partial gradient would be wrong.
+            raise RuntimeError("a parameter's gradient was completed twice in one backward pass; with "
+                               "LOMO/AdaLomo use non-reentrant gradient checkpointing")
+        self._done.add(id(p))
+        grad = p.grad.to(torch.float32)  # no copy when the weights are fp32
+        p.grad = None
+        # Summed into one tensor (no host sync on GPU); a list of per-parameter 0-d tensors would scatter
+        # small long-lived blocks across the heap and keep freed gradient memory resident.
+        norm = torch.linalg.vector_norm(grad)
+        if self._sq_norm is None:
+            self._sq_norm = norm.square()
+        else:
+            self._sq_norm.addcmul_(norm, norm)
+        del norm
+        if self._mode == "norm":
+            return
+        if self.clip_grad_value is not None:
+            grad.clamp_(-self.clip_grad_value, self.clip_grad_value)
+        if self._clip_coef is not None:
+            grad.mul_(self._clip_coef)
+        self._update(p, grad, self._group_of[id(p)])
+
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
+        raise NotImplementedError
+
+    # --- one training step ----------------------------------------------------------------------
+    def _backward(self, loss: torch.Tensor, mode: str, retain_graph: bool) -> torch.Tensor:
+        self._mode, self._sq_norm, self._done = mode, None, set()
+        try:
+            loss.backward(retain_graph=retain_graph)
+        finally:
+            self._mode = None
+        if self._sq_norm is None:
+            return torch.tensor(math.nan)
+        return self._sq_norm.sqrt()
+
+    def step(self, closure: Closure | None = None) -> torch.Tensor:
+        """Forward (the closure), then backward pass(es) that update every parameter on the way."""
+        if closure is None:
+            raise RuntimeError(f"{type(self).__name__} updates inside backward: call fused_step(closure) "
+                               "or step(closure) with a closure returning the loss")
+        self.zero_grad(set_to_none=True)  # stale gradients would leak into the first hook
+        # Rebuilt every step: load_state_dict replaces the group dicts.
+        self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        with torch.enable_grad():
+            loss = closure()
+        self._clip_coef = None
+        if self.clip_grad_norm is not None:
+            total = self._backward(loss, "norm", retain_graph=True)
+            self._clip_coef = torch.clamp(self.clip_grad_norm / (total + 1e-6), max=1.0)
+            self._backward(loss, "update", retain_graph=False)
+        else:
+            total = self._backward(loss, "update", retain_graph=False)
+        self.last_grad_norm = float(total)  # the norm before clipping, as clip_grad_norm_ reports it
+        return loss
+
+    def fused_step(self, closure: Closure) -> tuple[float, float]:
+        """The training loop's entry point: (loss, global gradient norm before clipping)."""
+        loss = self.step(closure)  # through step(), so LR schedulers see that the optimizer stepped
+        return float(loss.detach()), self.last_grad_norm

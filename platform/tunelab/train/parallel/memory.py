@@ -1,0 +1,194 @@
+"""A per-device memory model of training a decoder under a layout, from the model's config alone.
+
+bytes = parameters + optimizer state + max(gradients, activations): the peak of a step comes either
+at the start of backward (all activations alive, no gradients yet) or at its end (all gradients,
+activations freed). Counted as transformers' Llama-family modules keep them for backward (SDPA
+attention: nothing quadratic in the sequence):
+  per layer and token: 6h replicated under tp (two RMSNorms' input and output, the two blocks'
+  inputs) + 3h + 2kv + 4i split under tp (query, attention output and its copy, key, value;
+  gate, SiLU, up, product); plus 3h + 3v per token at the head (final norm, logits, the shifted
+  copy, log-softmax). Checked against measured peaks in tests/test_parallel_memory.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+GB = 1e9
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Optimizer state per trainable parameter, in fp32 values; "factored" keeps a row and a column
+# vector per matrix (Adafactor-style), ~0 per parameter.
+OPTIM_STATES: dict[str, float | str] = {
+    "adamw": 2, "adam": 2, "lion": 1, "adan": 3, "sophia": 2, "sgd": 0, "adafactor": "factored",
+    "lomo": 0, "adalomo": "factored",
+}
+FUSED = {"lomo", "adalomo"}  # update inside backward: one parameter's gradient at a time
+
+
+@dataclass(frozen=True)
+class Shape:
+    vocab: int
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_matrices(self) -> list[tuple[int, int]]:
+        h, q = self.hidden, self.heads * self.head_dim
+        return [(q, h), (self.kv, h), (self.kv, h), (h, q), (self.inter, h), (self.inter, h), (h, self.inter)]
+
+    def layer_params(self) -> int:
+        return sum(a * b for a, b in self.layer_matrices()) + 2 * self.hidden
+
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden
+
+    def total(self) -> int:
+        head = 0 if self.tied else self.embed_params()
+        return self.embed_params() + head + self.layers * self.layer_params() + self.hidden
+
+
+def shape_of(config) -> Shape:
+    heads = config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return Shape(vocab=config.vocab_size, hidden=config.hidden_size, inter=config.intermediate_size,
+                 layers=config.num_hidden_layers, heads=heads,
+                 kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=hd,
+                 tied=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def _llama(h: int, i: int, layers: int, heads: int) -> Shape:
+    return Shape(vocab=32000, hidden=h, inter=i, layers=layers, heads=heads, kv_heads=heads, head_dim=h // heads,
+                 tied=False)
+
+
+# The LLaMA-1 shapes of CoLLiE's memory figure, usable offline by name.
+SHAPES = {"llama-7b": _llama(4096, 11008, 32, 32), "llama-13b": _llama(5120, 13824, 40, 40),
+          "llama-30b": _llama(6656, 17920, 60, 52), "llama-65b": _llama(8192, 22016, 80, 64)}
+
+
+def load_shape(name: str) -> Shape:
+    """A SHAPES name, a catalog alias, a local folder or a hub id; reads only the config."""
+    if name in SHAPES:
+        return SHAPES[name]
+    from transformers import AutoConfig
+
+    from tunelab.models import resolve
+
+    return shape_of(AutoConfig.from_pretrained(resolve(name)))
+
+
+@dataclass(frozen=True)
+class Setup:
+    optim: str = "adamw"
+    peft: str = "none"
+    lora_r: int = 8
+    lora_targets: tuple[str, ...] = ("q", "v")
+    dtype: str = "bfloat16"
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 3
+    seq: int = 2048
+    batch: int = 1
+    microbatches: int = 1
+    pp_schedule: str = "1f1b"
+    activation_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class Estimate:
+    params: float  # bytes per device
+    grads: float
+    optimizer: float
+    activations: float
+    trainable: int
+    total_params: int
+
+    @property
+    def peak(self) -> float:
+        return self.params + self.optimizer + max(self.grads, self.activations)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "peak": self.peak}
+
+
+def _lora_params(shape: Shape, s: Setup) -> tuple[int, list[tuple[int, int]]]:
+    pick = {"q": 0, "k": 1, "v": 2, "o": 3, "gate": 4, "up": 5, "down": 6}
+    mats = [shape.layer_matrices()[pick[t]] for t in s.lora_targets]
+    return shape.layers * sum(s.lora_r * (a + b) for a, b in mats), [(s.lora_r, b) for a, b in mats]
+
+
+def _stage_params(shape: Shape, s: Setup) -> float:
+    """Parameters on the fullest pipeline stage's tensor-parallel rank (embedding and lm_head are
+    replicated under tp; with pp the first stage has the embedding, the last lm_head)."""
+    per_layer = (shape.layer_params() - 2 * shape.hidden) / s.tp + 2 * shape.hidden
+    if s.pp == 1:
+        ends = shape.embed_params() * (1 if shape.tied else 2) + shape.hidden
+    else:
+        ends = shape.embed_params() + shape.hidden
+    return shape.layers / s.pp * per_layer + ends
+
+
+def estimate(shape: Shape, s: Setup) -> Estimate:
+    b = DTYPE_BYTES[s.dtype]
+    stage = _stage_params(shape, s)
+    if s.peft == "lora":
+        trainable, matrices = _lora_params(shape, s)
+        trainable_here = trainable / s.pp
+        params = (stage + trainable_here) * b
+    else:
+        trainable, matrices = shape.total(), shape.layer_matrices()
+        trainable_here = stage
+        params = stage * b
+    params /= s.dp if s.zero >= 3 else 1
+    if s.optim in FUSED:  # one gradient at a time, plus the fp32 copy its update works on
+        grads = max(a * c for a, c in matrices) / s.tp * (b + 4)
+    else:
+        grads = trainable_here * b / (s.dp if s.zero >= 2 else 1)
+    states = OPTIM_STATES.get(s.optim, 2)
+    if states == "factored":
+        opt_values = shape.layers / s.pp * sum(a + c for a, c in matrices) / s.tp
+    else:
+        opt_values = states * trainable_here
+    # Mixed precision keeps an fp32 master copy of the trainable weights (fused optimizers update in place).
+    master = trainable_here if s.dtype != "float32" and s.optim not in FUSED else 0
+    optimizer = (opt_values + master) * 4 / s.dp  # FSDP2 and every ZeRO stage shard optimizer state
+    return Estimate(params=params, grads=grads, optimizer=optimizer, activations=_activations(shape, s) * b,
+                    trainable=int(trainable), total_params=shape.total())
+
+
+def _activations(shape: Shape, s: Setup) -> float:
+    h, kv, i, v = shape.hidden, shape.kv, shape.inter, shape.vocab
+    rows = s.batch / s.dp
+    if s.pp > 1:  # the first stage holds the most micro-batches in flight
+        in_flight = s.microbatches if s.pp_schedule == "gpipe" else min(s.pp, s.microbatches)
+        rows = rows * in_flight / s.microbatches
+    tokens = rows * s.seq
+    per_layer = 6 * h + (3 * h + 2 * kv + 4 * i) / s.tp
+    layers = shape.layers / s.pp
+    body = tokens * (layers * h + per_layer) if s.activation_checkpointing else tokens * layers * per_layer
+    head = tokens * (3 * h + 3 * v)
+    return body + head
+
+
+def devices_needed(shape: Shape, s: Setup, device_gb: float, max_devices: int = 4096) -> int | None:
+    """Fewest devices (growing dp, the given tp and pp) whose per-device peak fits; None if none does."""
+    n = s.tp * s.pp
+    dp = 1
+    while dp * n <= max_devices:
+        if estimate(shape, _with(s, dp=dp)).peak <= device_gb * GB:
+            return dp * n
+        dp *= 2
+    return None
+
+
+def _with(s: Setup, **kw) -> Setup:
+    return Setup(**{**asdict(s), **kw})

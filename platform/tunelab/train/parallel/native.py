@@ -1,0 +1,170 @@
+"""The PyTorch-native engine, as torchtitan builds it: tensor parallel inside a stage, pipeline
+stages across `pp`, FSDP2 across `dp`. With one process it is a plain training step."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from tunelab.train.parallel import grads, stages, tp
+from tunelab.train.parallel.anatomy import anatomy, causal_lm
+from tunelab.train.parallel.layout import Layout
+from tunelab.train.parallel.pipeline import Pipeline
+from tunelab.train.parallel.stepper import Stepper, label_tokens, rows_for, skeleton
+
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
+
+
+def _shard(module: nn.Module, layer_paths: list[str], mesh, pcfg) -> None:
+    """FSDP2: each decoder layer its own unit (gathered one at a time), then the rest at the root."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    kw = {"mesh": mesh, "reshard_after_forward": pcfg.zero == 3,
+          "offload_policy": CPUOffloadPolicy() if pcfg.cpu_offload else OffloadPolicy()}
+    units = [module.get_submodule(p) for p in layer_paths if _has(module, p)]
+    for unit in units:
+        fully_shard(unit, **kw)
+    fully_shard(module, **kw)
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+class NativeStepper(Stepper):
+    def __init__(self, model: nn.Module, optim_builder, cell, layout: Layout):
+        self.layout, self.cell = layout, cell
+        pcfg = cell.parallel
+        self.max_norm = cell.train.max_grad_norm
+        self._skeleton = skeleton(model) if layout.distributed else None
+        self._model = model
+        if pcfg.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        a = anatomy(model) if layout.tp > 1 or layout.pp > 1 else None
+        self.pipeline = None
+        if layout.pp > 1:
+            v = STAGES_PER_RANK[pcfg.pp_schedule]
+            ids = [layout.coord("pp") + k * layout.pp for k in range(v)]
+            self.modules: list[nn.Module] = stages.build(model, a, ids, layout.pp * v)
+        else:
+            self.modules = [model]
+        if layout.tp > 1:
+            decoder = a.layers[0].rsplit(".layers.", 1)[0]
+            for m in self.modules:
+                tp.apply(m, decoder, a.config, layout.mesh["tp"])
+        # Each micro-batch loss is already a share of the whole step's (all ranks') token sum, so
+        # the ranks' gradients must add up; FSDP2 averages them, so backward runs on loss x dp.
+        # (Its divide factor could say the same, but gloo cannot do the pre-multiplied sum.)
+        self.grad_scale = 1
+        if layout.dp > 1 or pcfg.cpu_offload:
+            self.grad_scale = layout.dp
+            mesh = layout.mesh["dp"] if layout.distributed else None
+            layer_paths = a.layers if a else anatomy(model).layers
+            for m in self.modules:
+                _shard(m, layer_paths, mesh, pcfg)
+        if layout.pp > 1:
+            lm = causal_lm(model)
+            self.pipeline = Pipeline(self.modules, ids, layout, pcfg, lm.loss_function, lm.config.vocab_size,
+                                     self.grad_scale)
+        seen: set[int] = set()
+        self.params = [p for m in self.modules for p in m.parameters()
+                       if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
+        self.optimizer = optim_builder(self.params)
+
+    # -- training -------------------------------------------------------------------------
+    def train_step(self, micro_batches, n_items):
+        for m in self.modules:
+            m.train()
+        if hasattr(self.optimizer, "fused_step"):
+            return self._fused_step(micro_batches, n_items)
+        total = 0.0
+        for mb in micro_batches:
+            b = rows_for(mb, self.layout)
+            if self.pipeline:
+                total += self.pipeline.step(b, n_items)
+            else:
+                n = torch.tensor(n_items, device=self.layout.device)
+                loss = self._model(**b, num_items_in_batch=n).loss
+                (loss * self.grad_scale).backward()
+                total += float(loss.detach())
+        gs = [p.grad for p in self.params if p.grad is not None]
+        pp_group = self.layout.group("pp") if self.layout.pp > 1 else None
+        norm = grads.clip_(gs, self.max_norm, pp_group, self.layout.device)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._sum(total, "dp", "pp"), norm
+
+    def _fused_step(self, micro_batches, n_items):
+        """LOMO/AdaLomo update inside backward: one graph over all micro-batches, run by the optimizer."""
+        n = torch.tensor(n_items, device=self.layout.device)
+
+        def closure():
+            losses = [self._model(**rows_for(mb, self.layout), num_items_in_batch=n).loss for mb in micro_batches]
+            return torch.stack(losses).sum() * self.grad_scale
+
+        loss, norm = self.optimizer.fused_step(closure)
+        return self._sum(loss / self.grad_scale, "dp"), norm
+
+    @torch.no_grad()
+    def eval_loss(self, batch):
+        for m in self.modules:
+            m.eval()
+        b = {k: v.to(self.layout.device) for k, v in batch.items()}
+        if self.pipeline:
+            loss = self._sum(self.pipeline.eval(b), "pp")
+        else:
+            loss = float(self._model(**b, num_items_in_batch=torch.tensor(1, device=self.layout.device)).loss)
+        for m in self.modules:
+            m.train()
+        return loss, label_tokens(batch)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def _view(self) -> nn.Module:
+        """One module holding all of this rank's parameters under their original names."""
+        if len(self.modules) == 1:
+            return self.modules[0]
+        view = nn.Module()
+        for m in self.modules:
+            for path in m.paths:
+                if not _has(view, path):
+                    stages._graft(view, path, m.get_submodule(path))
+        return view
+
+    def state_dict(self):
+        msd, osd = get_state_dict(self._view(), self.optimizer)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, state):
+        set_state_dict(self._view(), self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+    def unwrap(self):
+        if not self.layout.distributed:
+            return self._model
+        full = {}
+        for m in self.modules:
+            sd = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+            full.update({k: v.detach().cpu() for k, v in sd.items()})
+        if self.layout.pp > 1:
+            keep = self.layout.coord("dp") == 0 and self.layout.coord("tp") == 0
+            parts = [None] * self.layout.pp if self.layout.coord("pp") == 0 else None
+            dist.gather_object(full if keep else None, parts, group=self.layout.group("pp"), group_dst=0)
+            full = {k: v for part in (parts or []) if part for k, v in part.items()}
+        if not self.layout.is_main:
+            return None
+        model = self._skeleton
+        model.load_state_dict(full, strict=True, assign=True)
+        if getattr(causal_lm(model).config, "tie_word_embeddings", False):
+            causal_lm(model).tie_weights()
+        return model.to(self.layout.device)

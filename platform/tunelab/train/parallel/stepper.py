@@ -1,0 +1,77 @@
+"""What every engine offers the training loop: one optimizer step, validation loss, checkpoints."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tunelab.train.parallel.layout import Layout
+
+
+def rows_for(batch: dict, layout: Layout) -> dict:
+    """This data-parallel rank's share of a global micro-batch's rows, on its device."""
+    i = layout.coord("dp")
+    return {k: torch.tensor_split(v, layout.dp)[i].to(layout.device) for k, v in batch.items()}
+
+
+def label_tokens(batch: dict) -> int:
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def skeleton(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters live on the meta device (no memory), to be filled with
+    the gathered full weights by `unwrap`. Buffers are copied for real: non-persistent ones
+    (rotary frequencies) are in no state dict."""
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in model.parameters()}
+    return copy.deepcopy(model, memo)
+
+
+class Stepper:
+    """Base: holds the layout; engines implement the rest."""
+
+    layout: Layout
+    optimizer: torch.optim.Optimizer
+
+    def train_step(self, micro_batches: list[dict], n_items: int) -> tuple[float, float]:
+        """One optimizer step over the global micro-batches of the step: each micro-batch's loss is
+        its summed token loss / n_items (label tokens in the whole step, all ranks). Returns
+        (loss, grad norm before clipping), the same on every rank."""
+        raise NotImplementedError
+
+    def eval_loss(self, batch: dict) -> tuple[float, int]:
+        """(summed token loss, label tokens) of a whole batch, the same on every rank."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def unwrap(self) -> nn.Module | None:
+        """The whole model with full weights on the main process (None elsewhere); every rank must call it."""
+        raise NotImplementedError
+
+    def save(self, path) -> None:
+        """A distributed checkpoint of model and optimizer under `path` (every rank calls it)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"train": self}, checkpoint_id=str(path))
+
+    def load(self, path) -> None:
+        """Resume from `save`'s folder; the layout that wrote it does not matter."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load({"train": self}, checkpoint_id=str(path))
+
+    def _sum(self, value: float, *dims: str) -> float:
+        """Sum a per-rank number over mesh dims (identity for one process)."""
+        t = torch.tensor(float(value), dtype=torch.float64, device=self.layout.device)
+        if self.layout.distributed:
+            for d in dims:
+                dist.all_reduce(t, group=self.layout.group(d))
+        return float(t)

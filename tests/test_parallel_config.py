@@ -1,0 +1,137 @@
+"""The `parallel` section: layouts a backend cannot run are refused at `exp plan` with the reason."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import write
+from pydantic import ValidationError
+
+from tunelab.config import ParallelCfg, world_size
+from tunelab.errors import UserError
+
+MATRIX = """name: par
+base:
+  model: {name: tiny-random-llama}
+  data: {recipe: arithmetic}
+  parallel: PARALLEL
+"""
+
+
+def test_world_size_is_the_product():
+    assert world_size(ParallelCfg(dp=2, tp=2, pp=2, microbatches=2)) == 8
+    assert world_size(ParallelCfg()) == 1
+
+
+@pytest.mark.parametrize(("parallel", "reason"), [
+    ("{tp: 2, backend: deepspeed}", "deepspeed runs ZeRO data parallelism only"),
+    ("{dp: 2, zero: 1}", "zero: 1"),
+    ("{pp: 4, pp_schedule: 1f1b, microbatches: 2}", "needs microbatches >= pp"),
+    ("{pp: 2, pp_schedule: interleaved_1f1b, microbatches: 3}", "multiple of pp"),
+    ("{microbatches: 4}", "needs pp > 1"),
+    ("{dp: 0}", "greater than or equal to 1"),
+    ("{backend: megatron}", "native"),
+])
+def test_plan_refuses_layout_with_reason(cli, tmp_path, parallel, reason):
+    f = write(tmp_path / "m.yaml", MATRIX.replace("PARALLEL", parallel))
+    code, _, err = cli("plan", f)
+    assert code == 2
+    assert "parallel" in err and reason in " ".join(err.split())
+
+
+def test_plan_accepts_3d_layout(cli, tmp_path):
+    f = write(tmp_path / "m.yaml", MATRIX.replace("PARALLEL", "{dp: 2, tp: 2, pp: 2, microbatches: 2}"))
+    code, out, err = cli("plan", f)
+    assert code == 0, err
+
+
+def _cell(parallel: dict, **sections):
+    from tunelab.config import CellConfig
+
+    return CellConfig.model_validate({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"},
+                                      "parallel": parallel, **sections})
+
+
+@pytest.mark.parametrize(("parallel", "sections", "reason"), [
+    ({"dp": 3}, {"train": {"batch_size": 4}}, "divisible by parallel.dp"),
+    ({"dp": 2, "backend": "deepspeed"}, {"optim": {"name": "adalomo"}}, "cannot run under DeepSpeed"),
+    ({"pp": 2, "microbatches": 2}, {"optim": {"name": "lomo"}}, "pipeline schedules"),
+])
+def test_cross_section_checks(parallel, sections, reason):
+    from tunelab.train.parallel.validate import check_cell
+
+    with pytest.raises(ValueError, match=reason):
+        check_cell(_cell(parallel, **sections))
+
+
+def test_prepare_refuses_what_check_cell_refuses():
+    from tunelab.train import parallel as par
+
+    cell = _cell({"dp": 3}, train={"batch_size": 4})
+    with pytest.raises(UserError, match="divisible"):
+        par.prepare(None, None, cell, par.Layout(device=__import__("torch").device("cpu")))
+
+
+def test_setup_without_torchrun_says_how_to_start(monkeypatch):
+    from tunelab.train.parallel import setup
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(UserError, match="torchrun --nproc-per-node 4"):
+        setup(ParallelCfg(dp=2, tp=2))
+
+
+def test_setup_one_process_is_plain():
+    from tunelab.train.parallel import setup
+
+    layout = setup(ParallelCfg())
+    assert not layout.distributed and layout.is_main and layout.coord("dp") == 0
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, tie_word_embeddings=False)
+    return LlamaForCausalLM(LlamaConfig(**{**cfg, **kw}))
+
+
+def test_model_shape_checks():
+    from tunelab.train.parallel import stages, tp
+    from tunelab.train.parallel.anatomy import anatomy
+
+    with pytest.raises(UserError, match="do not split evenly"):
+        stages.split_layers(3, 2)
+    tied = _llama(num_hidden_layers=2, tie_word_embeddings=True)
+    with pytest.raises(UserError, match="ties its input embedding"):
+        stages.build(tied, anatomy(tied), [0], 2)
+    with pytest.raises(UserError, match="key-value heads"):
+        tp.check_divisible(_llama().config, 4)
+
+
+def test_stage_keeps_parameter_names():
+    from tunelab.train.parallel import stages
+    from tunelab.train.parallel.anatomy import anatomy
+
+    model = _llama(num_hidden_layers=2)
+    names = set(dict(model.named_parameters()))
+    first, last = stages.build(model, anatomy(model), [0, 1], 2)
+    got = set(dict(first.named_parameters())) | set(dict(last.named_parameters()))
+    assert got == names and "lm_head.weight" not in dict(first.named_parameters())
+
+
+def test_tp_plan_comes_from_the_model_config():
+    from tunelab.train.parallel.tp import family_plan
+
+    cfg = _llama().config
+    assert family_plan(cfg) == dict(cfg.base_model_tp_plan)
+
+
+def test_memory_cli_bad_input(cli):
+    code, _, err = cli("memory", "--model", "llama-7b", "--optim", "nope")
+    assert code == 2 and "--optim" in err
+    code, out, _ = cli("memory", "--model", "llama-7b", "--tp", "8")
+    assert code == 0 and "devices needed" in out
+
+
+def test_parallel_section_unknown_key_is_refused():
+    with pytest.raises(ValidationError):
+        ParallelCfg(sharding=2)
