@@ -119,7 +119,7 @@ def test_lomo_is_sgd_on_tied_weights_with_a_schedule():
 @pytest.mark.parametrize("cls", [Lomo, AdaLomo])
 def test_same_updates_with_gradient_checkpointing(cls, reentrant):
     plain, ckpt = tiny_llama(tied=True), tiny_llama(tied=True)
-    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ckpt.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     plain.train(), ckpt.train()
     batch = fixed_batch()
     run_tunelab(plain, cls, batch, lr=1e-2, clip_grad_norm=0.05)

@@ -55,6 +55,8 @@ def _cell(parallel: dict, **sections):
     ({"dp": 3}, {"train": {"batch_size": 4}}, "divisible by parallel.dp"),
     ({"dp": 2, "backend": "deepspeed"}, {"optim": {"name": "adalomo"}}, "cannot run under DeepSpeed"),
     ({"pp": 2, "microbatches": 2}, {"optim": {"name": "lomo"}}, "pipeline schedules"),
+    ({"tp": 2}, {"optim": {"name": "adalomo"}}, "tensor-parallel"),
+    ({"dp": 2}, {"optim": {"name": "sophiag"}}, "Hessian"),
 ])
 def test_cross_section_checks(parallel, sections, reason):
     from tunelab.train.parallel.validate import check_cell
@@ -66,7 +68,8 @@ def test_cross_section_checks(parallel, sections, reason):
 def test_prepare_refuses_what_check_cell_refuses():
     from tunelab.train import parallel as par
 
-    cell = _cell({"dp": 3}, train={"batch_size": 4})
+    # CellConfig refuses this layout itself; model_copy skips validation, as a hand-built config would.
+    cell = _cell({}, train={"batch_size": 4}).model_copy(update={"parallel": ParallelCfg(dp=3)})
     with pytest.raises(UserError, match="divisible"):
         par.prepare(None, None, cell, par.Layout(device=__import__("torch").device("cpu")))
 

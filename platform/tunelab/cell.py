@@ -44,8 +44,9 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def run_cell(run_dir: Path, emit, cfg, layout) -> None:
-    """The stages of one cell, on every process of its layout; only the main process writes files."""
+def run_cell(run_dir: Path, emit, cfg=None, layout=None) -> None:
+    """The stages of one cell, on every process of its layout; only the main process writes files.
+    Without cfg and layout: read RUN_DIR/config.yaml and run as one plain process."""
     from transformers import set_seed
 
     from tunelab import env, evals, models, train
@@ -54,6 +55,12 @@ def run_cell(run_dir: Path, emit, cfg, layout) -> None:
     from tunelab.tracking import Tracker
     from tunelab.train import peft
 
+    if cfg is None:
+        from tunelab.config import CellConfig
+        from tunelab.train import parallel
+
+        cfg = CellConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+        layout = parallel.setup(cfg.parallel)
     main = layout.is_main
     meta = read_json(run_dir / "cell.json") or {}
     timings: dict[str, float] = {}

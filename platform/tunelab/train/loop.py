@@ -205,12 +205,15 @@ def run(model, tokenizer, datasets, cfg, run_dir: Path, emit: Emit = lambda **_:
     if _uses_engine(cfg, layout):
         from tunelab.train import parallel
 
-        stepper = parallel.prepare(model, lambda ps: optim.build(ps, cfg.optim), cfg, layout)
+        stepper = parallel.prepare(model, lambda ps: optim.build(ps, cfg.optim, max_grad_norm=t.max_grad_norm),
+                                   cfg, layout)
         # Engines run the model in its own dtype (no autocast): report what the weights are.
         opt = stepper.optimizer
         precision = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
     else:
-        opt = optim.build(params, cfg.optim)
+        # Names let Muon tell embeddings from hidden matrices; LOMO/AdaLomo clip inside backward.
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        opt = optim.build(named, cfg.optim, max_grad_norm=t.max_grad_norm)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t.schedule, t.warmup_steps, t.steps))
     attn = getattr(model.config, "_attn_implementation", "sdpa")
     stream = BatchStream(loader(datasets["train"], t.batch_size, tokenizer.pad_token_id, shuffle=True,

@@ -21,7 +21,8 @@ def _rms(t: torch.Tensor) -> torch.Tensor:
 
 
 def _mean_sq(t: torch.Tensor, dim: int) -> torch.Tensor:
-    return torch.linalg.vector_norm(t, dim=dim).square_().div_(t.shape[dim])
+    # Out of place: under FSDP2 the norm is a partial DTensor, which refuses in-place ops.
+    return torch.linalg.vector_norm(t, dim=dim).square() / t.shape[dim]
 
 
 class AdaLomo(FusedOptimizer):

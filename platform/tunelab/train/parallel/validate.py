@@ -57,6 +57,13 @@ def check_cell(cell) -> None:
         errs.append(f"train.batch_size {t.batch_size} must be divisible by parallel.dp x parallel.microbatches "
                     f"= {rows}: every data-parallel rank and pipeline chunk gets whole rows")
     fused = cell.optim.name in FUSED_OPTIMIZERS
+    engine = p.dp * p.tp * p.pp > 1 or p.backend == "deepspeed"
+    if cell.optim.name == "sophiag" and engine:
+        errs.append("optim.name sophiag refreshes its Hessian estimate on the whole model between steps, which "
+                    "the parallel engines do not call; run it on one process (parallel dp = tp = pp = 1)")
+    if fused and p.tp > 1:
+        errs.append(f"optim.name {cell.optim.name} clips with a global norm computed inside backward, which is "
+                    "not built for tensor-parallel shards yet; use parallel.tp: 1 (dp works)")
     if fused and p.backend == "deepspeed":
         errs.append(f"optim.name {cell.optim.name} updates inside backward and cannot run under DeepSpeed's "
                     "engine; use parallel.backend: native")
