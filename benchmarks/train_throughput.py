@@ -9,6 +9,11 @@ training (Trainer reads them in that order from an iterable dataset). Both log e
 from the end of the warmup steps to the end of the last step. Tokens are the non-padding tokens of the
 timed batches (identical for both). On CUDA both run fp32 weights with bf16 autocast (Trainer's
 bf16=True); on CPU both run fp32.
+
+With --pack, tunelab trains on the same recipe packed into rows of --max-length tokens (data.pack: true:
+no padding, no attention across examples), with as many rows per step as keep the tokens per step about
+equal to the padded batches'; Trainer keeps the padded batches. Tokens are then each side's own
+non-padding tokens, so the ratio is useful tokens per second.
 """
 
 from __future__ import annotations
@@ -31,14 +36,14 @@ def default_model() -> str:
     return "smollm2-135m-instruct" if cached.is_dir() else "tiny-random-llama"
 
 
-def make_cfg(args, device_type: str):
+def make_cfg(args, device_type: str, pack: bool = False, batch: int | None = None):
     from tunelab.config import CellConfig
 
     return CellConfig.model_validate({
         "model": {"name": args.model, "dtype": "float32", "attn": "sdpa"},
-        "data": {"recipe": "arithmetic", "max_length": args.max_length},
+        "data": {"recipe": "arithmetic", "max_length": args.max_length, "pack": pack},
         "optim": {"name": "adamw", "lr": 2e-5},
-        "train": {"steps": args.warmup + args.steps, "batch_size": args.batch, "schedule": "constant",
+        "train": {"steps": args.warmup + args.steps, "batch_size": batch or args.batch, "schedule": "constant",
                   "device": device_type, "precision": "bf16" if device_type == "cuda" else "fp32",
                   "save_final": False},
         "eval": {"tasks": []}, "tracking": {"wandb": False},
@@ -123,6 +128,7 @@ def main() -> int:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--repeats", type=int, default=1, help="runs of each, alternated; medians reported")
     p.add_argument("--out", type=Path, default=None, help="also write the figures as JSON")
+    p.add_argument("--pack", action="store_true", help="tunelab trains on packed rows (Trainer stays padded)")
     args = p.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
 
@@ -130,7 +136,7 @@ def main() -> int:
 
     from tunelab import models
     from tunelab.data.build import build
-    from tunelab.train.data import loader
+    from tunelab.train.data import batch_tokens, loader
     from tunelab.train.loop import BatchStream
 
     args.model = args.model or default_model()
@@ -148,10 +154,18 @@ def main() -> int:
     tokens = [int(b["attention_mask"].sum()) for b in batches]
     padded = sum(b["attention_mask"].numel() for b in batches)
 
+    tl_cfg, tl_ds, tl_tokens = cfg, ds, tokens
+    if args.pack:  # rows of max_length tokens, as many per step as carry about the padded batch's tokens
+        rows = max(1, round(sum(tokens) / len(tokens) / args.max_length))
+        tl_cfg = make_cfg(args, device.type, pack=True, batch=rows)
+        tl_ds = build(tl_cfg.data, tok, models.cache_dir())
+        packed = BatchStream(loader(tl_ds["train"], rows, tok.pad_token_id, shuffle=True, seed=cfg.train.seed))
+        tl_tokens = [batch_tokens(next(packed)) for _ in range(cfg.train.steps)]
+
     runs: dict[str, list[tuple[float, float]]] = {"tunelab": [], "Trainer": []}
     for _ in range(args.repeats):  # alternated, so a change in machine load hits both alike
         runs["Trainer"].append(run_trainer(cfg, device, ds["train"], order, tok.pad_token_id, tokens, args.warmup))
-        runs["tunelab"].append(run_tunelab(cfg, device, ds, tok, tokens, args.warmup))
+        runs["tunelab"].append(run_tunelab(tl_cfg, device, tl_ds, tok, tl_tokens, args.warmup))
     wall = {k: statistics.median(w for w, _ in v) for k, v in runs.items()}
     cpu = {k: statistics.median(c for _, c in v) for k, v in runs.items()}
     result = {
@@ -159,6 +173,7 @@ def main() -> int:
         f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
         "precision": cfg.train.precision, "batch": args.batch, "max_length": args.max_length,
         "steps_timed": args.steps, "repeats": args.repeats, "padding_share": round(1 - sum(tokens) / padded, 3),
+        "tunelab_packed": args.pack, "tunelab_rows_per_step": tl_cfg.train.batch_size,
         "tokens_per_s": {k: round(v, 1) for k, v in wall.items()},
         "tokens_per_cpu_s": {k: round(v, 1) for k, v in cpu.items()},
         "ratio": round(wall["tunelab"] / wall["Trainer"], 3),

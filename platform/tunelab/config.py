@@ -174,12 +174,12 @@ class TrainCfg(Section):
 class EvalCfg(Section):
     suite: str | None = Field(None, description="a suite in evals/ (paper, quick, full) or a path to one: its keys "
                               "are the defaults of this section; keys set here override them")
-    tasks: list[str] = Field(default_factory=lambda: ["val_loss", "humaneval"],
-                             description="tasks to score: val_loss, humaneval, mmlu, gsm8k, bbh, gsm8k_smoke, bbh_smoke")
+    tasks: list[str] = Field(default_factory=lambda: ["val_loss", "humaneval"], description="tasks to score: "
+                             "val_loss, humaneval, mmlu, gsm8k, bbh, gsm8k_smoke, bbh_smoke")
     limit: int | None = Field(None, gt=0, description="examples per task (per MMLU subject / BBH task); null = all")
     limits: dict[str, int] = Field(default_factory=dict, description="per-task limit, overriding `limit`")
-    subtasks: dict[str, list[str]] = Field(default_factory=dict,
-                                           description="run only these MMLU subjects / BBH tasks, e.g. {mmlu: [anatomy]}")
+    subtasks: dict[str, list[str]] = Field(default_factory=dict, description="run only these MMLU subjects / "
+                                           "BBH tasks, e.g. {mmlu: [anatomy]}")
     data_dir: str | None = Field(None, description="local benchmark data (<dir>/<task>/<subset>/<split>.jsonl) "
                                  "instead of the hub; $TUNELAB_EVAL_DATA sets it too")
     val_batches: int | None = Field(None, gt=0, description="validation batches for val_loss; null = all")

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from tunelab.train.optimizers.closure import evaluate
+
 
 class Adan(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float, float] = (0.98, 0.92, 0.99),
@@ -30,10 +32,7 @@ class Adan(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         for group in self.param_groups:
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
             b1, b2, b3 = group["betas"]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from tunelab.train.optimizers.closure import evaluate
+
 
 class Lion(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
@@ -24,10 +26,7 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         for group in self.param_groups:
             lr, wd, (beta1, beta2) = group["lr"], group["weight_decay"], group["betas"]
             for p in group["params"]:

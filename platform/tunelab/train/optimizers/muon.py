@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from tunelab.train.optimizers.closure import evaluate
+
 # Name fragments of 2D parameters that are lookup tables or the output head, not hidden linear maps.
 NOT_HIDDEN = ("embed", "lm_head", "wte", "wpe")
 
@@ -59,10 +61,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         for part in self.parts.values():
             part.step()
         return loss

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tunelab.train.optimizers.closure import evaluate
+
 
 class SophiaG(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.965, 0.99),
@@ -40,10 +42,7 @@ class SophiaG(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         for group in self.param_groups:
             lr, wd, rho, eps = group["lr"], group["weight_decay"], group["rho"], group["eps"]
             beta1 = group["betas"][0]

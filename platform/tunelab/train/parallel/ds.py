@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tunelab.train.parallel.anatomy import causal_lm
 from tunelab.train.parallel.layout import Layout
 from tunelab.train.parallel.stepper import Stepper, label_tokens, rows_for, skeleton
 
@@ -92,10 +91,4 @@ class DeepSpeedStepper(Stepper):
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=self.cell.parallel.zero == 3):
             if self.layout.is_main:
                 full = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-        if not self.layout.is_main:
-            return None
-        model = self._skeleton
-        model.load_state_dict(full, strict=True, assign=True)
-        if getattr(causal_lm(model).config, "tie_word_embeddings", False):
-            causal_lm(model).tie_weights()
-        return model.to(self.layout.device)
+        return self._assemble(full)

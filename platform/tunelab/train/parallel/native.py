@@ -161,10 +161,4 @@ class NativeStepper(Stepper):
             parts = [None] * self.layout.pp if self.layout.coord("pp") == 0 else None
             dist.gather_object(full if keep else None, parts, group=self.layout.group("pp"), group_dst=0)
             full = {k: v for part in (parts or []) if part for k, v in part.items()}
-        if not self.layout.is_main:
-            return None
-        model = self._skeleton
-        model.load_state_dict(full, strict=True, assign=True)
-        if getattr(causal_lm(model).config, "tie_word_embeddings", False):
-            causal_lm(model).tie_weights()
-        return model.to(self.layout.device)
+        return self._assemble(full)

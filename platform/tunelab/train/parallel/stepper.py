@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tunelab.train.parallel.anatomy import causal_lm
 from tunelab.train.parallel.layout import Layout
 
 
@@ -55,6 +56,16 @@ class Stepper:
     def unwrap(self) -> nn.Module | None:
         """The whole model with full weights on the main process (None elsewhere); every rank must call it."""
         raise NotImplementedError
+
+    def _assemble(self, full: dict | None) -> nn.Module | None:
+        """The main process's whole model: the meta-device skeleton filled with the gathered weights."""
+        if not self.layout.is_main:
+            return None
+        model = self._skeleton
+        model.load_state_dict(full, strict=True, assign=True)
+        if getattr(causal_lm(model).config, "tie_word_embeddings", False):
+            causal_lm(model).tie_weights()
+        return model.to(self.layout.device)
 
     def save(self, path) -> None:
         """A distributed checkpoint of model and optimizer under `path` (every rank calls it)."""

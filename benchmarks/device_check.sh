@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The GPU checks in one call, for a lent GPU machine that has torch/transformers/peft but no network:
+# the missing pure-Python packages travel as wheels in .whl/ (see benchmarks/README.md). Writes to $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:platform TUNELAB_CACHE=/tmp/tunelab-cache WANDB_MODE=disabled HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+# 1. LOMO / AdaLomo on CUDA, fp32 and bf16, against lomo-optim.
+python3 -m pytest -q -p no:cacheprovider tests/test_optim_lomo.py -k cuda 2>&1 | tail -15 | tee "$OUT/cuda_tests.txt"
+# 2. Throughput: tunelab (padded, then packed) vs Trainer on a SmolLM2-135M-shaped model, bf16.
+model=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from gpu_check import model_source; print(model_source(Path('/tmp/m'))[0])")
+for mode in "" "--pack"; do
+  python3 benchmarks/train_throughput.py --model "$model" --steps 20 --warmup 3 --batch 64 --max-length 512 $mode \
+    --out "$OUT/throughput${mode//-/_}.json" 2>&1 | grep -v -i warn | tail -4 | tee -a "$OUT/throughput.txt"
+done
