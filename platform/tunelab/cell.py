@@ -23,8 +23,15 @@ def _event_stream():
     os.dup2(2, 1)
     sys.stdout = sys.stderr
 
+    listening = True
+
     def emit(**event) -> None:
-        events.write(json.dumps(event) + "\n")
+        nonlocal listening
+        if listening:
+            try:
+                events.write(json.dumps(event) + "\n")
+            except BrokenPipeError:  # the launcher went away: the work (and its files) still count
+                listening = False
 
     return emit
 

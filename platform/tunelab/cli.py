@@ -21,6 +21,11 @@ err = Console(stderr=True)
 RunsDir = Annotated[Path, typer.Option("--runs-dir", help="where runs/<matrix>/<cell>/ folders go")]
 
 
+def _print_wide(table: Table) -> None:
+    """A terminal's width is respected; a pipe or log file has none, so tables are not squeezed there."""
+    (out if out.is_terminal else Console(width=200)).print(table)
+
+
 def _plan_table(name: str, cells) -> Table:
     table = Table(title=f"{name}: {len(cells)} cells")
     keys = list(dict.fromkeys(k for c in cells for k in c.varying))
@@ -37,7 +42,7 @@ def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")]) -> None:
     from tunelab import matrix
 
     spec, cells = matrix.load(file)
-    out.print(_plan_table(spec.name, cells))
+    _print_wide(_plan_table(spec.name, cells))
 
 
 @app.command()
@@ -77,7 +82,7 @@ def run(
     if how.launcher == "slurm":
         return
     rows = leaderboard.write(mdir)
-    out.print(leaderboard.to_rich(rows, f"{spec.name} leaderboard"))
+    _print_wide(leaderboard.to_rich(rows, f"{spec.name} leaderboard"))
     out.print(f"wrote {mdir / 'leaderboard.md'} and {mdir / 'leaderboard.csv'}")
     failed = [o for o in outcomes if o.state in ("failed", "skipped-failed")]
     for o in failed:
@@ -115,7 +120,7 @@ def leaderboard_cmd(matrix_dir: Annotated[Path, typer.Argument(help="runs/<matri
 
     if not matrix_dir.is_dir():
         raise UserError("no such run folder", file=matrix_dir)
-    out.print(leaderboard.to_rich(leaderboard.write(matrix_dir), f"{matrix_dir.name} leaderboard"))
+    _print_wide(leaderboard.to_rich(leaderboard.write(matrix_dir), f"{matrix_dir.name} leaderboard"))
 
 
 @app.command()
@@ -152,6 +157,9 @@ def main() -> None:
     except UserError as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
+    except KeyboardInterrupt:  # the cell marks itself pending; its checkpoints stay
+        err.print("interrupted: run the same `exp run` again to continue (cells resume from their checkpoints)")
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,11 @@ TRAIN_COLUMNS = {  # summary.json key -> column header
 }
 
 
-NOTE = ("tok/s: non-padding tokens per second of training; peak MB: peak process RSS on CPU, "
-        "CUDA max allocated on GPU; scores from eval/results.json of each cell.")
+NOTE = ("Scores from eval/results.json of each cell; * marks a subset of the benchmark (see its limit and n "
+        "there), `_smoke` a stand-in that is not the benchmark, `unavailable` a test set that could not be "
+        "loaded. tok/s: non-padding tokens per second of training; peak MB: peak process RSS on CPU, CUDA max "
+        "allocated on GPU.")
+
 
 
 def collect(matrix_dir: Path) -> list[dict]:
@@ -72,7 +75,9 @@ def to_csv(rows: list[dict]) -> str:
 
 def to_rich(rows: list[dict], title: str) -> Table:
     table = Table(title=title)
-    cols = [c for c in columns(rows) if c != "id"]  # ids are in the files; the terminal is narrow
+    # The terminal is narrow: the id and the varying config keys (dotted) stay in the files; the slug
+    # already names each cell.
+    cols = [c for c in columns(rows) if c != "id" and "." not in c]
     for c in cols:
         table.add_column(c, justify="right" if any(isinstance(r.get(c), (int, float)) for r in rows) else "left")
     for r in rows:
