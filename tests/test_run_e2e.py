@@ -63,7 +63,9 @@ def test_run_writes_the_store_and_leaderboard(done_run):
     assert (none / "final" / "model.safetensors").is_file()
     rows = list(csv.DictReader((mdir / "leaderboard.csv").open()))
     assert {r["cell"] for r in rows} == {"none", "lora"}
-    assert all(r["status"] == "done" and float(r["humaneval pass@1"]) >= 0 for r in rows)
+    # 2 of HumanEval's 164 problems: a subset, which the leaderboard marks with "*".
+    assert all(r["status"] == "done" and r["humaneval pass@1"].endswith("*") for r in rows)
+    assert all(0 <= float(r["humaneval pass@1"].rstrip("*")) <= 1 for r in rows)
     assert "| cell |" in (mdir / "leaderboard.md").read_text()
     assert "leaderboard" in proc.stdout
 
