@@ -21,7 +21,7 @@ TRAIN_COLUMNS = {  # summary.json key -> column header
 NOTE = ("Scores from eval/results.json of each cell; * marks a subset of the benchmark (see its limit and n "
         "there), `_smoke` a stand-in that is not the benchmark, `unavailable` a test set that could not be "
         "loaded. tok/s: non-padding tokens per second of training; peak MB: peak process RSS on CPU, CUDA max "
-        "allocated on GPU.")
+        "allocated on GPU (of the main process under multi-process layouts).")
 
 
 
