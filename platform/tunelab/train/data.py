@@ -19,17 +19,24 @@ IGNORE = -100
 MASKED = -1e9
 
 
+def _pad(rows: list[dict], pad_id: int, third: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad rows to the longest: ids with pad_id, labels with IGNORE, and a third tensor that is
+    the rows' `third` field (position ids), or 1 on real tokens (the attention mask) when None."""
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    other = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n] = torch.tensor(r["input_ids"])
+        labels[i, :n] = torch.tensor(r["labels"])
+        other[i, :n] = torch.tensor(r[third]) if third else 1
+    return ids, labels, other
+
+
 def collate(pad_id: int):
     def fn(rows: list[dict]) -> dict[str, torch.Tensor]:
-        width = max(len(r["input_ids"]) for r in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            n = len(r["input_ids"])
-            ids[i, :n] = torch.tensor(r["input_ids"])
-            labels[i, :n] = torch.tensor(r["labels"])
-            mask[i, :n] = 1
+        ids, labels, mask = _pad(rows, pad_id, None)
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
     return fn
@@ -53,15 +60,7 @@ def collate_packed(pad_id: int, varlen: bool = False):
         if varlen:  # one row, no padding: the flash-attention varlen path
             cat = lambda key: torch.tensor([t for r in rows for t in r[key]], dtype=torch.long)[None]  # noqa: E731
             return {"input_ids": cat("input_ids"), "labels": cat("labels"), "position_ids": cat("position_ids")}
-        width = max(len(r["input_ids"]) for r in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-        pos = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            n = len(r["input_ids"])
-            ids[i, :n] = torch.tensor(r["input_ids"])
-            labels[i, :n] = torch.tensor(r["labels"])
-            pos[i, :n] = torch.tensor(r["position_ids"])
+        ids, labels, pos = _pad(rows, pad_id, "position_ids")
         return {"input_ids": ids, "labels": labels, "position_ids": pos, "attention_mask": block_causal_mask(pos)}
 
     return fn
