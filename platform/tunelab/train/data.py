@@ -77,12 +77,6 @@ def loader(ds, batch_size: int, pad_id: int, *, shuffle: bool, seed: int = 0, at
     return DataLoader(ds.with_format(None), batch_size=batch_size, shuffle=shuffle, generator=g, collate_fn=fn)
 
 
-def forever(dl: DataLoader):
-    """Epoch after epoch; the loader's own generator keeps the order reproducible."""
-    while True:
-        yield from dl
-
-
 def label_tokens(batch: dict) -> int:
     """Tokens that carry a loss after the causal shift."""
     return int((batch["labels"][:, 1:] != IGNORE).sum())

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tunelab.train.data import label_tokens
 from tunelab.train.parallel.layout import Layout
-from tunelab.train.parallel.stepper import Stepper, label_tokens, rows_for, skeleton
+from tunelab.train.parallel.stepper import Stepper, rows_for, skeleton
 
 
 def ds_config(cell, layout: Layout) -> dict:

@@ -13,11 +13,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from tunelab.train.data import label_tokens
 from tunelab.train.parallel import grads, stages, tp
 from tunelab.train.parallel.anatomy import anatomy, causal_lm
 from tunelab.train.parallel.layout import Layout
 from tunelab.train.parallel.pipeline import Pipeline
-from tunelab.train.parallel.stepper import Stepper, label_tokens, rows_for, skeleton
+from tunelab.train.parallel.stepper import Stepper, rows_for, skeleton
 
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
 

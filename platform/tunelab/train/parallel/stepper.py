@@ -18,10 +18,6 @@ def rows_for(batch: dict, layout: Layout) -> dict:
     return {k: torch.tensor_split(v, layout.dp)[i].to(layout.device) for k, v in batch.items()}
 
 
-def label_tokens(batch: dict) -> int:
-    return int((batch["labels"][:, 1:] != -100).sum())
-
-
 def skeleton(model: nn.Module) -> nn.Module:
     """A copy of `model` whose parameters live on the meta device (no memory), to be filled with
     the gathered full weights by `unwrap`. Buffers are copied for real: non-persistent ones
