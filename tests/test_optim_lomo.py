@@ -165,10 +165,20 @@ def test_backward_outside_fused_step_is_left_alone():
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_step_without_closure_says_how_to_call_it():
-    opt = Lomo(tiny_llama().parameters())
-    with pytest.raises(RuntimeError, match="fused_step"):
-        opt.step()
+@pytest.mark.parametrize("cls", [Lomo, AdaLomo])
+def test_step_after_backward_equals_the_fused_step(cls):
+    """Engines that run backward themselves (pipeline schedules) call step(grad_norm=...) afterwards: the
+    same clipped update, from the accumulated gradients, each freed once used."""
+    fused, plain = tiny_llama(), tiny_llama()
+    norms = run_tunelab(fused, cls, fixed_batch(), lr=1e-2, clip_grad_norm=0.05)
+    opt = cls(plain.parameters(), lr=1e-2, clip_grad_norm=0.05)
+    for want in norms:
+        plain(**fixed_batch()).loss.backward()
+        opt.step()  # the norm over its own gradients when no grad_norm is given
+        assert opt.last_grad_norm == pytest.approx(want, rel=1e-6)
+        assert all(p.grad is None for p in plain.parameters())
+    assert max_param_diff(fused, plain) < 1e-6
+    assert any(n > 0.05 for n in norms)  # so the clipping was exercised
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

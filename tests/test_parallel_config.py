@@ -54,8 +54,6 @@ def _cell(parallel: dict, **sections):
 @pytest.mark.parametrize(("parallel", "sections", "reason"), [
     ({"dp": 3}, {"train": {"batch_size": 4}}, "divisible by parallel.dp"),
     ({"dp": 2, "backend": "deepspeed"}, {"optim": {"name": "adalomo"}}, "cannot run under DeepSpeed"),
-    ({"pp": 2, "microbatches": 2}, {"optim": {"name": "lomo"}}, "pipeline schedules"),
-    ({"tp": 2}, {"optim": {"name": "adalomo"}}, "tensor-parallel"),
     ({"dp": 2}, {"optim": {"name": "sophiag"}}, "Hessian"),
 ])
 def test_cross_section_checks(parallel, sections, reason):
@@ -63,6 +61,15 @@ def test_cross_section_checks(parallel, sections, reason):
 
     with pytest.raises(ValueError, match=reason):
         check_cell(_cell(parallel, **sections))
+
+
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"pp": 2, "microbatches": 2}, {"dp": 2, "tp": 2, "pp": 2,
+                                                                               "microbatches": 2}])
+@pytest.mark.parametrize("name", ["lomo", "adalomo"])
+def test_in_backward_optimizers_run_under_native_layouts(parallel, name):
+    from tunelab.train.parallel.validate import check_cell
+
+    check_cell(_cell(parallel, optim={"name": name}))  # tests/parallel runs them against one process
 
 
 def test_prepare_refuses_what_check_cell_refuses():

@@ -1,6 +1,6 @@
 """Every layout computes what one process computes: the first 3 losses (and gradient norms, the
 validation loss and the gathered weights after them) of a tiny 4-layer Llama, with full AdamW, with
-LoRA and (under FSDP2) with AdaLomo, against a single-process run computed here. fp32, clipping at max_grad_norm 1.0 in
+LoRA and (under the native engine) with AdaLomo, against a single-process run computed here. fp32, clipping at max_grad_norm 1.0 in
 both (DeepSpeed is told the same). One torchrun launch per world size runs all its layouts
 (tests/parallel/run_layouts.py); the dp2 x tp2 run also leaves a distributed checkpoint that is
 resumed on one process."""

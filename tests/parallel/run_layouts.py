@@ -39,13 +39,11 @@ LAYOUTS = {  # name -> parallel section; grouped by world size through dp * tp *
     "pp2xdp2xtp2": {"pp": 2, "dp": 2, "tp": 2, "pp_schedule": "1f1b", "microbatches": 2},
 }
 CKPT_LAYOUT, CKPT_AFTER = "dp2xtp2", 2
-# AdaLomo updates inside backward: it runs under FSDP2 (dp). Tensor parallelism needs DTensor-aware
-# norms in train/optimizers/fused.py; pipeline schedules and DeepSpeed are refused by config.
-FUSED_LAYOUTS = {"dp2", "dp2-zero2"}
 
 
 def methods(name: str) -> list[str]:
-    return [m for m in common.METHODS if m != "adalomo" or name in FUSED_LAYOUTS]
+    # AdaLomo updates inside backward, which DeepSpeed's engine (it drives its own optimizer step) refuses.
+    return [m for m in common.METHODS if m != "adalomo" or LAYOUTS[name].get("backend") != "deepspeed"]
 
 
 def size(p: dict) -> int:

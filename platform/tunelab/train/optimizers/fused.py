@@ -6,7 +6,14 @@ the gradients of the whole model exist together (the saving LOMO is about). Glob
 clipping needs the norm before the first update, hence the papers' two backward passes over one graph:
 the first only measures, the second updates with the clip coefficient.
 
-The training loop calls `fused_step(closure)` instead of backward + clip + step.
+The training loop calls `fused_step(closure)` instead of backward + clip + step. Engines that run
+backward themselves (pipeline schedules, where a gradient is complete only after the last micro-batch)
+call `step(grad_norm=...)` after it: the same update from the accumulated `.grad`, one parameter at a time,
+each gradient freed as soon as it is used.
+
+Sharded parameters (FSDP2, tensor parallel) are DTensors: each parameter's norm is made whole with
+`full_tensor()` (a collective, run in the same order on every rank since all ranks run the same graph),
+so the global norm is one plain number whatever mesh each parameter lives on.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 Closure = Callable[[], torch.Tensor]
 
@@ -66,20 +74,29 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._done.add(id(p))
         grad = p.grad.to(torch.float32)  # no copy when the weights are fp32
         p.grad = None
+        self._add_norm(grad)
+        if self._mode == "norm":
+            return
+        self._apply(p, grad)
+
+    def _add_norm(self, grad: torch.Tensor) -> None:
         # Summed into one tensor (no host sync on GPU); a list of per-parameter 0-d tensors would scatter
         # small long-lived blocks across the heap and keep freed gradient memory resident.
         norm = torch.linalg.vector_norm(grad)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
         if self._sq_norm is None:
             self._sq_norm = norm.square()
         else:
             self._sq_norm.addcmul_(norm, norm)
-        del norm
-        if self._mode == "norm":
-            return
+
+    def _apply(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Clip one fp32 gradient (value, then the global-norm coefficient) and update its parameter."""
         if self.clip_grad_value is not None:
             grad.clamp_(-self.clip_grad_value, self.clip_grad_value)
         if self._clip_coef is not None:
-            grad.mul_(self._clip_coef)
+            # A DTensor gradient takes a Python number: a plain 0-d tensor would not mix with it.
+            grad.mul_(float(self._clip_coef) if isinstance(grad, DTensor) else self._clip_coef)
         self._update(p, grad, self._group_of[id(p)])
 
     def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
@@ -96,25 +113,47 @@ class FusedOptimizer(torch.optim.Optimizer):
             return torch.tensor(math.nan)
         return self._sq_norm.sqrt()
 
-    def step(self, closure: Closure | None = None) -> torch.Tensor:
-        """Forward (the closure), then backward pass(es) that update every parameter on the way."""
-        if closure is None:
-            raise RuntimeError(f"{type(self).__name__} updates inside backward: call fused_step(closure) "
-                               "or step(closure) with a closure returning the loss")
-        self.zero_grad(set_to_none=True)  # stale gradients would leak into the first hook
+    def _set_clip(self, total: torch.Tensor) -> None:
+        self._clip_coef = None
+        if self.clip_grad_norm is not None:
+            self._clip_coef = torch.clamp(self.clip_grad_norm / (total + 1e-6), max=1.0)
+
+    def step(self, closure: Closure | None = None, *, grad_norm: float | torch.Tensor | None = None):
+        """With a closure: forward (the closure), then backward pass(es) that update every parameter on
+        the way. Without one: the update from gradients already accumulated by the caller's backward,
+        clipped with `grad_norm` (the global norm; computed over this optimizer's gradients if None)."""
         # Rebuilt every step: load_state_dict replaces the group dicts.
         self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        if closure is None:
+            return self._step_accumulated(grad_norm)
+        self.zero_grad(set_to_none=True)  # stale gradients would leak into the first hook
         with torch.enable_grad():
             loss = closure()
         self._clip_coef = None
         if self.clip_grad_norm is not None:
             total = self._backward(loss, "norm", retain_graph=True)
-            self._clip_coef = torch.clamp(self.clip_grad_norm / (total + 1e-6), max=1.0)
+            self._set_clip(total)
             self._backward(loss, "update", retain_graph=False)
         else:
             total = self._backward(loss, "update", retain_graph=False)
         self.last_grad_norm = float(total)  # the norm before clipping, as clip_grad_norm_ reports it
         return loss
+
+    @torch.no_grad()
+    def _step_accumulated(self, grad_norm) -> None:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if grad_norm is None:
+            self._sq_norm = None
+            for p in params:
+                self._add_norm(p.grad.to(torch.float32))
+            grad_norm = self._sq_norm.sqrt() if self._sq_norm is not None else torch.tensor(math.nan)
+        total = torch.as_tensor(grad_norm, dtype=torch.float32)
+        self._set_clip(total)
+        for p in params:
+            grad = p.grad.to(torch.float32)
+            p.grad = None  # freed as soon as its parameter is updated, as in backward
+            self._apply(p, grad)
+        self.last_grad_norm = float(total)
 
     def fused_step(self, closure: Closure) -> tuple[float, float]:
         """The training loop's entry point: (loss, global gradient norm before clipping)."""

@@ -149,9 +149,9 @@ def estimate(shape: Shape, s: Setup) -> Estimate:
         trainable_here = stage
         params = stage * b
     params /= s.dp if s.zero >= 3 else 1
-    if s.optim in FUSED:  # one gradient at a time, plus the fp32 copy its update works on
+    if s.optim in FUSED and s.pp == 1:  # one gradient at a time, plus the fp32 copy its update works on
         grads = max(a * c for a, c in matrices) / s.tp * (b + 4)
-    else:
+    else:  # (under pipelines a fused optimizer updates after the schedule: the stage's gradients exist)
         grads = trainable_here * b / (s.dp if s.zero >= 2 else 1)
     states = OPTIM_STATES.get(s.optim, 2)
     if states == "factored":

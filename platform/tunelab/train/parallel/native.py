@@ -87,7 +87,8 @@ class NativeStepper(Stepper):
     def train_step(self, micro_batches, n_items):
         for m in self.modules:
             m.train()
-        if hasattr(self.optimizer, "fused_step"):
+        fused = hasattr(self.optimizer, "fused_step")
+        if fused and not self.pipeline:
             return self._fused_step(micro_batches, n_items)
         total = 0.0
         for mb in micro_batches:
@@ -101,6 +102,13 @@ class NativeStepper(Stepper):
                 total += float(loss.detach())
         gs = [p.grad for p in self.params if p.grad is not None]
         pp_group = self.layout.group("pp") if self.layout.pp > 1 else None
+        if fused:
+            # The schedule ran backward micro-batch by micro-batch: a gradient is whole only now, so
+            # LOMO/AdaLomo update here, clipped by the norm over all stages, freeing each gradient as used.
+            norm = float(grads.global_norm(gs, pp_group, self.layout.device))
+            del gs
+            self.optimizer.step(grad_norm=norm)
+            return self._sum(total, "dp", "pp"), norm
         norm = grads.clip_(gs, self.max_norm, pp_group, self.layout.device)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
