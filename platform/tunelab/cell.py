@@ -60,7 +60,7 @@ def run_cell(run_dir: Path, emit, cfg=None, layout=None) -> None:
     from tunelab.data.build import build as build_data
     from tunelab.store import read_json, write_json, write_status
     from tunelab.tracking import Tracker
-    from tunelab.train import peft
+    from tunelab.train import checkpoint, peft
 
     if cfg is None:
         from tunelab.config import CellConfig
@@ -78,7 +78,8 @@ def run_cell(run_dir: Path, emit, cfg=None, layout=None) -> None:
                      world_size=layout.pp * layout.dp * layout.tp)
         tracker = Tracker(cfg, run_dir, group=meta.get("matrix", "adhoc"), name=meta.get("slug", run_dir.name),
                           config=cfg.model_dump(mode="json"),
-                          tags=[f"{k}={v}" for k, v in meta.get("varying", {}).items()])
+                          tags=[f"{k}={v}" for k, v in meta.get("varying", {}).items()],
+                          resuming=cfg.train.resume and checkpoint.latest(run_dir) is not None)
     try:
         t0 = time.perf_counter()
         emit(stage="load")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 
@@ -15,18 +16,30 @@ def wandb_mode(cfg) -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
+RUN_ID_FILE = "wandb_run_id"
+
+
 class Tracker:
-    def __init__(self, cfg, run_dir: Path, *, group: str, name: str, config: dict, tags: list[str]):
+    """`resuming`: the cell continues from a checkpoint, so it continues its W&B run too (same run id,
+    kept in the cell folder). A cell that starts over gets a new run: W&B drops steps already logged."""
+
+    def __init__(self, cfg, run_dir: Path, *, group: str, name: str, config: dict, tags: list[str],
+                 resuming: bool = False):
         self.run = None
         mode = wandb_mode(cfg.tracking)
         if not cfg.tracking.wandb or mode == "disabled":
             return
         import wandb
 
+        from tunelab.store import write_text
+
+        id_file = run_dir / RUN_ID_FILE
+        run_id = id_file.read_text().strip() if resuming and id_file.is_file() else secrets.token_hex(6)
+        write_text(id_file, run_id + "\n")
         self.run = wandb.init(
             project=cfg.tracking.project, entity=cfg.tracking.entity, group=group, name=name,
             job_type="cell", config=config, tags=tags, dir=str(run_dir), mode=mode, reinit="create_new",
-            settings=wandb.Settings(console="off", silent=True),
+            id=run_id, resume="allow", settings=wandb.Settings(console="off", silent=True),
         )
 
     def log(self, metrics: dict, step: int | None = None) -> None:
