@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import write
 from pydantic import ValidationError
 
@@ -106,15 +107,24 @@ def _llama(**kw):
 
 def test_model_shape_checks():
     from tunelab.train.parallel import stages, tp
-    from tunelab.train.parallel.anatomy import anatomy
 
     with pytest.raises(UserError, match="do not split evenly"):
         stages.split_layers(3, 2)
-    tied = _llama(num_hidden_layers=2, tie_word_embeddings=True)
-    with pytest.raises(UserError, match="ties its input embedding"):
-        stages.build(tied, anatomy(tied), [0], 2)
     with pytest.raises(UserError, match="key-value heads"):
         tp.check_divisible(_llama().config, 4)
+
+
+def test_last_stage_gets_its_own_copy_of_a_tied_embedding():
+    from tunelab.train.parallel import stages
+    from tunelab.train.parallel.anatomy import anatomy
+
+    model = _llama(num_hidden_layers=2, tie_word_embeddings=True)
+    embed = model.get_input_embeddings().weight.detach().clone()
+    (last,) = stages.build(model, anatomy(model), [1], 2)
+    head = last.parts.lm_head.weight
+    assert head is not model.get_input_embeddings().weight and head.requires_grad
+    assert torch.equal(head.detach(), embed)  # the same values, its own tensor (tests/parallel syncs them)
+    assert model.get_input_embeddings().weight.numel() == 0  # not held on the last stage's rank
 
 
 def test_stage_keeps_parameter_names():

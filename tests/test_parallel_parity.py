@@ -1,9 +1,9 @@
 """Every layout computes what one process computes: the first 3 losses (and gradient norms, the
 validation loss and the gathered weights after them) of a tiny 4-layer Llama, with full AdamW, with
-LoRA and (under the native engine) with AdaLomo, against a single-process run computed here. fp32, clipping at max_grad_norm 1.0 in
-both (DeepSpeed is told the same). One torchrun launch per world size runs all its layouts
-(tests/parallel/run_layouts.py); the dp2 x tp2 run also leaves a distributed checkpoint that is
-resumed on one process."""
+LoRA, with AdaLomo (native engine) and with tied embeddings (pipelines), against a single-process run
+computed here. fp32, clipping at max_grad_norm 1.0 in both (DeepSpeed is told the same). One torchrun
+launch per world size runs all its layouts (tests/parallel/run_layouts.py); two runs also leave a
+distributed checkpoint that is resumed on one process."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 import pytest
 from conftest import REPO
 from parallel import common
-from parallel.run_layouts import CKPT_AFTER, LAYOUTS, methods, size
+from parallel.run_layouts import CKPT_AFTER, CKPT_RUNS, LAYOUTS, methods, size
 
 TOL = 1e-4
 WORLDS = sorted({size(p) for p in LAYOUTS.values()})
@@ -61,18 +61,22 @@ def test_clipping_is_active(reference):
     assert any(n > common.MAX_NORM for m in common.METHODS for n in reference[m]["grad_norm"])
 
 
-def test_checkpoint_from_dp2xtp2_resumes_on_one_process(launched, reference):
+@pytest.mark.parametrize("run", CKPT_RUNS)
+def test_checkpoint_resumes_on_one_process(launched, reference, run):
+    """Saved under a layout (dp2 x tp2; a pipeline with tied embeddings split across its stages), resumed
+    on one process: the next step's loss is the uninterrupted run's."""
     from tunelab.train import parallel as par
 
-    _, ckpt = launched
-    assert ckpt.is_dir(), "the dp2 x tp2 run wrote no checkpoint"
-    cell = common.cell({}, "full")
-    stepper = par.prepare(common.tiny_model("full"), common.adamw, cell, par.setup(cell.parallel))
+    layout, method = run.split("/")
+    ckpt = launched[1] / f"{layout}-{method}"
+    assert ckpt.is_dir(), f"the {run} run wrote no checkpoint"
+    cell = common.cell({}, method)
+    stepper = par.prepare(common.tiny_model(method), common.optimizer(method), cell, par.setup(cell.parallel))
     stepper.load(ckpt)
     step = common.batches()[CKPT_AFTER]
     loss, norm = stepper.train_step(step, common.n_items(step))
-    assert loss == pytest.approx(reference["full"]["loss"][CKPT_AFTER], abs=TOL)
-    assert norm == pytest.approx(reference["full"]["grad_norm"][CKPT_AFTER], abs=TOL)
+    assert loss == pytest.approx(reference[method]["loss"][CKPT_AFTER], abs=TOL)
+    assert norm == pytest.approx(reference[method]["grad_norm"][CKPT_AFTER], abs=TOL)
     # Without the checkpoint the same step gives another loss: the test sees the restore.
-    fresh = par.prepare(common.tiny_model("full"), common.adamw, cell, par.setup(cell.parallel))
+    fresh = par.prepare(common.tiny_model(method), common.optimizer(method), cell, par.setup(cell.parallel))
     assert abs(fresh.train_step(step, common.n_items(step))[0] - loss) > 10 * TOL

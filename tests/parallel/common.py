@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 STEPS, GRAD_ACCUM, BATCH, MAX_NORM, LR = 3, 2, 4, 1.0, 1e-2
-METHODS = ("full", "lora", "adalomo")  # adalomo: full-parameter, updated inside backward
+# adalomo: full-parameter, updated inside backward; tied: full AdamW on the model with tied embeddings
+METHODS = ("full", "lora", "adalomo", "tied")
 
 
 def tiny_model(method: str, layers: int = 4):
@@ -13,7 +14,7 @@ def tiny_model(method: str, layers: int = 4):
 
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False, pad_token_id=0, bos_token_id=None, eos_token_id=1)
+                      tie_word_embeddings=method == "tied", pad_token_id=0, bos_token_id=None, eos_token_id=1)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     model.config._attn_implementation = "sdpa"

@@ -3,9 +3,9 @@
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node N tests/parallel/run_layouts.py OUT.json [CKPT_DIR]
 
 Every layout whose process count is N runs the first steps of `common` with each method; the
-pytest side compares the numbers with a single-process reference. With CKPT_DIR, the dp2 x tp2
-full-parameter run also saves a distributed checkpoint after step 2 (the resume test loads it
-on one process).
+pytest side compares the numbers with a single-process reference. With CKPT_DIR, the runs named in
+CKPT_RUNS also save a distributed checkpoint after step 2 in CKPT_DIR/<layout>-<method> (the resume
+test loads them on one process).
 """
 
 from __future__ import annotations
@@ -38,12 +38,17 @@ LAYOUTS = {  # name -> parallel section; grouped by world size through dp * tp *
     "pp2xtp2": {"pp": 2, "tp": 2, "pp_schedule": "gpipe", "microbatches": 2},
     "pp2xdp2xtp2": {"pp": 2, "dp": 2, "tp": 2, "pp_schedule": "1f1b", "microbatches": 2},
 }
-CKPT_LAYOUT, CKPT_AFTER = "dp2xtp2", 2
+CKPT_RUNS, CKPT_AFTER = ("dp2xtp2/full", "pp2-1f1b/tied"), 2
 
 
 def methods(name: str) -> list[str]:
-    # AdaLomo updates inside backward, which DeepSpeed's engine (it drives its own optimizer step) refuses.
-    return [m for m in common.METHODS if m != "adalomo" or LAYOUTS[name].get("backend") != "deepspeed"]
+    p = LAYOUTS[name]
+    skip = set()
+    if p.get("backend") == "deepspeed":  # AdaLomo updates inside backward; DeepSpeed drives its own step
+        skip.add("adalomo")
+    if p.get("pp", 1) == 1:  # tied embeddings only need care where pipeline stages split them
+        skip.add("tied")
+    return [m for m in common.METHODS if m not in skip]
 
 
 def size(p: dict) -> int:
@@ -61,8 +66,8 @@ def run(name: str, parallel: dict, method: str, ckpt: Path | None) -> dict:
         loss, norm = stepper.train_step(step, common.n_items(step))
         losses.append(loss)
         norms.append(norm)
-        if ckpt and name == CKPT_LAYOUT and method == "full" and i == CKPT_AFTER:
-            stepper.save(ckpt)
+        if ckpt and f"{name}/{method}" in CKPT_RUNS and i == CKPT_AFTER:
+            stepper.save(ckpt / f"{name}-{method}")
     val = stepper.eval_loss(common.batches(1)[0][0])
     model = stepper.unwrap()
     full = sum(float(p.detach().double().sum()) for p in model.parameters()) if model is not None else None

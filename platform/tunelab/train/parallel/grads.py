@@ -27,9 +27,11 @@ def global_norm(grads: list[torch.Tensor], pp_group=None, device="cpu") -> torch
     return sq.sqrt()
 
 
-def clip_(grads: list[torch.Tensor], max_norm: float | None, pp_group=None, device="cpu") -> float:
-    """Scale gradients so their global norm is at most max_norm; returns the norm before clipping."""
-    norm = float(global_norm(grads, pp_group, device))
+def clip_(grads: list[torch.Tensor], max_norm: float | None, pp_group=None, device="cpu",
+          norm_of: list[torch.Tensor] | None = None) -> float:
+    """Scale gradients so their global norm is at most max_norm; returns the norm before clipping.
+    `norm_of`: the gradients that count in the norm, when some of `grads` are copies (tied weights)."""
+    norm = float(global_norm(grads if norm_of is None else norm_of, pp_group, device))
     if max_norm is not None and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
         for g in grads:

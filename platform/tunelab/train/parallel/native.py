@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tunelab.train.data import label_tokens
-from tunelab.train.parallel import grads, stages, tp
+from tunelab.train.parallel import grads, stages, tied, tp
 from tunelab.train.parallel.anatomy import anatomy, causal_lm
 from tunelab.train.parallel.layout import Layout
 from tunelab.train.parallel.pipeline import Pipeline
@@ -74,6 +74,7 @@ class NativeStepper(Stepper):
             layer_paths = a.layers if a else anatomy(model).layers
             for m in self.modules:
                 _shard(m, layer_paths, mesh, pcfg)
+        self.tied = tied.TiedEmbeddings(self.modules, a, layout) if layout.pp > 1 and a.tied else None
         if layout.pp > 1:
             lm = causal_lm(model)
             self.pipeline = Pipeline(self.modules, ids, layout, pcfg, lm.loss_function, lm.config.vocab_size,
@@ -100,19 +101,24 @@ class NativeStepper(Stepper):
                 loss = self._model(**b, num_items_in_batch=n).loss
                 (loss * self.grad_scale).backward()
                 total += float(loss.detach())
+        if self.tied:
+            self.tied.sum_grads()
         gs = [p.grad for p in self.params if p.grad is not None]
         pp_group = self.layout.group("pp") if self.layout.pp > 1 else None
         if fused:
             # The schedule ran backward micro-batch by micro-batch: a gradient is whole only now, so
             # LOMO/AdaLomo update here, clipped by the norm over all stages, freeing each gradient as used.
-            norm = float(grads.global_norm(gs, pp_group, self.layout.device))
+            norm = float(grads.global_norm(self._for_norm(gs), pp_group, self.layout.device))
             del gs
             self.optimizer.step(grad_norm=norm)
             return self._sum(total, "dp", "pp"), norm
-        norm = grads.clip_(gs, self.max_norm, pp_group, self.layout.device)
+        norm = grads.clip_(gs, self.max_norm, pp_group, self.layout.device, norm_of=self._for_norm(gs))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return self._sum(total, "dp", "pp"), norm
+
+    def _for_norm(self, gs: list) -> list:
+        return self.tied.for_norm(gs) if self.tied else gs
 
     def _fused_step(self, micro_batches, n_items):
         """LOMO/AdaLomo update inside backward: one graph over all micro-batches, run by the optimizer."""
@@ -152,11 +158,13 @@ class NativeStepper(Stepper):
 
     def state_dict(self):
         msd, osd = get_state_dict(self._view(), self.optimizer)
+        if self.tied:
+            osd = self.tied.rename_optim(osd, to_checkpoint=True)
         return {"model": msd, "optim": osd}
 
     def load_state_dict(self, state):
-        set_state_dict(self._view(), self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        osd = self.tied.rename_optim(state["optim"], to_checkpoint=False) if self.tied else state["optim"]
+        set_state_dict(self._view(), self.optimizer, model_state_dict=state["model"], optim_state_dict=osd)
 
     def unwrap(self):
         if not self.layout.distributed:

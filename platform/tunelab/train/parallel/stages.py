@@ -3,8 +3,9 @@
 A stage is a fresh module tree that holds only its own parts under their original paths
 (`model.layers.3` stays `model.layers.3`), so parameter names, and hence distributed
 checkpoints, are the same under every layout. Stage 0 also embeds; the last stage also
-applies the final norm and lm_head. Between stages travel the hidden states and the padding
-mask (every stage rebuilds the causal mask and rotary embeddings for itself).
+applies the final norm and lm_head (with its own copy of a tied embedding: tied.py). Between
+stages travel the hidden states and the padding mask (every stage rebuilds the causal mask and
+rotary embeddings for itself).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 
 from tunelab.errors import UserError
+from tunelab.train.parallel import tied
 from tunelab.train.parallel.anatomy import Anatomy
 
 
@@ -73,12 +75,10 @@ def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
 def build(root: nn.Module, a: Anatomy, stage_ids: list[int], n_stages: int) -> list[Stage]:
     """The stages `stage_ids` of `n_stages`; every other layer of `root` is moved to the meta
     device, so this process holds only its own stages' weights."""
-    if a.tied:
-        raise UserError("this model ties its input embedding to lm_head, which pipeline parallelism puts on "
-                        "different stages; use parallel.pp: 1 (dp and tp work) or a model with untied "
-                        "embeddings", key="parallel.pp")
     groups = split_layers(len(a.layers), n_stages)
     stages = [Stage(root, a, groups[s], first=s == 0, last=s == n_stages - 1) for s in stage_ids]
+    if a.tied:
+        tied.untie(stages, a)
     keep = {id(p) for st in stages for p in st.parameters()}
     for p in root.parameters():
         if id(p) not in keep:
