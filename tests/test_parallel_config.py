@@ -54,7 +54,8 @@ def _cell(parallel: dict, **sections):
 
 @pytest.mark.parametrize(("parallel", "sections", "reason"), [
     ({"dp": 3}, {"train": {"batch_size": 4}}, "divisible by parallel.dp"),
-    ({"dp": 2, "backend": "deepspeed"}, {"optim": {"name": "adalomo"}}, "cannot run under DeepSpeed"),
+    ({"dp": 2, "backend": "deepspeed", "zero": 2, "cpu_offload": True}, {"optim": {"name": "adalomo"}},
+     "nothing would move"),
     ({"dp": 2}, {"optim": {"name": "sophiag"}}, "Hessian"),
 ])
 def test_cross_section_checks(parallel, sections, reason):
@@ -65,9 +66,11 @@ def test_cross_section_checks(parallel, sections, reason):
 
 
 @pytest.mark.parametrize("parallel", [{"tp": 2}, {"pp": 2, "microbatches": 2}, {"dp": 2, "tp": 2, "pp": 2,
-                                                                               "microbatches": 2}])
+                                                                               "microbatches": 2},
+                                      {"dp": 2, "backend": "deepspeed", "zero": 1},
+                                      {"dp": 2, "backend": "deepspeed", "zero": 3, "cpu_offload": True}])
 @pytest.mark.parametrize("name", ["lomo", "adalomo"])
-def test_in_backward_optimizers_run_under_native_layouts(parallel, name):
+def test_in_backward_optimizers_run_under_every_engine(parallel, name):
     from tunelab.train.parallel.validate import check_cell
 
     check_cell(_cell(parallel, optim={"name": name}))  # tests/parallel runs them against one process

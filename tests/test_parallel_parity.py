@@ -15,7 +15,7 @@ import sys
 import pytest
 from conftest import REPO
 from parallel import common
-from parallel.run_layouts import CKPT_AFTER, CKPT_RUNS, LAYOUTS, methods, size
+from parallel.run_layouts import CKPT_AFTER, CKPT_RUNS, DS_RESUMES, LAYOUTS, methods, size
 
 TOL = 1e-4
 WORLDS = sorted({size(p) for p in LAYOUTS.values()})
@@ -61,7 +61,16 @@ def test_clipping_is_active(reference):
     assert any(n > common.MAX_NORM for m in common.METHODS for n in reference[m]["grad_norm"])
 
 
-@pytest.mark.parametrize("run", CKPT_RUNS)
+@pytest.mark.parametrize(("source", "target"), list(DS_RESUMES.items()))
+def test_deepspeed_checkpoint_resumes_under_another_stage(launched, reference, source, target):
+    results, log = launched[0][size(LAYOUTS[target])]
+    assert results is not None, f"torchrun wrote no results:\n{log}"
+    got, method = results[f"resume {source} -> {target}"], source.split("/")[1]
+    assert got["loss"][0] == pytest.approx(reference[method]["loss"][CKPT_AFTER], abs=TOL)
+    assert got["grad_norm"][0] == pytest.approx(reference[method]["grad_norm"][CKPT_AFTER], abs=TOL)
+
+
+@pytest.mark.parametrize("run", [r for r in CKPT_RUNS if r not in DS_RESUMES])
 def test_checkpoint_resumes_on_one_process(launched, reference, run):
     """Saved under a layout (dp2 x tp2; a pipeline with tied embeddings split across its stages), resumed
     on one process: the next step's loss is the uninterrupted run's."""

@@ -28,6 +28,21 @@ from torch.distributed.tensor import DTensor
 Closure = Callable[[], torch.Tensor]
 
 
+class EngineHooks:
+    """What a parallel engine adds around each in-backward update (DeepSpeed: parallel/ds_fused.py)."""
+
+    reforward = False  # with clipping: the update pass runs the closure again instead of a retained graph
+
+    def before(self, p: torch.Tensor) -> None:
+        """`p.grad` is complete on this rank (e.g. sum it over the data-parallel ranks)."""
+
+    def after(self, p: torch.Tensor) -> None:
+        """`p` was updated (e.g. write it back into this rank's partition)."""
+
+    def after_backward(self) -> None:
+        """A backward pass ended."""
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """Base class: subclasses implement `_update(p, grad_fp32, group)` for one parameter."""
 
@@ -40,6 +55,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.clip_grad_norm = clip_grad_norm
         self.clip_grad_value = clip_grad_value
         self.last_grad_norm = math.nan
+        self.engine_hooks = EngineHooks()
         self._mode: str | None = None  # None outside fused_step: a stray backward leaves grads alone
         self._sq_norm: torch.Tensor | None = None  # running sum of squared gradient norms, one 0-d tensor
         self._clip_coef: torch.Tensor | None = None
@@ -72,12 +88,14 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("a parameter's gradient was completed twice in one backward pass; with "
                                "LOMO/AdaLomo use non-reentrant gradient checkpointing")
         self._done.add(id(p))
+        self.engine_hooks.before(p)
         grad = p.grad.to(torch.float32)  # no copy when the weights are fp32
         p.grad = None
         self._add_norm(grad)
         if self._mode == "norm":
             return
         self._apply(p, grad)
+        self.engine_hooks.after(p)
 
     def _add_norm(self, grad: torch.Tensor) -> None:
         # Summed into one tensor (no host sync on GPU); a list of per-parameter 0-d tensors would scatter
@@ -109,6 +127,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             loss.backward(retain_graph=retain_graph)
         finally:
             self._mode = None
+            self.engine_hooks.after_backward()
         if self._sq_norm is None:
             return torch.tensor(math.nan)
         return self._sq_norm.sqrt()
@@ -131,8 +150,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             loss = closure()
         self._clip_coef = None
         if self.clip_grad_norm is not None:
-            total = self._backward(loss, "norm", retain_graph=True)
+            reforward = self.engine_hooks.reforward
+            total = self._backward(loss, "norm", retain_graph=not reforward)
             self._set_clip(total)
+            if reforward:  # the same weights and batch: the same loss and gradients
+                with torch.enable_grad():
+                    loss = closure()
             self._backward(loss, "update", retain_graph=False)
         else:
             total = self._backward(loss, "update", retain_graph=False)

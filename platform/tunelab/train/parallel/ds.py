@@ -1,4 +1,8 @@
-"""The DeepSpeed engine: ZeRO 1/2/3 data parallelism, CPU offload, bf16."""
+"""The DeepSpeed engine: ZeRO 1/2/3 data parallelism, CPU offload, bf16.
+
+Optimizers with a step (AdamW, LoRA's, ...) are handed to DeepSpeed, which wraps them in its ZeRO
+optimizer. LOMO/AdaLomo update inside backward and are not: see ds_fused.py for what each stage is then.
+"""
 
 from __future__ import annotations
 
@@ -42,10 +46,21 @@ class DeepSpeedStepper(Stepper):
         if cell.parallel.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.optimizer = optim_builder([p for p in model.parameters() if p.requires_grad])
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=ds_config(cell, layout))
+        self.fused = None
+        if hasattr(self.optimizer, "fused_step"):
+            from tunelab.train.parallel.ds_fused import FusedEngine
+
+            self.fused = FusedEngine(model, self.optimizer, cell, layout)
+            self.engine = self.fused.engine
+        else:
+            self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer,
+                                                   config=ds_config(cell, layout))
         self.gas = cell.train.grad_accum
 
     def train_step(self, micro_batches, n_items):
+        if self.fused:
+            loss, norm = self.fused.train_step(micro_batches, n_items)
+            return self._sum(loss, "dp"), norm
         if len(micro_batches) != self.gas:
             raise ValueError(f"DeepSpeed was configured for {self.gas} micro-batches per step, "
                              f"got {len(micro_batches)}")
@@ -71,10 +86,15 @@ class DeepSpeedStepper(Stepper):
         return loss, label_tokens(batch)
 
     # DeepSpeed keeps ZeRO's flat partitions in its own checkpoint format; resuming needs the same layout.
+    # A fused optimizer has no ZeRO optimizer to save: ds_fused writes full weights and its state.
     def save(self, path) -> None:
+        if self.fused:
+            return self.fused.save(path)
         self.engine.save_checkpoint(str(path), tag="latest")
 
     def load(self, path) -> None:
+        if self.fused:
+            return self.fused.load(path)
         self.engine.load_checkpoint(str(path), tag="latest")
 
     def state_dict(self):

@@ -8,8 +8,8 @@ tensor-parallel rank) run in `prepare`, where the model is at hand.
 
 from __future__ import annotations
 
-# Optimizers that update parameters inside backward: there is no optimizer step for DeepSpeed's engine to
-# drive. (Under pipeline schedules they update after the schedule's backward: see native.py.)
+# Optimizers that update parameters inside backward (under DeepSpeed in their own hooks: ds_fused.py; under
+# pipeline schedules right after the schedule's backward: native.py).
 FUSED_OPTIMIZERS = {"lomo", "adalomo"}
 
 
@@ -61,8 +61,9 @@ def check_cell(cell) -> None:
     if cell.optim.name == "sophiag" and engine:
         errs.append("optim.name sophiag refreshes its Hessian estimate on the whole model between steps, which "
                     "the parallel engines do not call; run it on one process (parallel dp = tp = pp = 1)")
-    if fused and p.backend == "deepspeed":
-        errs.append(f"optim.name {cell.optim.name} updates inside backward and cannot run under DeepSpeed's "
-                    "engine; use parallel.backend: native")
+    if fused and p.backend == "deepspeed" and p.cpu_offload and p.zero < 3:
+        errs.append(f"parallel.cpu_offload at zero {p.zero} offloads optimizer state, which optim.name "
+                    f"{cell.optim.name} (nearly) lacks, so nothing would move; use zero: 3 (offloads the "
+                    "weights) or drop cpu_offload")
     if errs:
         raise ValueError("; ".join(errs))
