@@ -165,6 +165,16 @@ def estimate(shape: Shape, s: Setup) -> Estimate:
                     trainable=int(trainable), total_params=shape.total())
 
 
+def _unsaved_inputs(shape: Shape, s: Setup) -> float:
+    """Values per token and layer that backward keeps only for a weight's gradient: with LoRA the base
+    weights are frozen, and a linear layer with a frozen weight (and no adapter) does not keep its input."""
+    if s.peft != "lora":
+        return 0.0
+    h, i, t = shape.hidden, shape.inter, set(s.lora_targets)
+    inputs = {("down",): i / s.tp, ("o",): h / s.tp, ("gate", "up"): h, ("q", "k", "v"): h}
+    return sum(size for layers, size in inputs.items() if not t & set(layers))
+
+
 def _activations(shape: Shape, s: Setup) -> float:
     h, kv, i, v = shape.hidden, shape.kv, shape.inter, shape.vocab
     rows = s.batch / s.dp
@@ -172,7 +182,7 @@ def _activations(shape: Shape, s: Setup) -> float:
         in_flight = s.microbatches if s.pp_schedule == "gpipe" else min(s.pp, s.microbatches)
         rows = rows * in_flight / s.microbatches
     tokens = rows * s.seq
-    per_layer = 6 * h + (3 * h + 2 * kv + 4 * i) / s.tp
+    per_layer = 6 * h + (3 * h + 2 * kv + 4 * i) / s.tp - _unsaved_inputs(shape, s)
     layers = shape.layers / s.pp
     body = tokens * (layers * h + per_layer) if s.activation_checkpointing else tokens * layers * per_layer
     head = tokens * (3 * h + 3 * v)
