@@ -3,10 +3,11 @@
     python benchmarks/optimizer_memory.py [--seq 64] [--only adamw,lomo]
 
 Each method runs in its own subprocess: random-init Llama (fp32, CPU), one batch of 1 x --seq tokens,
-one full training step as tunelab's loop does it (forward, backward, clip to norm 1.0, step; or the fused
-step for LOMO/AdaLomo, which clip inside their two backward passes). Measured: the process's peak RSS
-(getrusage ru_maxrss) for the whole run, and that peak minus the RSS right after the model was built
-(what training added). The ratios to AdamW are printed with the issue's goals.
+one full training step as tunelab's loop does it: forward with the loop's loss (train/loss.py), backward,
+clip to norm 1.0, step; or, for LOMO/AdaLomo, `prepare_for_fused(model)` as the loop calls it for them
+(optimizers/tied.py) and the fused step, which clips inside its two backward passes. Measured: the
+process's peak RSS (getrusage ru_maxrss) for the whole run, and that peak minus the RSS right after the
+model was built (what training added). The ratios to AdamW are printed with the issue's goals.
 
 Peak RSS also depends on glibc's allocator history: its mmap threshold grows each time a large block is
 freed, after which blocks of that size come from the heap and may stay resident after free. Update-in-
@@ -54,6 +55,9 @@ def one(method: str, seq: int) -> dict:
 
     from tunelab.config import OptimCfg
     from tunelab.train import optim
+    from tunelab.train.data import label_tokens
+    from tunelab.train.loss import causal_lm_loss
+    from tunelab.train.optimizers.tied import prepare_for_fused
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=1700, num_hidden_layers=12,
@@ -64,6 +68,10 @@ def one(method: str, seq: int) -> dict:
     after_model = rss_mb()
     ids = torch.randint(0, config.vocab_size, (1, seq))
     batch = {"input_ids": ids, "labels": ids.clone()}
+    n_items = label_tokens(batch)
+
+    def forward_loss():  # the loop's loss: the output head only where a label is (train/loss.py)
+        return causal_lm_loss(model, batch, n_items)
 
     if method == "lora":
         from peft import LoraConfig, get_peft_model
@@ -77,18 +85,20 @@ def one(method: str, seq: int) -> dict:
         from lomo_optim import Lomo
 
         opt = Lomo(model, lr=1e-3, clip_grad_norm=1.0)
-        loss = model(**batch).loss
+        loss = forward_loss()
         opt.grad_norm(loss)
         opt.fused_backward(loss, 1e-3)
         loss = float(loss)
     else:
         name = "adamw" if method == "lora" else method
         kwargs = {"hessian_interval": 1} if name == "sophiag" else {}
+        if optim.spec(name).fused:  # as loop.run() does in one process: the tied weight's one gradient buffer
+            prepare_for_fused(model)
         opt = optim.build(params, OptimCfg(name=name, lr=1e-3, kwargs=kwargs), max_grad_norm=1.0)
         if hasattr(opt, "fused_step"):
-            loss, _ = opt.fused_step(lambda: model(**batch).loss)
+            loss, _ = opt.fused_step(forward_loss)
         else:
-            out = model(**batch).loss
+            out = forward_loss()
             out.backward()
             loss = float(out)
             torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -20,7 +20,9 @@ import torch
 from tunelab.store import append_jsonl, read_jsonl, write_json, write_text
 from tunelab.train import checkpoint, optim
 from tunelab.train.data import batch_tokens, label_tokens, loader
+from tunelab.train.loss import causal_lm_loss
 from tunelab.train.metrics import mfu, peak_flops, peak_memory_mb
+from tunelab.train.optimizers.tied import prepare_for_fused
 
 Emit = Callable[..., None]
 
@@ -107,9 +109,10 @@ class BatchStream:
 
 
 def _forward_loss(model, batch: dict, n_items: int, device) -> torch.Tensor:
-    """Sum of token losses / tokens in the whole accumulated step, as transformers' Trainer does."""
+    """Sum of token losses / tokens in the whole accumulated step, as transformers' Trainer does; the output
+    head runs only at positions that carry a label (train/loss.py)."""
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    return model(**batch, num_items_in_batch=torch.tensor(n_items, device=device)).loss
+    return causal_lm_loss(model, batch, n_items)
 
 
 @torch.no_grad()
@@ -213,6 +216,8 @@ def run(model, tokenizer, datasets, cfg, run_dir: Path, emit: Emit = lambda **_:
     else:
         # Names let Muon tell embeddings from hidden matrices; LOMO/AdaLomo clip inside backward.
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if optim.spec(cfg.optim.name).fused:  # one gradient buffer for a tied embedding (optimizers/tied.py)
+            prepare_for_fused(model)
         opt = optim.build(named, cfg.optim, max_grad_norm=t.max_grad_norm)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t.schedule, t.warmup_steps, t.steps))
     attn = getattr(model.config, "_attn_implementation", "sdpa")

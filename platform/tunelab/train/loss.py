@@ -1,0 +1,76 @@
+"""The causal-LM training loss with the output head applied only where a label is.
+
+Instruction data masks the prompt and the padding (labels -100), yet a plain `model(**batch).loss` runs the
+output head (vocabulary x hidden, about a fifth of a small model's matmul FLOPs) and an fp32 log-softmax over
+the vocabulary at every position. Here the decoder body runs as the full model would run it, the hidden
+states are gathered at the positions whose shifted label is not -100, and only those rows go through the
+head and the cross-entropy: summed, then divided by `n_items` (transformers' Trainer normalization). The
+loss and the gradients are the plain path's up to float rounding.
+
+Whenever that cannot be exact (prompt-learning PEFT adds virtual tokens inside PeftModel.forward, a model
+family whose forward does more than body -> head, soft-capped or scaled logits, hooks on the root module,
+unknown batch fields), the plain forward is used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE = -100
+# Causal-LM classes whose forward is exactly body -> lm_head -> transformers' ForCausalLMLoss
+# (checked in transformers 5.x); any other family takes the plain path.
+_PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2",
+                               "phi3"})
+_BODY_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids"})
+# Config fields that change the logits after the head in some families (tanh capping, a multiplier).
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _causal_lm(model):
+    """The transformers causal LM under `model` when the head-only-at-labels path is exact, else None."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft is optional for full-parameter training
+        PeftModel = ()
+    if isinstance(model, PeftModel):
+        if model.active_peft_config.is_prompt_learning or model._forward_hooks or model._forward_pre_hooks:
+            return None
+        model = model.get_base_model()  # LoRA/DoRA/IA3 layers live inside its modules
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in _PLAIN_HEAD_TYPES:
+        return None
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS):
+        return None
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    if model.loss_function is not ForCausalLMLoss:
+        return None
+    # Root hooks (FSDP, accelerate's device placement) would be skipped by calling the body directly.
+    if model._forward_hooks or model._forward_pre_hooks or hasattr(model, "_hf_hook"):
+        return None
+    body = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if not isinstance(body, torch.nn.Module) or model.get_output_embeddings() is None:
+        return None
+    return model
+
+
+def plain_loss(model, batch: dict, n_items: torch.Tensor) -> torch.Tensor:
+    return model(**batch, num_items_in_batch=n_items).loss
+
+
+def causal_lm_loss(model, batch: dict, n_items: int | torch.Tensor) -> torch.Tensor:
+    """Sum of the token losses of `batch` (tensors on the model's device) / `n_items`."""
+    labels = batch["labels"]
+    n_items = torch.as_tensor(n_items, device=labels.device)
+    lm = _causal_lm(model)
+    if lm is None or not set(batch) - {"labels"} <= _BODY_INPUTS:
+        return plain_loss(model, batch, n_items)
+    # Position t predicts token t+1; the last position of each row predicts nothing. The row indices are
+    # taken before the body runs, so a GPU waits for them while its queue is short.
+    shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE).flatten()
+    rows = (shift != IGNORE).nonzero().squeeze(1)
+    body = getattr(lm, lm.base_model_prefix)
+    hidden = body(**{k: v for k, v in batch.items() if k != "labels"}).last_hidden_state
+    logits = lm.get_output_embeddings()(hidden.flatten(0, 1)[rows]).float()
+    loss = torch.nn.functional.cross_entropy(logits, shift[rows], reduction="sum")
+    return loss / n_items

@@ -1,0 +1,134 @@
+"""train/loss.py: the output head only at labelled positions gives the plain `model(**batch).loss` and its
+gradients (tiny Llama, fp32, padding and masked prompts), through PEFT adapters; the plain path is taken
+where the shortcut cannot be exact (prefix tuning, soft-capped logits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tunelab.config import PeftCfg
+from tunelab.train import peft
+from tunelab.train.data import IGNORE, block_causal_mask, label_tokens
+from tunelab.train.loss import _causal_lm, causal_lm_loss, plain_loss
+
+
+def tiny_llama(tied: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=tied, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).train()
+
+
+def padded_batch() -> dict[str, torch.Tensor]:
+    """Three rows of different lengths, right-padded: a masked prompt, then a reply that carries labels."""
+    g = torch.Generator().manual_seed(1)
+    lengths, prompts = (11, 7, 14), (6, 3, 9)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    labels = torch.full_like(ids, IGNORE)
+    mask = torch.zeros_like(ids)
+    for i, (n, p) in enumerate(zip(lengths, prompts)):
+        ids[i, :n] = torch.randint(1, 97, (n,), generator=g)
+        labels[i, p:n] = ids[i, p:n]
+        mask[i, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def packed_batch() -> dict[str, torch.Tensor]:
+    """One row holding two examples (positions restart at 0), then two padding tokens, as data.collate_packed."""
+    b = padded_batch()
+    ids = torch.cat([b["input_ids"][0, :11], b["input_ids"][1, :7], torch.zeros(2, dtype=torch.long)])[None]
+    labels = torch.cat([b["labels"][0, :11], b["labels"][1, :7], torch.full((2,), IGNORE)])[None]
+    pos = torch.cat([torch.arange(11), torch.arange(7), torch.zeros(2, dtype=torch.long)])[None]
+    return {"input_ids": ids, "labels": labels, "position_ids": pos, "attention_mask": block_causal_mask(pos)}
+
+
+def loss_and_grads(model, fn, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = fn(model, batch, torch.tensor(label_tokens(batch) + 3))  # + 3: a step's count spans other micro-batches
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_same_as_plain(model, batch) -> None:
+    fast_loss, fast = loss_and_grads(model, causal_lm_loss, batch)
+    plain_loss_, plain = loss_and_grads(model, plain_loss, batch)
+    torch.testing.assert_close(fast_loss, plain_loss_, rtol=1e-6, atol=1e-7)
+    assert fast.keys() == plain.keys() and fast
+    for name in plain:
+        torch.testing.assert_close(fast[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def head_rows(model, batch) -> int:
+    """Rows the output head was applied to in one causal_lm_loss call."""
+    seen = []
+    head = model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[:-1].numel()))
+    try:
+        causal_lm_loss(model, batch, 1)
+    finally:
+        handle.remove()
+    return sum(seen)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("make_batch", [padded_batch, packed_batch])
+def test_full_model_same_loss_and_gradients(tied, make_batch):
+    model, batch = tiny_llama(tied), make_batch()
+    assert_same_as_plain(model, batch)
+    assert head_rows(model, batch) == label_tokens(batch) < batch["labels"].numel()
+
+
+@pytest.mark.parametrize("method,targets", [
+    ("lora", None),
+    ("lora", ["q_proj", "v_proj", "lm_head"]),  # the head itself adapter-wrapped
+    ("dora", None),
+    ("ia3", None),
+])
+def test_peft_same_loss_and_gradients(method, targets):
+    model = peft.apply(tiny_llama(), PeftCfg(method=method, dropout=0.0, target_modules=targets))
+    if method != "ia3":  # peft starts B at zero: move it so the adapter changes the output
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(std=0.1)
+    batch = padded_batch()
+    assert _causal_lm(model) is not None
+    assert_same_as_plain(model, batch)
+    assert head_rows(model, batch) == label_tokens(batch)
+
+
+def test_no_grad_validation_value():
+    model, batch = tiny_llama(tied=True).eval(), padded_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(causal_lm_loss(model, batch, 5), plain_loss(model, batch, torch.tensor(5)))
+
+
+def test_prefix_tuning_takes_the_plain_path():
+    model = peft.apply(tiny_llama(), PeftCfg(method="prefix", num_virtual_tokens=4))
+    assert _causal_lm(model) is None
+    batch = padded_batch()
+    fast_loss, fast = loss_and_grads(model, causal_lm_loss, batch)
+    plain_loss_, plain = loss_and_grads(model, plain_loss, batch)
+    assert torch.equal(fast_loss, plain_loss_)
+    assert all(torch.equal(fast[n], plain[n]) for n in plain)
+    assert head_rows(model, batch) == batch["labels"].numel()
+
+
+def test_soft_capped_logits_take_the_plain_path():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, final_logit_softcapping=30.0)
+    assert _causal_lm(Gemma2ForCausalLM(cfg)) is None
+    cfg.final_logit_softcapping = None
+    assert _causal_lm(Gemma2ForCausalLM(cfg)) is not None
+
+
+def test_unknown_batch_fields_take_the_plain_path():
+    model, batch = tiny_llama(), padded_batch()
+    batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+    assert head_rows(model, batch) == batch["labels"].numel()
