@@ -4,7 +4,7 @@
 
 Each method runs in its own subprocess: random-init Llama (fp32, CPU), one batch of 1 x --seq tokens,
 one full training step as tunelab's loop does it: forward with the loop's loss (train/loss.py), backward,
-clip to norm 1.0, step; or, for LOMO/AdaLomo, `prepare_for_fused(model)` as the loop calls it for them
+clip to norm 1.0, step; or, for LOMO/AdaLomo, `prepare_for_fused(model, opt)` as the loop calls it for them
 (optimizers/tied.py) and the fused step, which clips inside its two backward passes. Measured: the
 process's peak RSS (getrusage ru_maxrss) for the whole run, and that peak minus the RSS right after the
 model was built (what training added). The ratios to AdamW are printed with the issue's goals.
@@ -92,9 +92,9 @@ def one(method: str, seq: int) -> dict:
     else:
         name = "adamw" if method == "lora" else method
         kwargs = {"hessian_interval": 1} if name == "sophiag" else {}
-        if optim.spec(name).fused:  # as loop.run() does in one process: the tied weight's one gradient buffer
-            prepare_for_fused(model)
         opt = optim.build(params, OptimCfg(name=name, lr=1e-3, kwargs=kwargs), max_grad_norm=1.0)
+        if optim.spec(name).fused:  # as loop.run() does in one process: the tied weight's one gradient buffer
+            prepare_for_fused(model, opt)
         if hasattr(opt, "fused_step"):
             loss, _ = opt.fused_step(forward_loss)
         else:

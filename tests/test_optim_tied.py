@@ -39,8 +39,11 @@ def max_param_diff(a, b) -> float:
     return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
-def train(model, cls, precision: str = "fp32", loop_loss: bool = False, **kw) -> list[float]:
+def train(model, cls, precision: str = "fp32", loop_loss: bool = False, prepare: bool = False,
+          **kw) -> list[float]:
     opt, batch = cls(model.parameters(), **kw), fixed_batch()
+    if prepare:  # as the loop does: with the optimizer, so its clipping pass only measures the tied gradient
+        assert prepare_for_fused(model, opt)
 
     def closure():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
@@ -60,9 +63,8 @@ CASES = {"plain": dict(lr=1e-2), "clipped+wd": dict(lr=1e-2, clip_grad_norm=0.05
 def test_same_updates_as_plain_autograd(cls, case, pad):
     plain, prepared = tiny_llama(pad=pad), tiny_llama(pad=pad)
     start = copy.deepcopy(plain)
-    assert prepare_for_fused(prepared)
     want = train(plain, cls, **CASES[case])
-    got = train(prepared, cls, **CASES[case])
+    got = train(prepared, cls, prepare=True, **CASES[case])
     assert max_param_diff(plain, start) > 1e-3  # the weights moved
     assert max_param_diff(prepared, plain) < 1e-6
     assert got == pytest.approx(want, rel=1e-6)
@@ -72,9 +74,8 @@ def test_same_updates_as_plain_autograd(cls, case, pad):
 @pytest.mark.parametrize("cls", [Lomo, AdaLomo])
 def test_same_updates_with_the_loops_loss(cls):
     plain, prepared = tiny_llama(), tiny_llama()
-    prepare_for_fused(prepared)
     want = train(plain, cls, loop_loss=True, lr=1e-2, clip_grad_norm=0.05)
-    got = train(prepared, cls, loop_loss=True, lr=1e-2, clip_grad_norm=0.05)
+    got = train(prepared, cls, loop_loss=True, prepare=True, lr=1e-2, clip_grad_norm=0.05)
     assert max_param_diff(prepared, plain) < 1e-6
     assert got == pytest.approx(want, rel=1e-6)
 
@@ -153,3 +154,20 @@ def test_untied_model_is_left_alone():
     forwards = (model.get_input_embeddings().forward, model.get_output_embeddings().forward)
     assert not prepare_for_fused(model)
     assert (model.get_input_embeddings().forward, model.get_output_embeddings().forward) == forwards
+
+
+@pytest.mark.parametrize("cls", [Lomo, AdaLomo])
+def test_clipping_pass_measures_the_tied_gradient_in_blocks(cls, monkeypatch):
+    """With the optimizer, the norm pass never builds the shared weight's gradient: it adds its squared norm,
+    block by block (10 rows, not a divisor of the 64-row vocabulary), and the updates stay the same."""
+    from tunelab.train.optimizers import tied
+
+    monkeypatch.setattr(tied, "CHUNK_ROWS", 10)
+    measured = []
+    monkeypatch.setattr(cls, "add_sq_norm", lambda self, sq, f=cls.add_sq_norm: (measured.append(sq), f(self, sq)))
+    plain, prepared = tiny_llama(), tiny_llama()
+    want = train(plain, cls, lr=1e-2, clip_grad_norm=0.05)
+    got = train(prepared, cls, prepare=True, lr=1e-2, clip_grad_norm=0.05)
+    assert len(measured) == STEPS  # once per step: in the norm pass only
+    assert got == pytest.approx(want, rel=1e-6)
+    assert max_param_diff(prepared, plain) < 1e-6

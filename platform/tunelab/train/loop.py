@@ -216,9 +216,9 @@ def run(model, tokenizer, datasets, cfg, run_dir: Path, emit: Emit = lambda **_:
     else:
         # Names let Muon tell embeddings from hidden matrices; LOMO/AdaLomo clip inside backward.
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if optim.spec(cfg.optim.name).fused:  # one gradient buffer for a tied embedding (optimizers/tied.py)
-            prepare_for_fused(model)
         opt = optim.build(named, cfg.optim, max_grad_norm=t.max_grad_norm)
+        if optim.spec(cfg.optim.name).fused:  # one gradient buffer for a tied embedding (optimizers/tied.py)
+            prepare_for_fused(model, opt)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t.schedule, t.warmup_steps, t.steps))
     attn = getattr(model.config, "_attn_implementation", "sdpa")
     stream = BatchStream(loader(datasets["train"], t.batch_size, tokenizer.pad_token_id, shuffle=True,

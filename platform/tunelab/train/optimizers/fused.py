@@ -80,7 +80,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     # --- the hook -------------------------------------------------------------------------------
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
-        if self._mode is None:
+        if self._mode is None or p.grad is None:  # None: measured without being built (add_sq_norm)
             return
         if id(p) in self._done:
             # Autograd finished this parameter's gradient twice in one pass (reentrant activation
@@ -107,6 +107,15 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._sq_norm = norm.square()
         else:
             self._sq_norm.addcmul_(norm, norm)
+
+    @property
+    def measuring(self) -> bool:
+        """In the norm pass of a clipped step: gradients are only measured, not used (see tied.py)."""
+        return self._mode == "norm"
+
+    def add_sq_norm(self, sq: torch.Tensor) -> None:
+        """Count a gradient measured without being built (a squared norm, a fresh 0-d tensor)."""
+        self._sq_norm = sq if self._sq_norm is None else self._sq_norm.add_(sq)
 
     def _apply(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         """Clip one fp32 gradient (value, then the global-norm coefficient) and update its parameter."""

@@ -9,7 +9,9 @@ tensor). For the update-in-backward optimizers that was most of what a step adds
 `prepare_for_fused(model)` routes both contributions through two small autograd functions. The head's
 backward keeps only its factors (the logits' gradient and the hidden states, a few MB) and returns no
 weight gradient; the embedding's backward, which runs last, builds G^T H in one buffer, adds the looked-up
-rows' gradients into it in place and hands that single tensor to autograd as W's gradient. W's hook then
+rows' gradients into it in place and hands that single tensor to autograd as W's gradient. In the norm pass
+of a clipped step (its graph retained, so every activation still alive) it only measures that gradient, a
+block of rows at a time, and reports the squared norm to the optimizer. W's hook then
 sees one dense gradient equal to autograd's sum (up to float rounding order), built only after the
 activations a plain backward frees have been freed. Forward values are unchanged.
 
@@ -18,17 +20,22 @@ Only for a single process: FSDP/TP shard or wrap the modules themselves.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+CHUNK_ROWS = 4096  # rows of the shared weight's gradient built at a time when only its norm is needed
+
 
 class _Link:
     """Ties one forward's embedding lookup to the head calls of the same forward."""
 
-    def __init__(self):
+    def __init__(self, optimizer=None):
+        self.optimizer = optimizer  # the fused optimizer: in its norm pass the gradient is only measured
         # (backward pass id, logits' grad, head input) per head call. The id keeps a pass that ran the
         # head but not the lookup (autograd.grad on some inner tensor) from leaking into the next pass.
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
@@ -64,6 +71,16 @@ class _Lookup(torch.autograd.Function):
         if ctx.padding_idx is not None:  # as F.embedding: the padding row gets no gradient
             keep = idx != ctx.padding_idx
             idx, rows = idx[keep], rows[keep]
+        opt = ctx.link.optimizer
+        if opt is not None and opt.measuring:
+            # The clipping pass needs only the norm, while its retained graph holds every activation: build
+            # the gradient a block of rows at a time, never whole (the update pass builds it whole).
+            parts = [(g, h) for t, g, h in pending if t == task]
+            pending.clear()
+            opt.add_sq_norm(_sq_norm(parts, idx, rows, ctx.shape))
+            return None, None, None, None
+        if rows.device.type == "cpu":
+            _release_freed_pages()
         grad = None
         while pending:  # popped one by one: each logits' gradient is freed as soon as it is used
             t, g, h = pending.pop()
@@ -79,6 +96,38 @@ class _Lookup(torch.autograd.Function):
             grad = grad.to(rows.dtype)
         grad.index_add_(0, idx, rows.to(grad.dtype))
         return None, grad, None, None
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return None
+
+
+def _release_freed_pages() -> None:
+    """glibc keeps the pages of freed activations resident; hand them back before the weight-sized
+    gradient is built, or the process holds both (malloc_trim returns whole free pages of every arena)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def _sq_norm(parts: list, idx: torch.Tensor, rows: torch.Tensor, shape) -> torch.Tensor:
+    """Squared norm of sum(g^T h) + the looked-up rows, in the dtypes the whole gradient would have."""
+    total = torch.zeros((), dtype=torch.float32, device=rows.device)
+    for a in range(0, shape[0], CHUNK_ROWS):
+        b = min(a + CHUNK_ROWS, shape[0])
+        block = None
+        for g, h in parts:
+            piece = torch.mm(g.reshape(-1, g.shape[-1])[:, a:b].t(), h.reshape(-1, h.shape[-1]).to(g.dtype))
+            block = piece if block is None else block.add_(piece)
+        block = rows.new_zeros((b - a, shape[1])) if block is None else block.to(rows.dtype)
+        sel = (idx >= a) & (idx < b)
+        block.index_add_(0, idx[sel] - a, rows[sel].to(block.dtype))
+        total += torch.linalg.vector_norm(block.float()).square()
+    return total
 
 
 class _Head(torch.autograd.Function):
@@ -107,10 +156,11 @@ class _Head(torch.autograd.Function):
         return grad_hidden, None, None, None
 
 
-def prepare_for_fused(model: nn.Module) -> bool:
+def prepare_for_fused(model: nn.Module, optimizer=None) -> bool:
     """Make a tied embedding/head pair share one gradient buffer; False (and no change) when not tied.
 
-    Call once, before building LOMO/AdaLomo, in a single-process run."""
+    Call once, in a single-process run. With the LOMO/AdaLomo `optimizer` its clipping pass measures the
+    shared weight's gradient block by block instead of building it."""
     inp, out = model.get_input_embeddings(), model.get_output_embeddings()
     if not (type(inp) is nn.Embedding and type(out) is nn.Linear and out.bias is None and inp.weight is out.weight):
         return False
@@ -122,7 +172,7 @@ def prepare_for_fused(model: nn.Module) -> bool:
     def lookup(self, ids):
         if not torch.is_grad_enabled() or not self.weight.requires_grad:
             return F.embedding(ids, self.weight, self.padding_idx)
-        current["link"] = link = _Link()
+        current["link"] = link = _Link(optimizer)
         out = _Lookup.apply(ids, self.weight, link, self.padding_idx)
         current["node"] = out.grad_fn
         return out
