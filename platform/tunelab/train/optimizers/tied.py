@@ -9,11 +9,11 @@ tensor). For the update-in-backward optimizers that was most of what a step adds
 `prepare_for_fused(model)` routes both contributions through two small autograd functions. The head's
 backward keeps only its factors (the logits' gradient and the hidden states, a few MB) and returns no
 weight gradient; the embedding's backward, which runs last, builds G^T H in one buffer, adds the looked-up
-rows' gradients into it in place and hands that single tensor to autograd as W's gradient. In the norm pass
-of a clipped step (its graph retained, so every activation still alive) it only measures that gradient, a
-block of rows at a time, and reports the squared norm to the optimizer. W's hook then
+rows' gradients into it in place and hands that single tensor to autograd as W's gradient. W's hook then
 sees one dense gradient equal to autograd's sum (up to float rounding order), built only after the
-activations a plain backward frees have been freed. Forward values are unchanged.
+activations a plain backward frees have been freed. In the norm pass of a clipped step (its graph
+retained, so every activation still alive) the lookup only measures that gradient, a block of rows at a
+time, and reports the squared norm to the optimizer. Forward values are unchanged.
 
 Only for a single process: FSDP/TP shard or wrap the modules themselves.
 """
@@ -36,8 +36,9 @@ class _Link:
 
     def __init__(self, optimizer=None):
         self.optimizer = optimizer  # the fused optimizer: in its norm pass the gradient is only measured
-        # (backward pass id, logits' grad, head input) per head call. The id keeps a pass that ran the
-        # head but not the lookup (autograd.grad on some inner tensor) from leaking into the next pass.
+        # (backward pass id, logits' grad, head input) per head call, both as (tokens, features). The id
+        # keeps a pass that ran the head but not the lookup (autograd.grad on some inner tensor) from
+        # leaking into the next pass.
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
 
@@ -86,7 +87,7 @@ class _Lookup(torch.autograd.Function):
             t, g, h = pending.pop()
             if t != task:
                 continue
-            part = torch.mm(g.reshape(-1, g.shape[-1]).t(), h.reshape(-1, h.shape[-1]).to(g.dtype))
+            part = torch.mm(g.t(), h.to(g.dtype))
             del g, h
             grad = part if grad is None else grad.add_(part)
             del part
@@ -121,7 +122,7 @@ def _sq_norm(parts: list, idx: torch.Tensor, rows: torch.Tensor, shape) -> torch
         b = min(a + CHUNK_ROWS, shape[0])
         block = None
         for g, h in parts:
-            piece = torch.mm(g.reshape(-1, g.shape[-1])[:, a:b].t(), h.reshape(-1, h.shape[-1]).to(g.dtype))
+            piece = torch.mm(g[:, a:b].t(), h.to(g.dtype))
             block = piece if block is None else block.add_(piece)
         block = rows.new_zeros((b - a, shape[1])) if block is None else block.to(rows.dtype)
         sel = (idx >= a) & (idx < b)
@@ -147,12 +148,12 @@ class _Head(torch.autograd.Function):
         del w
         if not ctx.needs_input_grad[1]:
             return grad_hidden, None, None, None
-        h = hidden if ctx.dtype is None else hidden.to(ctx.dtype)
+        h = (hidden if ctx.dtype is None else hidden.to(ctx.dtype)).reshape(-1, hidden.shape[-1])
+        g = grad_logits.reshape(-1, grad_logits.shape[-1])
         if ctx.link is None:  # no lookup in this forward (inputs_embeds): the head's own gradient
-            g2 = grad_logits.reshape(-1, grad_logits.shape[-1])
-            return grad_hidden, torch.mm(g2.t(), h.reshape(-1, h.shape[-1])).to(weight.dtype), None, None
+            return grad_hidden, torch.mm(g.t(), h).to(weight.dtype), None, None
         # The lookup's backward, which runs last in this pass, builds W's whole gradient.
-        ctx.link.pending.append((torch._C._current_graph_task_id(), grad_logits, h))
+        ctx.link.pending.append((torch._C._current_graph_task_id(), g, h))
         return grad_hidden, None, None, None
 
 

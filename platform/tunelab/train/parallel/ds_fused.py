@@ -12,7 +12,7 @@ What each ZeRO stage means here (measured with deepspeed 0.19.8):
   DeepSpeed refuses ZeRO-1/2 without an optimizer to wrap. The engine is therefore built at stage 0,
   without an optimizer: for these optimizers ZeRO-1 and ZeRO-2 are plain data parallelism (the engine
   broadcasts rank 0's weights at start, the hooks reduce gradients). `cpu_offload` there would move
-  optimizer state, which these optimizers (nearly) lack: it changes nothing.
+  optimizer state, which these optimizers (nearly) lack, so validate.py refuses it.
 - ZeRO-3 partitions the parameters (DeepSpeed's ZeRO-Offload module hooks, which gather each module's
   weights around its forward and backward). A hook fires while its parameter is still gathered and its
   `.grad` is the full local gradient; after the reduction every rank holds the same full gradient and the
