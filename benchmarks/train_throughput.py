@@ -74,20 +74,22 @@ def run_tunelab(cfg, device, ds, tok, tokens, warmup, plain_loss: bool = False) 
     import torch
 
     from tunelab import models, train
-    from tunelab.train import loop, loss
+    from tunelab.events import Step
+    from tunelab.train import loss
+    from tunelab.train.parallel import local
 
     model, _ = models.load(cfg.model, device)
     stamps: dict[int, tuple[float, float]] = {}
 
-    def emit(**ev):
-        if ev.get("stage") == "train":
+    def emit(ev):
+        if isinstance(ev, Step):
             _sync(device)
-            stamps[ev["step"]] = _now()
+            stamps[ev.step] = _now()
 
     def plain(m, batch, n_items):
         return loss.plain_loss(m, batch, torch.as_tensor(n_items, device=batch["labels"].device))
 
-    with tempfile.TemporaryDirectory() as tmp, mock.patch.object(loop, "causal_lm_loss",
+    with tempfile.TemporaryDirectory() as tmp, mock.patch.object(local, "causal_lm_loss",
                                                                  plain if plain_loss else loss.causal_lm_loss):
         train.run(model, tok, ds, cfg, Path(tmp), emit)
     return timed(stamps, tokens, warmup)

@@ -17,7 +17,7 @@ CASES = {
                     ["base.data.maxlen", "unknown key", "max_length"]),
     "wrong_type": (GOOD + "  train: {steps: ten}\n", ["base.train.steps", "integer", "'ten'"]),
     "empty_axis": (GOOD + "matrix:\n  peft.method: []\n", ["matrix.peft.method", "at least one value"]),
-    "unknown_model": (GOOD.replace("tiny-random-llama", "./no/such/model"),
+    "unknown_model": (GOOD.replace("tiny-random-llama", "no such model"),
                       ["base.model.name", "not a catalog alias", "tiny-random-llama"]),
     "unknown_optimizer": (GOOD + "matrix:\n  optim.name: [adamw, adamz]\n",
                           ["matrix.optim.name[1]", "unknown optimizer", "adamw"]),
@@ -43,6 +43,17 @@ def test_bad_matrix(cli, tmp_path, case, command):
     for needle in needles:
         assert needle in message, message
     assert not runs.exists()
+
+
+def test_a_model_folder_missing_here_plans_but_does_not_run(cli, tmp_path):
+    """A path is checked on the machine that runs the cell (it may exist on the cluster), never at plan time."""
+    path = write(tmp_path / "m.yaml", GOOD.replace("tiny-random-llama", "./no/such/model"))
+    code, out, err = cli("plan", path)
+    assert code == 0, err
+    code, out, err = cli("run", path, "--runs-dir", tmp_path / "runs")
+    message = " ".join(err.split())
+    assert code == 2 and "m.yaml" in message and "model.name" in message and "no folder" in message, message
+    assert "Traceback" not in out + err and not (tmp_path / "runs").exists()
 
 
 def test_missing_file(cli, tmp_path):

@@ -91,6 +91,7 @@ def test_packed_loss_equals_unpacked_loss(data, attn):
 def test_training_loop_losses_match_packed_and_unpacked(data, tmp_path):
     """The loop, on a batch that holds the whole training set each step, packed or not."""
     from tunelab.train.loop import run
+    from tunelab.train.validation import Validation
 
     recipe, tok, built = data
     losses = {}
@@ -102,7 +103,7 @@ def test_training_loop_losses_match_packed_and_unpacked(data, tmp_path):
             "train": {"steps": 3, "batch_size": len(ds["train"]), "save_final": False, "seed": 0},
             "eval": {"tasks": ["val_loss"]}, "tracking": {"wandb": False}})
         out = tmp_path / str(pack)
-        result = run(tiny_llama(len(tok)), tok, ds, cfg, out)
+        result = run(tiny_llama(len(tok)), tok, ds, cfg, out, validation=Validation.of(cfg.eval))
         steps = [json.loads(x)["loss"] for x in (out / "train" / "metrics.jsonl").read_text().splitlines()]
         losses[pack] = steps + [result.val_loss]
     assert np.allclose(losses[True], losses[False], atol=1e-5, rtol=0), losses

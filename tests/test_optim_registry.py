@@ -77,6 +77,14 @@ def test_bad_optimizer_arguments_fail_at_plan_time(cli, tmp_path, case):
         assert needle in message, message
 
 
+def check_compatible(cell: CellConfig) -> None:
+    from tunelab.plan.optim import compatible
+
+    errs = compatible(cell)
+    if errs:
+        raise ValueError("; ".join(errs))
+
+
 def cell(**sections) -> CellConfig:
     return CellConfig.model_validate({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"},
                                       **sections})
@@ -85,12 +93,12 @@ def cell(**sections) -> CellConfig:
 @pytest.mark.parametrize("name", ["lomo", "adalomo"])
 def test_update_in_backward_refuses_accumulation_and_fp16(name):
     with pytest.raises(ValueError, match="train.grad_accum.*batch_size"):
-        optim.check_compatible(cell(optim={"name": name}, train={"grad_accum": 2}))
+        check_compatible(cell(optim={"name": name}, train={"grad_accum": 2}))
     with pytest.raises(ValueError, match="float16.*loss scaling.*bfloat16"):
-        optim.check_compatible(cell(optim={"name": name}, model={"name": "tiny-random-llama", "dtype": "float16"}))
-    optim.check_compatible(cell(optim={"name": name}, model={"name": "tiny-random-llama", "dtype": "bfloat16"}))
-    optim.check_compatible(cell(optim={"name": name}, peft={"method": "lora"}))
-    optim.check_compatible(cell(optim={"name": "adamw"}, train={"grad_accum": 2}))
+        check_compatible(cell(optim={"name": name}, model={"name": "tiny-random-llama", "dtype": "float16"}))
+    check_compatible(cell(optim={"name": name}, model={"name": "tiny-random-llama", "dtype": "bfloat16"}))
+    check_compatible(cell(optim={"name": name}, peft={"method": "lora"}))
+    check_compatible(cell(optim={"name": "adamw"}, train={"grad_accum": 2}))
 
 
 def test_the_optimizers_x_peft_matrix_plans_every_sensible_cell():
@@ -104,4 +112,4 @@ def test_the_optimizers_x_peft_matrix_plans_every_sensible_cell():
     assert ("lomo", "none") in pairs and ("adalomo", "none") in pairs and ("lomo", "lora") not in pairs
     assert ("muon", "prompt") not in pairs and ("muon", "p_tuning") in pairs
     for c in cells:
-        optim.check_compatible(c.config)
+        check_compatible(c.config)

@@ -59,7 +59,7 @@ def _cell(parallel: dict, **sections):
     ({"dp": 2}, {"optim": {"name": "sophiag"}}, "Hessian"),
 ])
 def test_cross_section_checks(parallel, sections, reason):
-    from tunelab.train.parallel.validate import check_cell
+    from tunelab.plan.parallel import check_layout as check_cell
 
     with pytest.raises(ValueError, match=reason):
         check_cell(_cell(parallel, **sections))
@@ -71,7 +71,7 @@ def test_cross_section_checks(parallel, sections, reason):
                                       {"dp": 2, "backend": "deepspeed", "zero": 3, "cpu_offload": True}])
 @pytest.mark.parametrize("name", ["lomo", "adalomo"])
 def test_in_backward_optimizers_run_under_every_engine(parallel, name):
-    from tunelab.train.parallel.validate import check_cell
+    from tunelab.plan.parallel import check_layout as check_cell
 
     check_cell(_cell(parallel, optim={"name": name}))  # tests/parallel runs them against one process
 

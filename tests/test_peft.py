@@ -92,17 +92,27 @@ def test_missing_target_module_is_a_user_error():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-def test_qlora_is_refused_at_plan_time_without_cuda(tmp_path, cli):
+def test_qlora_plans_anywhere_and_is_refused_where_it_cannot_run(tmp_path, cli):
+    import torch
+
     path = tmp_path / "m.yaml"
     path.write_text("name: q\nbase: {model: {name: tiny-random-llama}, data: {recipe: arithmetic}}\n"
                     "matrix: {peft.method: [lora, qlora]}\n")
-    code, _, err = cli("plan", path)
+    code, out, err = cli("plan", path)  # a CPU login node plans (and submits) a GPU matrix
+    assert code == 0 and "qlora" in out, err
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal below is for machines without it")
+    code, _, err = cli("run", path, "--runs-dir", tmp_path / "runs")
     assert code == 2 and "peft.method" in err and "CUDA" in err, err
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
 
 
 def test_qlora_needs_a_cuda_device_at_load():
+    from tunelab.plan import Invalid, cell_config
+
     with pytest.raises(UserError, match="needs a CUDA device"):
         peft.load_kwargs(cell_cfg().peft.model_copy(update={"method": "qlora"}), "cpu")
-    cell = cell_cfg(device="cpu")
-    with pytest.raises(ValueError, match="train.device is cpu"):
-        peft.check_cell(cell.model_copy(update={"peft": cell.peft.model_copy(update={"method": "qlora"})}))
+    raw = {"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"}, "peft": {"method": "qlora"},
+           "train": {"device": "cpu"}}
+    with pytest.raises(Invalid, match="train.device is cpu"):
+        cell_config(raw)

@@ -52,7 +52,7 @@ def runs(tmp_path_factory):
     whole = prepare(tmp / "whole")
     from tunelab.cell import run_cell
 
-    run_cell(whole, lambda **_: None)  # the uninterrupted reference, in this process: same stages, same seeds
+    run_cell(whole)  # the uninterrupted reference, in this process: same stages, same seeds
 
     killed = prepare(tmp / "killed")
     proc = start_cell(killed)

@@ -46,14 +46,15 @@ def test_run_writes_the_store_and_leaderboard(done_run):
     cells = sorted(p for p in mdir.iterdir() if p.is_dir())
     assert [c.name.split("-")[0] for c in cells] == ["lora", "none"]
     for cell in cells:
-        for f in ("config.yaml", "status.json", "env.json", "cell.json", "train/metrics.jsonl",
-                  "train/summary.json", "eval/results.json", "eval/samples.jsonl"):
+        (evaluation,) = (cell / "eval").iterdir()  # eval/<eval-id>/: this evaluation's results
+        for f in ("config.yaml", "status.json", "env.json", "cell.json", "train/metrics.jsonl", "train/summary.json",
+                  f"eval/{evaluation.name}/results.json", f"eval/{evaluation.name}/samples.jsonl"):
             assert (cell / f).is_file(), f"{cell.name}/{f}"
         assert json.loads((cell / "status.json").read_text())["state"] == "done"
         steps = read_jsonl(cell / "train" / "metrics.jsonl")
         assert [s["step"] for s in steps] == [1, 2, 3]
         assert all(s["loss"] > 0 and s["tokens_per_s"] > 0 and s["peak_mem_mb"] > 0 for s in steps)
-        tasks = json.loads((cell / "eval" / "results.json").read_text())["tasks"]
+        tasks = json.loads((evaluation / "results.json").read_text())["tasks"]
         assert tasks["humaneval"]["n"] == 2 and 0 <= tasks["humaneval"]["value"] <= 1
         assert tasks["val_loss"]["value"] > 0
         assert list((cell / "wandb").glob("offline-run-*")), "W&B offline run missing"

@@ -1,47 +1,52 @@
 """One cell, end to end: `python -m tunelab.cell RUN_DIR`.
 
-Reads RUN_DIR/config.yaml, runs the stages (model, data, PEFT, train, eval, tracking) and writes
-its outputs and status. Progress events go to stdout as JSON lines, for whoever launched it;
-everything else a library prints is sent to stderr so it cannot corrupt that stream.
+Reads RUN_DIR/config.yaml, checks what this machine must offer, and runs the stages: model, data, PEFT,
+train (on every process of the layout), then the evaluation named by the config's eval section on the main
+process. A cell whose training is done (final/ weights, status `trained`) only evaluates, on one process:
+adding a task to a finished matrix trains nothing again (folders.py). Progress events (tunelab.events) go to
+stdout as JSON lines for whoever launched it; everything else a library prints is sent to stderr, so it
+cannot corrupt that stream.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from tunelab import events, folders
+from tunelab.config import CellConfig
+from tunelab.events import Emit, Stage
+from tunelab.runtime import Layout, Runtime
+from tunelab.store import read_json, read_status, write_json, write_status
 
-def _event_stream():
+
+def _event_stream() -> Emit:
     """Keep the real stdout for events and point fd 1 at stderr for everything else."""
-    events = os.fdopen(os.dup(1), "w", buffering=1)
+    stream = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-
     listening = True
 
-    def emit(**event) -> None:
+    def emit(event) -> None:
         nonlocal listening
         if listening:
             try:
-                events.write(json.dumps(event) + "\n")
+                stream.write(events.encode(event) + "\n")
             except BrokenPipeError:  # the launcher went away: the work (and its files) still count
                 listening = False
 
     return emit
 
 
-def device_for(name: str):
-    import torch
-
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+def read_config(run_dir: Path) -> CellConfig:
+    """The resolved config the runner wrote (it passed every plan-time check then)."""
+    return CellConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
 
 
 def _barrier() -> None:
@@ -51,87 +56,141 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def run_cell(run_dir: Path, emit, cfg=None, layout=None) -> None:
-    """The stages of one cell, on every process of its layout; only the main process writes files.
-    Without cfg and layout: read RUN_DIR/config.yaml and run as one plain process."""
+@dataclass
+class _Run:
+    run_dir: Path
+    cfg: CellConfig
+    rt: Runtime
+    emit: Emit
+    timings: dict[str, float] = field(default_factory=dict)
+    tracker: object = None
+
+
+def _tracker(run: _Run, resuming: bool):
+    from tunelab.tracking import Tracker
+
+    meta = read_json(run.run_dir / "cell.json") or {}
+    return Tracker(run.cfg, run.run_dir, group=meta.get("matrix", "adhoc"), name=meta.get("slug", run.run_dir.name),
+                   config=run.cfg.model_dump(mode="json"),
+                   tags=[f"{k}={v}" for k, v in meta.get("varying", {}).items()], resuming=resuming)
+
+
+def _train(run: _Run):
+    """Load, build data, wrap, train on every process. -> (trained model, tokenizer, datasets, val loss)."""
     from transformers import set_seed
 
-    from tunelab import env, evals, models, train
+    from tunelab import models, train
     from tunelab.data.build import build as build_data
-    from tunelab.store import read_json, write_json, write_status
-    from tunelab.tracking import Tracker
-    from tunelab.train import checkpoint, peft
+    from tunelab.paths import cache_dir
+    from tunelab.train import peft
+    from tunelab.train.validation import Validation
 
-    if cfg is None:
-        from tunelab.config import CellConfig
-        from tunelab.train import parallel
+    cfg, rt, t0 = run.cfg, run.rt, time.perf_counter()
+    run.emit(Stage("load"))
+    set_seed(cfg.train.seed)  # weights a model may create on load
+    model, tokenizer = models.load(cfg.model, rt, **peft.load_kwargs(cfg.peft, rt.device))
+    run.emit(Stage("data"))
+    if not rt.is_main:  # the main process builds the cache once; the others read it
+        _barrier()
+    datasets = build_data(cfg.data, tokenizer, cache_dir())
+    if rt.is_main:
+        _barrier()
+    # Again: building data draws from the global RNGs on a cache miss only, and adapter init must not
+    # depend on whether the data was cached.
+    set_seed(cfg.train.seed)
+    model = peft.apply(model, cfg.peft)
+    run.timings["setup_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    result = train.run(model, tokenizer, datasets, cfg, run.run_dir, run.emit, runtime=rt,
+                       validation=Validation.of(cfg.eval))
+    run.timings["train_s"] = time.perf_counter() - t0
+    if rt.is_main:
+        write_status(run.run_dir, "running", timings=run.timings, trained=cfg.train.save_final)
+        run.tracker.summary({f"train/{k}": v for k, v in result.summary().items()})
+    return result.model, tokenizer, datasets, result.val_loss
 
-        cfg = CellConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
-        layout = parallel.setup(cfg.parallel)
+
+def _load_trained(run: _Run):
+    """The saved final/ weights (base + adapter for PEFT cells) and the datasets, for another evaluation."""
+    from tunelab.data.build import build as build_data
+    from tunelab.paths import cache_dir
+    from tunelab.train import peft
+    from tunelab.train.validation import Validation
+
+    run.emit(Stage("load"))
+    model, tokenizer = peft.load_trained(run.cfg, run.run_dir / "final", run.rt)
+    summary = read_json(run.run_dir / "train" / "summary.json") or {}
+    val = Validation.of(run.cfg.eval)
+    # The training stage's final validation loss counts when it was measured the way this evaluation asks.
+    same = summary.get("validation") == val.settings()
+    datasets = build_data(run.cfg.data, tokenizer, cache_dir()) if val.final else None
+    return model, tokenizer, datasets, summary.get("val_loss") if same else None
+
+
+def _evaluate(run: _Run, model, tokenizer, datasets, val_loss) -> None:
+    from tunelab import evals
+    from tunelab.train import peft
+
+    t0 = time.perf_counter()
+    ctx = evals.Context(out_dir=folders.eval_dir(run.run_dir, run.cfg.eval.id()),
+                        validation=datasets["validation"] if datasets else None, val_loss=val_loss)
+    scores = evals.run(peft.for_eval(model), tokenizer, run.cfg.eval, ctx, run.emit)
+    run.timings["eval_s"] = time.perf_counter() - t0
+    run.tracker.summary({f"eval/{k}": r["value"] for k, r in scores["tasks"].items() if r.get("value") is not None})
+
+
+def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None = None,
+             layout: Layout | None = None) -> None:
+    """The stages of one cell, on every process of its layout; only the main process writes files.
+    Without cfg and layout: read RUN_DIR/config.yaml and run as one plain process (or evaluate only)."""
+    from tunelab import env, runtime
+
+    cfg = cfg or read_config(run_dir)
+    evaluate_only = folders.is_trained(run_dir)
+    layout = layout or Layout(device=runtime.device_of(cfg.train.device))
+    run = _Run(run_dir, cfg, runtime.resolve(cfg, layout), emit)
+    if evaluate_only:  # keep the training's timings beside this evaluation's
+        run.timings.update(read_status(run_dir).get("timings") or {})
     main = layout.is_main
-    meta = read_json(run_dir / "cell.json") or {}
-    timings: dict[str, float] = {}
-    tracker = None
     if main:
         write_json(run_dir / "env.json", env.snapshot())
-        write_status(run_dir, "running", started_at=time.time(), pid=os.getpid(), timings=timings,
-                     world_size=layout.pp * layout.dp * layout.tp)
-        tracker = Tracker(cfg, run_dir, group=meta.get("matrix", "adhoc"), name=meta.get("slug", run_dir.name),
-                          config=cfg.model_dump(mode="json"),
-                          tags=[f"{k}={v}" for k, v in meta.get("varying", {}).items()],
-                          resuming=cfg.train.resume and checkpoint.latest(run_dir) is not None)
+        write_status(run_dir, "running", started_at=time.time(), pid=os.getpid(), timings=run.timings,
+                     world_size=run.rt.world_size, evaluating_only=evaluate_only)
+        run.tracker = _tracker(run, resuming=evaluate_only or _has_checkpoint(run_dir, cfg))
+        run.emit = _with_tracker(emit, run.tracker)
     try:
-        t0 = time.perf_counter()
-        emit(stage="load")
-        set_seed(cfg.train.seed)  # weights a model may create on load
-        device = layout.device if layout.distributed else device_for(cfg.train.device)
-        model, tokenizer = models.load(cfg.model, device, **peft.load_kwargs(cfg.peft, device))
-        emit(stage="data")
-        if not main:  # the main process builds the cache once; the others read it
-            _barrier()
-        datasets = build_data(cfg.data, tokenizer, models.cache_dir())
-        if main:
-            _barrier()
-        # Again: building data draws from the global RNGs on a cache miss only, and adapter init must not
-        # depend on whether the data was cached.
-        set_seed(cfg.train.seed)
-        model = peft.apply(model, cfg.peft)
-        timings["setup_s"] = time.perf_counter() - t0
-
-        def emit_and_log(**event):
-            if event.get("stage") == "train" and tracker:
-                metrics = event.pop("metrics", {})
-                tracker.log({("val/loss" if k == "val_loss" else f"train/{k}"): v for k, v in metrics.items()
-                             if k != "step" and v is not None}, step=event["step"])
-            emit(**event)
-
-        t0 = time.perf_counter()
-        result = train.run(model, tokenizer, datasets, cfg, run_dir, emit_and_log, layout=layout)
-        timings["train_s"] = time.perf_counter() - t0
-
+        runtime.check_host(cfg, file=run_dir / "config.yaml")
+        stages = _load_trained(run) if evaluate_only else _train(run)
         if main:  # evaluation needs the whole model: one process does it while the others wait
-            t0 = time.perf_counter()
-            ctx = evals.Context(out_dir=run_dir / "eval", validation=datasets["validation"],
-                                val_loss=result.val_loss)
-            scores = evals.run(peft.for_eval(result.model), tokenizer, cfg.eval, ctx, emit)
-            timings["eval_s"] = time.perf_counter() - t0
-            tracker.summary({**{f"train/{k}": v for k, v in result.summary().items()},
-                             **{f"eval/{k}": r["value"] for k, r in scores["tasks"].items()
-                                if r.get("value") is not None}})
-            tracker.finish()
-            write_status(run_dir, "done", finished_at=time.time(), timings=timings)
+            _evaluate(run, *stages)
+            run.tracker.finish()
+            write_status(run_dir, "done", finished_at=time.time(), timings=run.timings)
         _barrier()
     except KeyboardInterrupt:
         if main:  # interrupted, not broken: the next `exp run` picks it up (from its last checkpoint)
-            tracker.finish(failed=True)
-            write_status(run_dir, "pending", finished_at=time.time(), timings=timings, note="interrupted")
+            run.tracker.finish(failed=True)
+            write_status(run_dir, "pending", finished_at=time.time(), timings=run.timings, note="interrupted")
         raise
     except BaseException as e:
         if main:
-            tracker.finish(failed=True)
-            write_status(run_dir, "failed", finished_at=time.time(), timings=timings,
+            run.tracker.finish(failed=True)
+            write_status(run_dir, "failed", finished_at=time.time(), timings=run.timings,
                          error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
         raise
+
+
+def _has_checkpoint(run_dir: Path, cfg: CellConfig) -> bool:
+    from tunelab.train import checkpoint
+
+    return cfg.train.resume and checkpoint.latest(run_dir) is not None
+
+
+def _with_tracker(emit: Emit, tracker) -> Emit:
+    def both(event) -> None:
+        tracker.on_event(event)
+        emit(event)
+
+    return both
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,18 +200,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from contextlib import nullcontext
 
-    from tunelab.config import CellConfig
     from tunelab.store import Locked, lock
     from tunelab.train import parallel
 
     run_dir = Path(argv[0]).resolve()
     emit = _event_stream()
     try:
-        cfg = CellConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
-        layout = parallel.setup(cfg.parallel)  # joins torchrun's process group for multi-process layouts
-        if not layout.is_main:
-            emit = _quiet
-        with lock(run_dir) if layout.is_main else nullcontext():
+        cfg = read_config(run_dir)
+        # A trained cell only evaluates, on one process; training joins torchrun's process group.
+        layout = None if folders.is_trained(run_dir) else parallel.setup(cfg.parallel)
+        if layout is not None and not layout.is_main:
+            emit = events.ignore  # events come from the main process only
+        with lock(run_dir) if layout is None or layout.is_main else nullcontext():
             run_cell(run_dir, emit, cfg, layout)
     except Locked:
         print(f"{run_dir} is locked by another process", file=sys.stderr)
@@ -166,10 +225,6 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
-
-
-def _quiet(**event) -> None:
-    """Events come from the main process only."""
 
 
 if __name__ == "__main__":

@@ -72,11 +72,16 @@ def run(
     chosen = runner.select(cells, only)
     if not chosen:
         raise UserError(f"--only {only!r} matches none of the cells: {', '.join(c.slug for c in cells)}")
-    for c in chosen:  # a layout that cannot split over the nodes fails before anything is written
+    for c in chosen:  # what cannot run here fails before anything is written
         procs_per_node(runner.world_size(c), how)
+        if how.launcher == "local":  # a SLURM job runs elsewhere: its machine is checked where it runs
+            from tunelab.runtime import check_host
+
+            check_host(c.config, file=file)
     mdir = runs_dir / spec.name
     mdir.mkdir(parents=True, exist_ok=True)
     write_text(mdir / "matrix.yaml", file.read_text())
+    runner.write_index(mdir, cells)
     outcomes = runner.run_cells(chosen, spec.name, runs_dir, rerun_failed=rerun_failed, fail_fast=fail_fast,
                                 console=err, how=how)
     if how.launcher == "slurm":
@@ -126,12 +131,12 @@ def leaderboard_cmd(matrix_dir: Annotated[Path, typer.Argument(help="runs/<matri
 @app.command()
 def models() -> None:
     """List the model catalog's aliases."""
-    from tunelab.models import CATALOG
+    from tunelab.registries import MODELS
 
     table = Table(title="model catalog")
     table.add_column("alias")
     table.add_column("what")
-    for name, a in CATALOG.items():
+    for name, a in MODELS.items():
         table.add_row(name, a.description)
     out.print(table)
 

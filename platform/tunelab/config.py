@@ -1,13 +1,18 @@
 """The schema of one experiment cell. Each section is a pydantic model; unknown keys are errors.
 
-The field descriptions are the reference documentation: `exp plan` and the README point here.
+Pure data: types, defaults, descriptions and the checks that need nothing else. Whatever needs a registry,
+a content folder or several sections at once is checked in `tunelab.plan`; whatever depends on the machine
+(CUDA, a local folder) where the cell runs (`tunelab.runtime.check_host`). The field descriptions are the
+reference documentation: `exp plan` and the README point here.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Section(BaseModel):
@@ -23,13 +28,6 @@ class ModelCfg(Section):
         "auto", description="attention kernel; auto = flash_attention_2 when flash-attn is installed, the "
         "device is CUDA and the weights are 16-bit, else sdpa")
 
-    @field_validator("name")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        from tunelab.models import check_name
-
-        check_name(v)
-        return v
 
 
 class DataCfg(Section):
@@ -43,22 +41,6 @@ class DataCfg(Section):
     pack: bool = Field(False, description="pack training examples into rows of max_length tokens; attention "
                                           "and positions stay per example, so losses are unchanged")
 
-    @field_validator("recipe")
-    @classmethod
-    def _exists(cls, v: str) -> str:
-        from tunelab.data.recipe import find_recipe
-
-        find_recipe(v)
-        return v
-
-    @field_validator("template")
-    @classmethod
-    def _template(cls, v: str | None) -> str | None:
-        from tunelab.data.templates import TEMPLATES
-
-        if v is not None and v not in TEMPLATES:
-            raise ValueError(f"unknown template {v!r}; known: {', '.join(TEMPLATES)}")
-        return v
 
 
 PeftMethod = Literal["none", "lora", "dora", "ia3", "prefix", "prompt", "p_tuning", "qlora"]
@@ -80,13 +62,6 @@ class PeftCfg(Section):
     quant_type: Literal["nf4", "fp4"] = Field("nf4", description="qlora: 4-bit data type")
     double_quant: bool = Field(True, description="qlora: also quantize the quantization constants")
 
-    @field_validator("method")
-    @classmethod
-    def _runnable_here(cls, v: str) -> str:
-        from tunelab.train.peft import check_method
-
-        check_method(v)
-        return v
 
 
 class OptimCfg(Section):
@@ -97,20 +72,6 @@ class OptimCfg(Section):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="extra constructor arguments "
                                    "(checked against the constructor's signature)")
 
-    @field_validator("name")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        from tunelab.train.optim import check_name
-
-        check_name(v)
-        return v
-
-    @model_validator(mode="after")
-    def _constructor_takes_args(self) -> OptimCfg:
-        from tunelab.train.optim import check_args
-
-        check_args(self.name, self.weight_decay, self.kwargs)
-        return self
 
 
 class ParallelCfg(Section):
@@ -136,12 +97,6 @@ class ParallelCfg(Section):
         False, description="keep sharded parameters, gradients and optimizer state in CPU memory "
                            "(native: FSDP2 CPUOffloadPolicy; deepspeed: offload_optimizer, + offload_param at zero 3)")
 
-    @model_validator(mode="after")
-    def _backend_can_run(self) -> ParallelCfg:
-        from tunelab.train.parallel.validate import check_parallel
-
-        check_parallel(self)
-        return self
 
 
 def world_size(cfg: ParallelCfg) -> int:
@@ -191,39 +146,23 @@ class EvalCfg(Section):
     timeout_s: float = Field(5.0, gt=0, description="wall-clock limit per generated program")
     chat_template: bool = Field(False, description="wrap prompts in the tokenizer's chat template (the literature: no)")
 
-    @model_validator(mode="before")
+    allow_unsandboxed: bool = Field(
+        False, description="run HumanEval's generated code even where the kernel offers no sandbox (bubblewrap "
+                           "with user namespaces): only on a machine you can lose; recorded in results.json")
+
+    @field_validator("limits")
     @classmethod
-    def _apply_suite(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or not data.get("suite"):
-            return data
-        from tunelab.evals.suites import load_suite
-
-        return {**load_suite(data["suite"]), **data}
-
-    @field_validator("tasks")
-    @classmethod
-    def _known(cls, v: list[str]) -> list[str]:
-        from tunelab.evals.engine import TASKS
-
-        unknown = [t for t in v if t not in TASKS]
-        if unknown:
-            raise ValueError(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
-        return v
-
-    @field_validator("limits", "subtasks")
-    @classmethod
-    def _known_keys(cls, v: dict) -> dict:
-        from tunelab.evals.engine import TASKS
-
-        unknown = [t for t in v if t not in TASKS]
-        if unknown:
-            raise ValueError(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
-        if any(not isinstance(n, int) or n <= 0 for n in v.values() if not isinstance(n, list)):
+    def _positive(cls, v: dict) -> dict:
+        if any(not isinstance(n, int) or n <= 0 for n in v.values()):
             raise ValueError("limits must be positive integers")
         return v
 
     def limit_for(self, task: str) -> int | None:
         return self.limits.get(task, self.limit)
+
+    def id(self) -> str:
+        """Names this evaluation's results: eval/<id>/results.json in a cell's folder."""
+        return content_id(self.model_dump(mode="json"))
 
 
 class TrackingCfg(Section):
@@ -245,17 +184,21 @@ class CellConfig(Section):
     eval: EvalCfg = EvalCfg()
     tracking: TrackingCfg = TrackingCfg()
 
-    @model_validator(mode="after")
-    def _sections_fit_together(self):
-        """Checks across sections, so a combination that cannot train fails at `exp plan`, not after an hour."""
-        from tunelab.train import optim, peft
-        from tunelab.train.parallel import validate
-
-        optim.check_compatible(self)
-        peft.check_cell(self)
-        validate.check_cell(self)
-        return self
-
     def identity(self) -> dict[str, Any]:
-        """What decides a cell's results: everything but where it is logged."""
-        return self.model_dump(mode="json", exclude={"tracking"})
+        """What decides a cell's trained model: every training section, and the validation settings when
+        training measures validation loss on the way (train.eval_every). Evaluation and tracking are not
+        part of it: a new eval task evaluates the same trained model again instead of retraining it."""
+        ident = self.model_dump(mode="json", exclude={"tracking", "eval"})
+        if self.train.eval_every:
+            ident["validation"] = {"batch_size": self.eval.batch_size, "val_batches": self.eval.val_batches}
+        return ident
+
+    def id(self) -> str:
+        """The cell's folder key (a hash of `identity`)."""
+        return content_id(self.identity())
+
+
+def content_id(obj: Any) -> str:
+    """First 10 hex digits of the sha256 of canonical JSON: the same content, the same id."""
+    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:10]

@@ -6,6 +6,7 @@ The CLI turns a `UserError` into that paragraph on stderr and exit code 2, never
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -48,26 +49,51 @@ def _fields_at(model: type[BaseModel], loc: tuple) -> list[str] | None:
     return None
 
 
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a config: where (a loc tuple inside the config), what, and the value given."""
+
+    loc: tuple
+    message: str
+    value: Any = None
+
+
+class Invalid(Exception):
+    """Problems found by a plan-time check (tunelab.plan), to be explained against a file like pydantic errors."""
+
+    def __init__(self, problems: list[Problem]):
+        super().__init__("; ".join(f"{'.'.join(map(str, p.loc))}: {p.message}" for p in problems))
+        self.problems = problems
+
+
+def problems_of(err: ValidationError, model: type[BaseModel] | None) -> list[Problem]:
+    """A pydantic error as Problems, naming the allowed keys where a key is unknown."""
+    out = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        if e["type"] == "extra_forbidden":
+            allowed = _fields_at(model, loc[:-1]) if model else None
+            out.append(Problem(loc, "unknown key" + (f"; allowed keys: {', '.join(allowed)}" if allowed else "")))
+        elif e["type"] == "missing":
+            out.append(Problem(loc, "required key is missing"))
+        else:
+            out.append(Problem(loc, e["msg"].removeprefix("Value error, "), e.get("input")))
+    return out
+
+
 def explain(
-    err: ValidationError,
-    model: type[BaseModel],
+    err: ValidationError | Invalid,
+    model: type[BaseModel] | None = None,
     *,
     file: str | Path,
     where: Callable[[tuple], str] = lambda loc: ".".join(map(str, loc)),
 ) -> UserError:
-    """Turn a pydantic error into a UserError; `where` maps a config loc to a key path in the file."""
+    """Turn pydantic errors or plan-time problems into a UserError; `where` maps a config loc to a key path
+    in the file."""
+    problems = err.problems if isinstance(err, Invalid) else problems_of(err, model)
     lines = []
-    for e in err.errors():
-        loc = tuple(e["loc"])
-        if e["type"] == "extra_forbidden":
-            allowed = _fields_at(model, loc[:-1])
-            hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
-            lines.append(f"{where(loc)}: unknown key{hint}")
-        elif e["type"] == "missing":
-            lines.append(f"{where(loc)}: required key is missing")
-        else:
-            msg = e["msg"].removeprefix("Value error, ")
-            got = e.get("input")
-            shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
-            lines.append(f"{where(loc)}: {msg}{shown}")
+    for p in problems:
+        got = p.value
+        shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+        lines.append(f"{where(p.loc)}: {p.message}{shown}")
     return UserError("; ".join(lines), file=file)

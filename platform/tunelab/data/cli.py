@@ -9,7 +9,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from tunelab.errors import UserError
+from tunelab import plan
+from tunelab.config import DataCfg
+from tunelab.errors import UserError, explain
+from tunelab.paths import cache_dir as default_cache
 
 app = typer.Typer(no_args_is_help=True)
 out = Console()
@@ -26,26 +29,21 @@ CacheDir = Annotated[Path | None, typer.Option(help="cache root (default: $TUNEL
 
 
 def data_cfg(**values):
-    from pydantic import ValidationError
-
-    from tunelab.config import DataCfg
-    from tunelab.errors import explain
-
     try:
-        return DataCfg(**{k: v for k, v in values.items() if v is not None})
-    except ValidationError as e:
+        return plan.section_config("data", {k: v for k, v in values.items() if v is not None})
+    except plan.Invalid as e:
         raise explain(e, DataCfg, file="command line", where=lambda loc: "--" + "-".join(map(str, loc))) from None
 
 
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    from tunelab.models import check_name, resolve
+    from tunelab.models import resolve  # torch: imported when a command needs it, so `exp --help` stays quick
 
     try:
-        check_name(name)
-    except ValueError as e:
-        raise UserError(str(e), key="--model") from None
+        plan.section_config("model", {"name": name})
+    except plan.Invalid as e:
+        raise UserError(e.problems[0].message, key="--model") from None
     tok = AutoTokenizer.from_pretrained(resolve(name))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -54,7 +52,6 @@ def load_tokenizer(name: str):
 
 def _built(recipe, model, max_length, template, truncation, train_on_prompt, pack, num_proc, cache_dir):
     from tunelab.data.build import build_info
-    from tunelab.models import cache_dir as default_cache
 
     cfg = data_cfg(recipe=recipe, max_length=max_length, template=template, truncation=truncation,
                    train_on_prompt=train_on_prompt, pack=pack)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tunelab import registries
+
 
 class RowError(ValueError):
     """A row that does not fit its format; `field` names the offending format field."""
@@ -80,11 +82,10 @@ class Format:
         return self.fn(row, {f: mapping.get(f, f) for f in self.fields})
 
 
-FORMATS: dict[str, Format] = {f.name: f for f in (
-    Format("alpaca", ("instruction", "input", "output", "system"), _alpaca),
-    Format("sharegpt", ("conversations", "system"), _sharegpt),
-    Format("messages", ("messages", "system"), _messages),
-)}
+ALPACA = Format("alpaca", ("instruction", "input", "output", "system"), _alpaca)
+SHAREGPT = Format("sharegpt", ("conversations", "system"), _sharegpt)
+MESSAGES = Format("messages", ("messages", "system"), _messages)
+FORMATS = registries.FORMATS  # name -> Format (registered there, lazily, by the names above)
 
 
 def has_response(conv: list[dict]) -> bool:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+
+from tunelab import registries
 
 NAMES = ["Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jo", "Kai", "Lena"]
 ITEMS = ["apples", "marbles", "stickers", "pencils", "books", "cards", "shells", "stamps"]
@@ -59,4 +60,4 @@ def arithmetic(n: int = 1000, seed: int = 0) -> list[dict]:
     return rows
 
 
-GENERATORS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic}
+GENERATORS = registries.GENERATORS  # name -> generator function

@@ -15,7 +15,7 @@ from tunelab.data.generators import GENERATORS
 from tunelab.data.sources import KINDS
 from tunelab.data.templates import TEMPLATES
 from tunelab.errors import UserError, explain, load_yaml
-from tunelab.paths import available, find_named
+from tunelab.plan.sections import find_recipe
 
 
 class Source(BaseModel):
@@ -42,9 +42,9 @@ class Source(BaseModel):
         if len(given) != 1:
             raise ValueError(f"a source has exactly one of {', '.join(map(repr, KINDS))} (got {given or 'none'})")
         if self.generator is not None and self.generator not in GENERATORS:
-            raise ValueError(f"unknown generator {self.generator!r}; known: {', '.join(GENERATORS)}")
+            raise ValueError(GENERATORS.unknown(self.generator))
         if self.format not in FORMATS:
-            raise ValueError(f"unknown format {self.format!r}; known: {', '.join(FORMATS)}")
+            raise ValueError(FORMATS.unknown(self.format))
         unknown = sorted(set(self.fields) - set(FORMATS[self.format].fields))
         if unknown:
             raise ValueError(f"fields {unknown} are not fields of format {self.format!r}; "
@@ -96,16 +96,8 @@ class Recipe(BaseModel):
     @classmethod
     def _template(cls, v: str) -> str:
         if v not in TEMPLATES:
-            raise ValueError(f"unknown template {v!r}; known: {', '.join(TEMPLATES)}")
+            raise ValueError(TEMPLATES.unknown(v))
         return v
-
-
-def find_recipe(name: str) -> Path:
-    path = find_named("data_recipes", name)
-    if path is None:
-        raise ValueError(f"no recipe {name!r}: not a file and not in data_recipes/ "
-                         f"(available: {', '.join(available('data_recipes'))})")
-    return path
 
 
 def load_recipe(name: str) -> tuple[Recipe, Path]:

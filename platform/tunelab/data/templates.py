@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tunelab import registries
+
 # Stanford Alpaca's prompts, verbatim: the response follows "### Response:" directly.
 ALPACA_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -130,6 +132,7 @@ class Template:
         return "".join(s.text for s in segs if not s.trained), "".join(s.text for s in segs if s.trained)
 
 
-TEMPLATES: dict[str, Template] = {t.name: t for t in (
-    Template("alpaca", _alpaca, True), Template("plain", _plain, True), Template("chat", _chat, False),
-)}
+ALPACA = Template("alpaca", _alpaca, True)
+PLAIN = Template("plain", _plain, True)
+CHAT = Template("chat", _chat, False)
+TEMPLATES = registries.TEMPLATES  # name -> Template (registered there, lazily, by the names above)

@@ -25,28 +25,27 @@ def run_cmd(
     device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
 ) -> None:
     """Evaluate MODEL on a suite; writes OUT/results.json and OUT/samples.jsonl."""
-    from pydantic import ValidationError
     from rich.console import Console
 
-    from tunelab import evals, models
-    from tunelab.cell import device_for
-    from tunelab.config import EvalCfg, ModelCfg
+    from tunelab import evals, models, plan
+    from tunelab.config import EvalCfg
     from tunelab.errors import UserError, explain
     from tunelab.report.leaderboard import fmt
+    from tunelab.runtime import device_of
 
     raw = {"suite": suite, **{k: v for k, v in (("limit", limit), ("data_dir", data_dir), ("batch_size", batch_size))
                               if v is not None}}
     if tasks:
         raw["tasks"] = [t.strip() for t in tasks.split(",") if t.strip()]
     try:
-        model_cfg = ModelCfg(name=model)
-        cfg = EvalCfg.model_validate(raw)
-    except ValidationError as e:
+        model_cfg = plan.section_config("model", {"name": model})
+        cfg = plan.eval_config(raw)
+    except plan.Invalid as e:
         where = lambda loc: "--" + (".".join(map(str, loc)) or "suite")  # noqa: E731
         raise explain(e, EvalCfg, file="command line", where=where) from None
     if device not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device {device!r}: allowed are auto, cpu, cuda")
-    lm, tok = models.load(model_cfg, device_for(device))
+    lm, tok = models.load(model_cfg, device_of(device))
     result = evals.run(lm, tok, cfg, evals.Context(out_dir=out))
     console = Console()
     for name, r in result["tasks"].items():

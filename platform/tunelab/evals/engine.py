@@ -1,19 +1,20 @@
 """evals.run(model, tokenizer, cfg.eval, ...) -> eval/results.json (+ samples) with provenance.
 
-Tasks come from a registry: `val_loss` (measured by the training stage), `humaneval` (tunelab's
+Tasks come from a registry (tunelab.registries.TASKS): `val_loss` (measured by the training stage when it
+could, else here through train.validation), `humaneval` (tunelab's
 generator and sandbox) and the lm-eval benchmarks of `harness.BENCHMARKS` (mmlu, gsm8k, bbh and the
 smoke stand-ins), which share one lm-eval model wrapper per run: the model is never loaded twice.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tunelab import registries
+from tunelab.events import Emit, EvalTask, ignore
 from tunelab.store import write_json
 
 
@@ -35,39 +36,29 @@ class Context:
         return self._lm
 
 
-TaskFn = Callable[..., dict]
-TASKS: dict[str, TaskFn] = {}
+TASKS = registries.TASKS  # name -> TaskSpec; each spec's `run` points at one of the functions below
 
 
-def task(name: str):
-    def deco(fn: TaskFn) -> TaskFn:
-        TASKS[name] = fn
-        return fn
-
-    return deco
-
-
-@task("val_loss")
-def _val_loss(model, tokenizer, cfg, ctx: Context) -> dict:
-    base = {"task": "val_loss", "metric": "loss", "stderr": None, "shots": 0, "higher_is_better": False}
+def val_loss_task(name, model, tokenizer, cfg, ctx: Context) -> dict:
+    base = {"task": name, "metric": "loss", "stderr": None, "shots": 0, "higher_is_better": False}
     value = ctx.val_loss
     if value is None and ctx.validation is None:
         return {**base, "status": "unavailable", "reason": "no validation set (only a training cell has one)",
                 "value": None, "n": 0}
     if value is None:
-        from tunelab.train.loop import validation_loss
+        from tunelab.train.validation import model_validation_loss
 
-        value = validation_loss(model, ctx.validation, tokenizer.pad_token_id, cfg.batch_size, cfg.val_batches)
+        value = model_validation_loss(model, ctx.validation, tokenizer.pad_token_id, cfg.batch_size,
+                                      cfg.val_batches)
     n = len(ctx.validation) if ctx.validation is not None else 0
     return {**base, "status": "ok", "value": value, "n": n}
 
 
-@task("humaneval")
-def _humaneval(model, tokenizer, cfg, ctx: Context) -> dict:
+def humaneval_task(name, model, tokenizer, cfg, ctx: Context) -> dict:
     from tunelab.evals import humaneval
 
     result = humaneval.run(
-        model, tokenizer, limit=cfg.limit_for("humaneval"), max_new_tokens=cfg.max_new_tokens or 256,
+        model, tokenizer, limit=cfg.limit_for(name), max_new_tokens=cfg.max_new_tokens or 256,
         batch_size=cfg.batch_size, n_samples=cfg.n_samples, temperature=cfg.temperature, timeout_s=cfg.timeout_s,
         samples_path=ctx.out_dir / "samples.jsonl",
     )
@@ -75,7 +66,8 @@ def _humaneval(model, tokenizer, cfg, ctx: Context) -> dict:
             "headline": "pass@1: share of problems whose completion passes its tests in the sandbox"}
 
 
-def _lm_eval_task(name: str, model, tokenizer, cfg, ctx: Context) -> dict:
+def harness_task(name, model, tokenizer, cfg, ctx: Context) -> dict:
+    """An lm-eval benchmark of `harness.BENCHMARKS`."""
     from tunelab.evals import harness
 
     return harness.evaluate(
@@ -83,16 +75,6 @@ def _lm_eval_task(name: str, model, tokenizer, cfg, ctx: Context) -> dict:
         subtasks=cfg.subtasks.get(name), data_dir=cfg.data_dir, max_gen_toks=cfg.max_new_tokens,
         chat_template=cfg.chat_template, samples_path=ctx.out_dir / "samples.jsonl",
     )
-
-
-def _register_benchmarks() -> None:
-    from tunelab.evals.harness import BENCHMARKS
-
-    for name in BENCHMARKS:
-        TASKS[name] = functools.partial(_lm_eval_task, name)
-
-
-_register_benchmarks()
 
 
 def provenance(tokenizer=None) -> dict:
@@ -111,16 +93,21 @@ def provenance(tokenizer=None) -> dict:
     return out
 
 
-def run(model, tokenizer, cfg, ctx: Context, emit=lambda **_: None) -> dict:
+def run(model, tokenizer, cfg, ctx: Context, emit: Emit = ignore) -> dict:
+    """Score every task of `cfg` into ctx.out_dir/results.json, written after each task (a crash keeps what is
+    done); `complete` is set once every task is in."""
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     (ctx.out_dir / "samples.jsonl").unlink(missing_ok=True)
     results: dict[str, dict] = {}
     out = {"tasks": results, "config": cfg.model_dump(mode="json"), "versions": provenance(tokenizer),
-           "chat_template": "applied (tokenizer's template)" if cfg.chat_template else "none (plain prompts)"}
+           "chat_template": "applied (tokenizer's template)" if cfg.chat_template else "none (plain prompts)",
+           "complete": False}
     for name in cfg.tasks:
-        emit(stage="eval", task=name)
+        emit(EvalTask(name))
         t0 = time.perf_counter()
-        results[name] = {**TASKS[name](model, tokenizer, cfg, ctx), "seconds": time.perf_counter() - t0}
-        write_json(ctx.out_dir / "results.json", out)  # a crash later keeps what is done
+        results[name] = {**TASKS[name].run.load()(name, model, tokenizer, cfg, ctx),
+                         "seconds": time.perf_counter() - t0}
+        write_json(ctx.out_dir / "results.json", out)
+    out["complete"] = True
     write_json(ctx.out_dir / "results.json", out)
     return out

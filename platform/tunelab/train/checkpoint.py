@@ -1,11 +1,13 @@
 """Checkpoints under RUN_DIR/checkpoints/step-N/: everything a run needs to continue bit for bit.
 
-  model.pt        the trainable parameters (full model, or the adapter); frozen ones come from the source
-  optimizer.pt    the optimizer's state_dict, when it has one
+  model.pt        one process: the trainable parameters (full model, or the adapter); frozen ones come
+  optimizer.pt    from the source; the optimizer's state_dict, when it has one (train/parallel/local.py)
+  engine/         a parallel engine: every process's shards of model and optimizer (torch distributed
+                  checkpoint, or DeepSpeed's format)
   state.pt        scheduler, RNG states (python, numpy, torch, cuda), data position, loop counters
 
-A checkpoint is written into a temporary folder and renamed, so a run killed while saving leaves the
-previous checkpoint as the latest one.
+The stepper writes its part, the main process the rest. A checkpoint is written into a temporary folder and
+renamed once complete, so a run killed while saving leaves the previous checkpoint as the latest one.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import os
 import random
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -55,35 +56,8 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def save(run_dir: Path, step: int, *, model, opt, sched, loop_state: dict, keep: int) -> Path:
-    root = folder(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".step-{step}-"))
-    try:
-        torch.save(trainable_state(model), tmp / "model.pt")
-        # Optimizers without a state_dict (some in-backward ones) have nothing more to save.
-        if callable(getattr(opt, "state_dict", None)):
-            torch.save(opt.state_dict(), tmp / "optimizer.pt")
-        torch.save({"step": step, "scheduler": sched.state_dict(), "rng": rng_state(), **loop_state},
-                   tmp / "state.pt")
-        dest = root / f"step-{step}"
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    for _, old in all_steps(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return dest
-
-
-def save_engine(run_dir: Path, step: int, *, stepper, sched, loop_state: dict, keep: int, main: bool) -> Path:
-    """The same checkpoint from a parallel engine: every process writes its shards of model and optimizer
-    (torch distributed checkpoint, or DeepSpeed's format) under engine/, the main one the loop state.
-    Written beside the final name and renamed by the main process once all shards are in."""
+def save(run_dir: Path, step: int, *, stepper, sched, loop_state: dict, keep: int, main: bool = True) -> Path:
+    """Every process calls it (engines write shards from each rank); the main one renames and prunes."""
     import torch.distributed as dist
 
     root = folder(run_dir)
@@ -93,7 +67,10 @@ def save_engine(run_dir: Path, step: int, *, stepper, sched, loop_state: dict, k
         tmp.mkdir(parents=True)
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
     barrier()
-    stepper.save(tmp / "engine")
+    target = tmp / stepper.checkpoint_subdir
+    if main:
+        target.mkdir(parents=True, exist_ok=True)
+    stepper.save(target)
     barrier()
     if main:
         torch.save({"step": step, "scheduler": sched.state_dict(), "rng": rng_state(), **loop_state},
@@ -106,28 +83,11 @@ def save_engine(run_dir: Path, step: int, *, stepper, sched, loop_state: dict, k
     return dest
 
 
-def load(path: Path, *, model, opt, sched) -> dict:
-    """Restore model, optimizer and scheduler in place; returns the loop state (step, data position ...).
-    With model=None (a parallel engine restores its own shards) only the loop state is read.
-
-    RNG states are returned, not set: the caller sets them last, once nothing else will draw from them.
-    """
-    if model is None:
-        state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-        sched.load_state_dict(state.pop("scheduler"))
-        return state
-    saved = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
-    params = dict(model.named_parameters())
-    expected = {n for n, p in params.items() if p.requires_grad}
-    if set(saved) != expected:
-        missing, extra = sorted(expected - set(saved))[:5], sorted(set(saved) - expected)[:5]
-        raise RuntimeError(f"checkpoint {path} does not match the model (missing {missing}, unexpected {extra}); "
-                           "delete the checkpoints folder to start over")
-    with torch.no_grad():
-        for name, tensor in saved.items():
-            params[name].copy_(tensor)
-    if (path / "optimizer.pt").is_file() and callable(getattr(opt, "load_state_dict", None)):
-        opt.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+def load(path: Path, *, stepper, sched) -> dict:
+    """Restore the stepper's model and optimizer and the scheduler in place; returns the loop state (step,
+    data position ...). RNG states are returned, not set: the caller sets them last, once nothing else will
+    draw from them."""
+    stepper.load(path / stepper.checkpoint_subdir)
     # Our own file: RNG states hold numpy arrays and tuples, which weights_only refuses.
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
     sched.load_state_dict(state.pop("scheduler"))

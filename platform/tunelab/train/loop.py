@@ -1,30 +1,30 @@
 """train.run(model, tokenizer, datasets, cfg, run_dir) -> TrainResult: the training loop.
 
-Per optimizer step: `grad_accum` micro-batches, loss = sum of token losses / label tokens of the whole
-step (transformers' Trainer normalization), clipping, optimizer and scheduler step, one metrics.jsonl
-record. Every `save_every` steps a checkpoint; a run that finds one resumes from it exactly.
+The loop keeps the data order, the schedule, logging and checkpoint bookkeeping; a Stepper does each step
+(train/parallel: one process or a parallel engine). Per optimizer step: `grad_accum` micro-batches, loss =
+sum of token losses / label tokens of the whole step (transformers' Trainer normalization), clipping,
+optimizer and scheduler step, one metrics.jsonl record. Every `save_every` steps a checkpoint; a run that
+finds one resumes from it exactly. What it needs of the evaluation (validation batches) comes as an argument.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from tunelab.events import Emit, Resumed, Step, ignore
+from tunelab.runtime import Layout, Runtime, precision_of
 from tunelab.store import append_jsonl, read_jsonl, write_json, write_text
-from tunelab.train import checkpoint, optim
+from tunelab.train import checkpoint, optim, parallel
 from tunelab.train.data import batch_tokens, label_tokens, loader
-from tunelab.train.loss import causal_lm_loss
 from tunelab.train.metrics import mfu, peak_flops, peak_memory_mb
-from tunelab.train.optimizers.tied import prepare_for_fused
-
-Emit = Callable[..., None]
+from tunelab.train.validation import Validation, validation_loss
 
 
 @dataclass
@@ -41,6 +41,7 @@ class TrainResult:
     precision: str
     resumed_from: int | None
     world_size: int = 1
+    validation: dict | None = None  # how val_loss was measured: {batch_size, max_batches}
     model: object = field(default=None, repr=False)  # the trained model with full weights (main process)
 
     def summary(self) -> dict:
@@ -56,18 +57,6 @@ def lr_lambda(schedule: str, warmup: int, total: int) -> Callable[[int], float]:
                 "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[schedule]
 
     return fn
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    if precision != "auto":
-        return precision
-    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-
-
-def autocast(precision: str, device: torch.device):
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 class BatchStream:
@@ -108,198 +97,135 @@ class BatchStream:
         self.epoch, self.taken = state["epoch"], state["taken"]
 
 
-def _forward_loss(model, batch: dict, n_items: int, device) -> torch.Tensor:
-    """Sum of token losses / tokens in the whole accumulated step, as transformers' Trainer does; the output
-    head runs only at positions that carry a label (train/loss.py)."""
-    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    return causal_lm_loss(model, batch, n_items)
-
-
-@torch.no_grad()
-def validation_loss(model, ds, pad_id: int, batch_size: int, max_batches: int | None = None,
-                    precision: str = "fp32") -> float:
-    """Token-weighted mean loss over the validation set."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    attn = getattr(model.config, "_attn_implementation", "sdpa")
-    for i, batch in enumerate(loader(ds, batch_size, pad_id, shuffle=False, attn=attn)):
-        if max_batches is not None and i >= max_batches:
-            break
-        n = label_tokens(batch)
-        with autocast(precision, device):
-            total += float(_forward_loss(model, batch, n, device)) * n
-        count += n
-    model.train(was_training)
-    return total / max(count, 1)
-
-
-def stepper_validation_loss(stepper, ds, pad_id: int, batch_size: int, max_batches: int | None = None) -> float:
-    """The same token-weighted mean, computed by a parallel engine (the same value on every rank)."""
-    total, count = 0.0, 0
-    for i, batch in enumerate(loader(ds, batch_size, pad_id, shuffle=False)):
-        if max_batches is not None and i >= max_batches:
-            break
-        loss, n = stepper.eval_loss(batch)
-        total, count = total + loss, count + n
-    return total / max(count, 1)
-
-
-def enable_gradient_checkpointing(model) -> None:
-    # Non-reentrant checkpointing works when the inputs need no grad (frozen embeddings under PEFT).
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name for it
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    model.config.use_cache = False
-
-
-def _train_step(model, opt, params, micro: list[dict], n_items: int, device, precision: str,
-                max_grad_norm: float | None) -> tuple[float, float | None]:
-    if hasattr(opt, "fused_step"):
-        # Optimizers that update inside backward (LOMO, AdaLomo) run forward/backward themselves:
-        # no full set of gradients ever exists, so there is nothing to clip or step here.
-        def closure(b=micro[0]):
-            with autocast(precision, device):
-                return _forward_loss(model, b, n_items, device)
-
-        loss, norm = opt.fused_step(closure)
-        return float(loss), None if norm is None else float(norm)
-    loss = torch.zeros((), device=device)
-    for b in micro:
-        with autocast(precision, device):
-            step_loss = _forward_loss(model, b, n_items, device)
-        step_loss.backward()
-        loss += step_loss.detach()
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    loss_f, norm_f = torch.stack([loss.float(), norm.float().to(device)]).tolist()  # one device sync
-    return loss_f, norm_f
-
-
 def _truncate_metrics(path: Path, last_step: int) -> None:
     """A resumed run rewrites the steps after its checkpoint: drop them so no step appears twice."""
     kept = [r for r in read_jsonl(path) if r.get("step", 0) <= last_step]
     write_text(path, "".join(json.dumps(r, default=str) + "\n" for r in kept))
 
 
-def _uses_engine(cfg, layout) -> bool:
-    """Multi-process layouts and DeepSpeed go through a parallel engine's Stepper; one plain process
-    keeps the loop's own step (bf16 autocast, in-backward optimizers, Sophia's Hessian refresh)."""
-    return layout is not None and (layout.distributed or cfg.parallel.backend != "native")
+@dataclass
+class LoopState:
+    """What a checkpoint keeps of the loop besides the data position."""
+
+    tokens_total: int = 0
+    seconds: float = 0.0
+    loss: float = float("nan")
+    val_loss: float | None = None
 
 
-def run(model, tokenizer, datasets, cfg, run_dir: Path, emit: Emit = lambda **_: None,
-        layout=None) -> TrainResult:
+@dataclass
+class _Loop:
+    """One run of the loop: what every step needs."""
+
+    cfg: object
+    runtime: Runtime
+    stepper: parallel.Stepper
+    sched: torch.optim.lr_scheduler.LambdaLR
+    stream: BatchStream
+    run_dir: Path
+    emit: Emit
+    validate: Callable[[], float] | None  # None: no validation set
+    n_params: int
+    state: LoopState = field(default_factory=LoopState)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "train" / "metrics.jsonl"
+
+
+def _local_runtime(model, cfg) -> Runtime:
+    """A one-process runtime for a model loaded by the caller (library use, tests): its device and dtype."""
+    p = next(model.parameters())
+    engine = cfg.parallel.backend != "native"
+    attn = getattr(model.config, "_attn_implementation", "sdpa")
+    return Runtime(Layout(device=p.device), p.dtype, attn, precision_of(cfg, p.device, engine, p.dtype))
+
+
+def _setup(model, tokenizer, datasets, cfg, run_dir, emit, runtime, validation) -> _Loop:
+    t = cfg.train
+    n_params = sum(p.numel() for p in model.parameters())  # before an engine shards them
+    stepper = parallel.prepare(model, lambda ps: optim.build(ps, cfg.optim, max_grad_norm=t.max_grad_norm),
+                               cfg, runtime.layout, runtime.precision)
+    sched = torch.optim.lr_scheduler.LambdaLR(stepper.optimizer, lr_lambda(t.schedule, t.warmup_steps, t.steps))
+    attn = getattr(model.config, "_attn_implementation", "sdpa")
+    pad = tokenizer.pad_token_id
+    stream = BatchStream(loader(datasets["train"], t.batch_size, pad, shuffle=True, seed=t.seed, attn=attn))
+    val_ds = datasets["validation"]
+    validate = (lambda: validation_loss(stepper.eval_loss, val_ds, pad, validation.batch_size,
+                                        validation.max_batches)) if len(val_ds) else None
+    if runtime.is_main:
+        (run_dir / "train").mkdir(parents=True, exist_ok=True)
+    return _Loop(cfg, runtime, stepper, sched, stream, run_dir, emit, validate, n_params)
+
+
+def _resume(loop: _Loop) -> tuple[int, int | None]:
+    """(first step to run, the step resumed from): from the latest checkpoint, when there is one."""
+    ckpt = checkpoint.latest(loop.run_dir) if loop.cfg.train.resume else None
+    if ckpt is None:
+        if loop.runtime.is_main:
+            loop.metrics_path.unlink(missing_ok=True)
+        return 1, None
+    saved = checkpoint.load(ckpt, stepper=loop.stepper, sched=loop.sched)
+    loop.stream.restore(saved["data"])
+    loop.state = LoopState(**saved["loop"])
+    checkpoint.set_rng_state(saved["rng"])  # last: nothing may draw from the RNGs after this
+    if loop.runtime.is_main:
+        _truncate_metrics(loop.metrics_path, saved["step"])
+    loop.emit(Resumed(saved["step"], ckpt.name))
+    return saved["step"] + 1, saved["step"]
+
+
+def _step(loop: _Loop, step: int, peak: float | None) -> None:
+    t, st = loop.cfg.train, loop.state
+    t0 = time.perf_counter()
+    micro = [next(loop.stream) for _ in range(t.grad_accum)]
+    n_items = sum(label_tokens(b) for b in micro)
+    tokens = sum(batch_tokens(b) for b in micro)
+    lr = loop.sched.get_last_lr()[0]
+    loss, norm = loop.stepper.train_step(micro, n_items, step)
+    loop.sched.step()
+    dt = time.perf_counter() - t0
+    st.tokens_total, st.seconds, st.loss = st.tokens_total + tokens, st.seconds + dt, loss
+    mem, _ = peak_memory_mb(loop.runtime.device)
+    record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens,
+              "tokens_per_s": tokens / dt, "step_s": dt, "peak_mem_mb": mem,
+              "mfu": mfu(loop.n_params, tokens / dt, peak)}
+    if t.eval_every and step % t.eval_every == 0 and loop.validate:
+        st.val_loss = record["val_loss"] = loop.validate()
+    if loop.runtime.is_main and (step % t.log_every == 0 or step == t.steps or "val_loss" in record):
+        append_jsonl(loop.metrics_path, record)
+    loop.emit(Step(step, t.steps, loss, record))
+    if t.save_every and (step % t.save_every == 0 or step == t.steps):
+        checkpoint.save(loop.run_dir, step, stepper=loop.stepper, sched=loop.sched, keep=t.keep_checkpoints,
+                        loop_state={"data": loop.stream.state(), "loop": asdict(st)}, main=loop.runtime.is_main)
+
+
+def run(model, tokenizer, datasets, cfg, run_dir: Path, emit: Emit = ignore, *, runtime: Runtime | None = None,
+        validation: Validation = Validation()) -> TrainResult:
     """Every process of a layout calls this with the same model and data; only the main one writes files."""
     t = cfg.train
     torch.manual_seed(t.seed)
-    device = next(model.parameters()).device
-    precision = resolve_precision(t.precision, device)
-    main = layout is None or layout.is_main
-    if t.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    n_total = sum(p.numel() for p in model.parameters())
-    stepper = None
-    if _uses_engine(cfg, layout):
-        from tunelab.train import parallel
-
-        stepper = parallel.prepare(model, lambda ps: optim.build(ps, cfg.optim, max_grad_norm=t.max_grad_norm),
-                                   cfg, layout)
-        # Engines run the model in its own dtype (no autocast): report what the weights are.
-        opt = stepper.optimizer
-        precision = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
-    else:
-        # Names let Muon tell embeddings from hidden matrices; LOMO/AdaLomo clip inside backward.
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        opt = optim.build(named, cfg.optim, max_grad_norm=t.max_grad_norm)
-        if optim.spec(cfg.optim.name).fused:  # one gradient buffer for a tied embedding (optimizers/tied.py)
-            prepare_for_fused(model, opt)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t.schedule, t.warmup_steps, t.steps))
-    attn = getattr(model.config, "_attn_implementation", "sdpa")
-    stream = BatchStream(loader(datasets["train"], t.batch_size, tokenizer.pad_token_id, shuffle=True,
-                                seed=t.seed, attn=attn))
-    metrics_path = run_dir / "train" / "metrics.jsonl"
-    if main:
-        metrics_path.parent.mkdir(parents=True, exist_ok=True)
-    peak = peak_flops(device)
-
-    def val_loss() -> float:
-        args = (datasets["validation"], tokenizer.pad_token_id, cfg.eval.batch_size, cfg.eval.val_batches)
-        return stepper_validation_loss(stepper, *args) if stepper else validation_loss(model, *args, precision)
-
-    st = {"tokens_total": 0, "seconds": 0.0, "loss": float("nan"), "val_loss": None}
-    start_step, resumed_from = 1, None
-    ckpt = checkpoint.latest(run_dir) if t.resume else None
-    if ckpt is not None:
-        saved = checkpoint.load(ckpt, model=None if stepper else model, opt=None if stepper else opt, sched=sched)
-        if stepper:
-            stepper.load(ckpt / "engine")
-        stream.restore(saved["data"])
-        st.update(saved["loop"])
-        checkpoint.set_rng_state(saved["rng"])  # last: nothing may draw from the RNGs after this
-        resumed_from = start_step = saved["step"]
-        start_step += 1
-        if main:
-            _truncate_metrics(metrics_path, saved["step"])
-        emit(stage="resume", step=saved["step"], checkpoint=ckpt.name)
-    elif main:
-        metrics_path.unlink(missing_ok=True)
-
+    runtime = runtime or _local_runtime(model, cfg)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    loop = _setup(model, tokenizer, datasets, cfg, run_dir, emit, runtime, validation)
+    start, resumed_from = _resume(loop)
     model.train()
-    for step in range(start_step, t.steps + 1):
-        t0 = time.perf_counter()
-        micro = [next(stream) for _ in range(t.grad_accum)]
-        n_items = sum(label_tokens(b) for b in micro)
-        tokens = sum(batch_tokens(b) for b in micro)
-        lr = sched.get_last_lr()[0]
-        if stepper:
-            loss, norm = stepper.train_step(micro, n_items)
-        else:
-            loss, norm = _train_step(model, opt, params, micro, n_items, device, precision, t.max_grad_norm)
-        if hasattr(opt, "after_step") and not stepper:  # e.g. Sophia refreshes its Hessian estimate
-            opt.after_step(step=step, model=model, batch={k: v.to(device) for k, v in micro[-1].items()})
-        sched.step()
-        dt = time.perf_counter() - t0
-        st["tokens_total"] += tokens
-        st["seconds"] += dt
-        st["loss"] = loss
-        mem, _ = peak_memory_mb(device)
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens,
-                  "tokens_per_s": tokens / dt, "step_s": dt, "peak_mem_mb": mem,
-                  "mfu": mfu(n_total, tokens / dt, peak)}
-        if t.eval_every and step % t.eval_every == 0 and len(datasets["validation"]):
-            st["val_loss"] = record["val_loss"] = val_loss()
-        if main and (step % t.log_every == 0 or step == t.steps or "val_loss" in record):
-            append_jsonl(metrics_path, record)
-        emit(stage="train", step=step, total=t.steps, loss=loss, metrics=record)
-        if t.save_every and (step % t.save_every == 0 or step == t.steps):
-            state = {"data": stream.state(), "loop": dict(st)}
-            if stepper:
-                checkpoint.save_engine(run_dir, step, stepper=stepper, sched=sched, loop_state=state,
-                                       keep=t.keep_checkpoints, main=main)
-            else:
-                checkpoint.save(run_dir, step, model=model, opt=opt, sched=sched, keep=t.keep_checkpoints,
-                                loop_state=state)
-
-    val = None
-    if "val_loss" in cfg.eval.tasks and len(datasets["validation"]):
-        emit(stage="eval", task="val_loss")
-        val = val_loss()
-    mem, kind = peak_memory_mb(device)
+    peak = peak_flops(runtime.device)
+    for step in range(start, t.steps + 1):
+        _step(loop, step, peak)
+    val = loop.validate() if validation.final and loop.validate else None
+    mem, kind = peak_memory_mb(runtime.device)
+    st = loop.state
     result = TrainResult(
-        steps=t.steps, final_loss=st["loss"], val_loss=val,
-        tokens_per_s=st["tokens_total"] / st["seconds"] if st["seconds"] else 0.0,
-        peak_mem_mb=mem, peak_mem_kind=kind, train_seconds=st["seconds"],
-        trainable_params=sum(p.numel() for p in params), total_params=n_total,
-        precision=precision, resumed_from=resumed_from, world_size=layout.pp * layout.dp * layout.tp if layout else 1,
-        model=stepper.unwrap() if stepper else model,  # every rank takes part in gathering the weights
+        steps=t.steps, final_loss=st.loss, val_loss=val,
+        tokens_per_s=st.tokens_total / st.seconds if st.seconds else 0.0,
+        peak_mem_mb=mem, peak_mem_kind=kind, train_seconds=st.seconds, trainable_params=trainable,
+        total_params=loop.n_params, precision=runtime.precision, resumed_from=resumed_from,
+        world_size=runtime.world_size,
+        validation=None if val is None else validation.settings(),
+        model=loop.stepper.unwrap(),  # every rank takes part in gathering the weights
     )
-    if main:
+    if runtime.is_main:
         write_json(run_dir / "train" / "summary.json", result.summary())
         if t.save_final:
             result.model.save_pretrained(run_dir / "final")

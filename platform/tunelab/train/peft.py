@@ -1,15 +1,16 @@
 """PEFT methods through the peft library: `peft.method` -> how to load the base model and wrap it.
 
-Defaults for which modules to adapt come from the model family (config.model_type); `peft.target_modules`
-overrides them.
+The names and their facts (needs CUDA, prompt learning) are in tunelab.registries.PEFT, which points at the
+functions here. Defaults for which modules to adapt come from the model family (config.model_type);
+`peft.target_modules` overrides them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from tunelab.errors import UserError
+from tunelab.registries import PEFT
 
 
 @dataclass(frozen=True)
@@ -30,22 +31,7 @@ FAMILIES: dict[str, Family] = {name: _LLAMA_LIKE for name in
                                ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2")}
 
 
-@dataclass(frozen=True)
-class Method:
-    wrap: Callable  # (model, PeftCfg) -> model
-    load_kwargs: Callable = lambda cfg, device: {}  # extra from_pretrained arguments (quantization)
-    needs_cuda: bool = False
-
-
-PEFT_METHODS: dict[str, Method] = {}
-
-
-def register(name: str, **kw):
-    def deco(fn: Callable) -> Callable:
-        PEFT_METHODS[name] = Method(wrap=fn, **kw)
-        return fn
-
-    return deco
+PEFT_METHODS = PEFT  # name -> PeftSpec
 
 
 def family(model) -> Family | None:
@@ -76,23 +62,19 @@ def _lora_config(model, cfg, **extra):
                       task_type="CAUSAL_LM", **extra)
 
 
-@register("none")
-def _full(model, cfg):
+def full(model, cfg):
     return model
 
 
-@register("lora")
-def _lora(model, cfg):
+def lora(model, cfg):
     return _get_peft_model(model, _lora_config(model, cfg))
 
 
-@register("dora")
-def _dora(model, cfg):
+def dora(model, cfg):
     return _get_peft_model(model, _lora_config(model, cfg, use_dora=True))
 
 
-@register("ia3")
-def _ia3(model, cfg):
+def ia3(model, cfg):
     from peft import IA3Config
 
     fam = family(model)
@@ -103,8 +85,7 @@ def _ia3(model, cfg):
     return _get_peft_model(model, IA3Config(target_modules=targets, feedforward_modules=ff, task_type="CAUSAL_LM"))
 
 
-@register("prefix")
-def _prefix(model, cfg):
+def prefix(model, cfg):
     from peft import PrefixTuningConfig
 
     return _get_peft_model(model, PrefixTuningConfig(num_virtual_tokens=cfg.num_virtual_tokens,
@@ -112,16 +93,14 @@ def _prefix(model, cfg):
                                                      task_type="CAUSAL_LM"))
 
 
-@register("prompt")
-def _prompt(model, cfg):
+def prompt(model, cfg):
     from peft import PromptTuningConfig
 
     return _get_peft_model(model, PromptTuningConfig(num_virtual_tokens=cfg.num_virtual_tokens,
                                                      task_type="CAUSAL_LM"))
 
 
-@register("p_tuning")
-def _p_tuning(model, cfg):
+def p_tuning(model, cfg):
     from peft import PromptEncoderConfig
 
     hidden = cfg.encoder_hidden_size or model.config.hidden_size
@@ -129,7 +108,7 @@ def _p_tuning(model, cfg):
                                                       encoder_hidden_size=hidden, task_type="CAUSAL_LM"))
 
 
-def _qlora_load(cfg, device) -> dict:
+def qlora_load_kwargs(cfg, device) -> dict:
     import importlib.util
 
     import torch
@@ -146,8 +125,7 @@ def _qlora_load(cfg, device) -> dict:
         bnb_4bit_compute_dtype=torch.bfloat16)}
 
 
-@register("qlora", load_kwargs=_qlora_load, needs_cuda=True)
-def _qlora(model, cfg):
+def qlora(model, cfg):
     from peft import prepare_model_for_kbit_training
 
     # The loop turns on gradient checkpointing itself when train.gradient_checkpointing says so.
@@ -155,30 +133,14 @@ def _qlora(model, cfg):
     return _get_peft_model(model, _lora_config(model, cfg))
 
 
-def check_method(name: str) -> None:
-    """Config-time check (ValueError): a method that needs CUDA on a machine without it."""
-    if PEFT_METHODS[name].needs_cuda:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError(f"{name} quantizes the base model to 4 bits with bitsandbytes, which needs a "
-                             "CUDA device, and this machine has none; use lora or dora here, or plan and run "
-                             "the cell on a GPU machine")
-
-
-def check_cell(cfg) -> None:
-    """Cross-section check for CellConfig (ValueError): a CUDA-only method with train.device cpu."""
-    if PEFT_METHODS[cfg.peft.method].needs_cuda and cfg.train.device == "cpu":
-        raise ValueError(f"peft.method {cfg.peft.method} needs a CUDA device, but train.device is cpu")
-
-
 def load_kwargs(cfg, device) -> dict:
     """Extra `from_pretrained` arguments the method needs (4-bit quantization for qlora)."""
-    return PEFT_METHODS[cfg.method].load_kwargs(cfg, device)
+    hook = PEFT[cfg.method].load_kwargs
+    return hook.load()(cfg, device) if hook else {}
 
 
 def apply(model, cfg):
-    return PEFT_METHODS[cfg.method].wrap(model, cfg)
+    return PEFT[cfg.method].wrap.load()(model, cfg)
 
 
 def for_eval(model):
@@ -193,3 +155,21 @@ def for_eval(model):
     if getattr(model.base_model.model, "is_loaded_in_4bit", False):
         return model
     return model.merge_and_unload()
+
+
+def load_trained(cfg, final_dir, runtime):
+    """A cell's saved final/ folder as a model to evaluate again: the full weights, or the base model
+    (cfg.model, quantized as the method loads it) with the adapter on top. -> (model, tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from tunelab import models
+
+    if cfg.peft.method == "none":
+        return models.load(cfg.model.model_copy(update={"name": str(final_dir), "revision": None}), runtime)
+    from peft import PeftModel
+
+    base, _ = models.load(cfg.model, runtime, **load_kwargs(cfg.peft, runtime.device))
+    tokenizer = AutoTokenizer.from_pretrained(final_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return PeftModel.from_pretrained(base, final_dir), tokenizer

@@ -1,49 +1,53 @@
-"""3D parallelism behind one small interface for the training loop.
+"""What the training loop steps: one process, or 3D parallelism, behind one small interface.
 
-    layout = setup(cell.parallel)                       # process group + (pp, dp, tp) DeviceMesh
-    stepper = prepare(model, build_optimizer, cell, layout)
-    loss, grad_norm = stepper.train_step(micro_batches, n_items)
-    stepper.save(dir) / stepper.load(dir)               # torch distributed checkpoint (native)
+    layout = setup(cell.parallel)                       # process group + (pp, dp, tp) DeviceMesh (tunelab.runtime)
+    stepper = prepare(model, build_optimizer, cell, layout, precision)
+    loss, grad_norm = stepper.train_step(micro_batches, n_items, step)
+    stepper.save(dir) / stepper.load(dir)               # a checkpoint folder's model and optimizer part
     model = stepper.unwrap()                            # full weights on the main process
 
-Engines: `native` (FSDP2 + tensor parallel + pipeline stages, see native.py) and `deepspeed`
-(ZeRO, see ds.py). docs/parallelism.md explains the layouts.
+One plain process is `LocalStepper` (local.py). Engines, by `parallel.backend` (tunelab.registries.ENGINES):
+`native` (FSDP2 + tensor parallel + pipeline stages, native.py) and `deepspeed` (ZeRO, ds.py).
+docs/parallelism.md explains the layouts.
 """
 
 from __future__ import annotations
 
-from tunelab.train.parallel.layout import Layout, setup
+from tunelab.errors import UserError
+from tunelab.plan.parallel import check_layout, uses_engine
+from tunelab.registries import ENGINES
+from tunelab.runtime import Layout, setup
 from tunelab.train.parallel.stepper import Stepper
 
 
-def _native(model, optim_builder, cell, layout):
-    from tunelab.train.parallel.native import NativeStepper
-
-    return NativeStepper(model, optim_builder, cell, layout)
-
-
-def _deepspeed(model, optim_builder, cell, layout):
-    from tunelab.train.parallel.ds import DeepSpeedStepper
-
-    return DeepSpeedStepper(model, optim_builder, cell, layout)
+def enable_gradient_checkpointing(model) -> None:
+    # Non-reentrant checkpointing works when the inputs need no grad (frozen embeddings under PEFT).
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name for it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
 
 
-ENGINES = {"native": _native, "deepspeed": _deepspeed}
-
-
-def prepare(model, optim_builder, cell, layout: Layout) -> Stepper:
-    """Wrap `model` for the layout and build its optimizer with optim_builder(trainable params).
+def prepare(model, optim_builder, cell, layout: Layout, precision: str = "fp32") -> Stepper:
+    """Wrap `model` for the layout and build its optimizer with optim_builder(trainable parameters), given as
+    (name, parameter) pairs to the one-process stepper and as parameters to the engines.
 
     `model` must be the same (same weights) on every rank: build it from the same seed or checkpoint.
+    `precision` is the one-process step's autocast; engines run the model in its own dtype.
     """
-    from tunelab.errors import UserError
-    from tunelab.train.parallel.validate import check_cell
-
     try:
-        check_cell(cell)
+        check_layout(cell)
     except ValueError as e:
         raise UserError(str(e), key="parallel") from None
-    return ENGINES[cell.parallel.backend](model, optim_builder, cell, layout)
+    if cell.train.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if not (layout.distributed or uses_engine(cell)):
+        from tunelab.train.parallel.local import LocalStepper
+
+        return LocalStepper(model, optim_builder, cell, layout, precision)
+    return ENGINES[cell.parallel.backend].stepper.load()(model, optim_builder, cell, layout)
 
 
-__all__ = ["Layout", "Stepper", "prepare", "setup", "ENGINES"]
+__all__ = ["ENGINES", "Layout", "Stepper", "prepare", "setup"]

@@ -9,14 +9,15 @@ from rich.console import Console
 from rich.table import Table
 
 from tunelab.errors import UserError
-from tunelab.train.parallel.memory import DTYPE_BYTES, GB, OPTIM_STATES, SHAPES, Setup, devices_needed, estimate
+from tunelab.registries import OPTIMIZERS
+from tunelab.train.parallel.memory import DTYPE_BYTES, GB, SHAPES, Setup, devices_needed, estimate
 
 out = Console()
 
 
 def memory(
     model: Annotated[str, typer.Option(help=f"catalog alias, local folder, hub id, or one of {', '.join(SHAPES)}")],
-    optim: Annotated[str, typer.Option(help=f"one of {', '.join(OPTIM_STATES)}")] = "adamw",
+    optim: Annotated[str, typer.Option(help=f"one of {', '.join(OPTIMIZERS)}")] = "adamw",
     peft: Annotated[str, typer.Option(help="none or lora")] = "none",
     lora_r: Annotated[int, typer.Option(help="LoRA rank")] = 8,
     dp: Annotated[int, typer.Option(help="data-parallel degree")] = 1,
@@ -34,7 +35,7 @@ def memory(
     """Predict per-device memory (parameters, gradients, optimizer state, activations) from the model's config."""
     from tunelab.train.parallel.memory import load_shape
 
-    checks = {"--optim": (optim, OPTIM_STATES), "--peft": (peft, ("none", "lora")), "--dtype": (dtype, DTYPE_BYTES),
+    checks = {"--optim": (optim, OPTIMIZERS), "--peft": (peft, ("none", "lora")), "--dtype": (dtype, DTYPE_BYTES),
               "--pp-schedule": (pp_schedule, ("gpipe", "1f1b", "interleaved_1f1b")), "--zero": (zero, (1, 2, 3))}
     for flag, (value, allowed) in checks.items():
         if value not in allowed:

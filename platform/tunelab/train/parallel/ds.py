@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tunelab.runtime import Layout
 from tunelab.train.data import label_tokens
-from tunelab.train.parallel.layout import Layout
 from tunelab.train.parallel.stepper import Stepper, rows_for, skeleton
 
 
@@ -57,7 +57,7 @@ class DeepSpeedStepper(Stepper):
                                                    config=ds_config(cell, layout))
         self.gas = cell.train.grad_accum
 
-    def train_step(self, micro_batches, n_items):
+    def train_step(self, micro_batches, n_items, step=0):
         if self.fused:
             loss, norm = self.fused.train_step(micro_batches, n_items)
             return self._sum(loss, "dp"), norm

@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tunelab.runtime import Layout
 from tunelab.train.optimizers.fused import EngineHooks
-from tunelab.train.parallel.layout import Layout
 from tunelab.train.parallel.stepper import rows_for
 
 

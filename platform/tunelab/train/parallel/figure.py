@@ -14,7 +14,7 @@ import sys
 from tunelab.train.parallel.memory import GB, SHAPES, Setup, estimate
 
 METHODS = {"AdamW": ("adamw", "none"), "Lion": ("lion", "none"), "Adan": ("adan", "none"),
-           "Sophia": ("sophia", "none"), "LOMO": ("lomo", "none"), "AdaLomo": ("adalomo", "none"),
+           "Sophia": ("sophiag", "none"), "LOMO": ("lomo", "none"), "AdaLomo": ("adalomo", "none"),
            "LoRA (AdamW)": ("adamw", "lora")}
 COLLIE_GB_PER_B = {"AdamW": 30.5, "Lion": 30.5, "Adan": 34.5, "Sophia": 34.5, "LOMO": 2.1, "LoRA (AdamW)": 2.1}
 TP = 8

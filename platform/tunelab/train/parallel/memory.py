@@ -14,15 +14,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from tunelab.registries import OPTIMIZERS
+
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Optimizer state per trainable parameter, in fp32 values; "factored" keeps a row and a column
-# vector per matrix (Adafactor-style), ~0 per parameter.
-OPTIM_STATES: dict[str, float | str] = {
-    "adamw": 2, "adam": 2, "lion": 1, "adan": 3, "sophia": 2, "sgd": 0, "adafactor": "factored",
-    "lomo": 0, "adalomo": "factored",
-}
-FUSED = {"lomo", "adalomo"}  # update inside backward: one parameter's gradient at a time
+# Optimizer state per trainable parameter (fp32 values), and whether it updates inside backward (one
+# parameter's gradient at a time), come from the optimizer registry: tunelab.registries.OPTIMIZERS.
 
 
 @dataclass(frozen=True)
@@ -149,20 +146,31 @@ def estimate(shape: Shape, s: Setup) -> Estimate:
         trainable_here = stage
         params = stage * b
     params /= s.dp if s.zero >= 3 else 1
-    if s.optim in FUSED and s.pp == 1:  # one gradient at a time, plus the fp32 copy its update works on
+    opt = OPTIMIZERS[s.optim]
+    if opt.fused and s.pp == 1:  # one gradient at a time, plus the fp32 copy its update works on
         grads = max(a * c for a, c in matrices) / s.tp * (b + 4)
     else:  # (under pipelines a fused optimizer updates after the schedule: the stage's gradients exist)
         grads = trainable_here * b / (s.dp if s.zero >= 2 else 1)
-    states = OPTIM_STATES.get(s.optim, 2)
-    if states == "factored":
-        opt_values = shape.layers / s.pp * sum(a + c for a, c in matrices) / s.tp
-    else:
-        opt_values = states * trainable_here
+    opt_values = _state_values(shape, s, opt, matrices, trainable_here)
     # Mixed precision keeps an fp32 master copy of the trainable weights (fused optimizers update in place).
-    master = trainable_here if s.dtype != "float32" and s.optim not in FUSED else 0
+    master = trainable_here if s.dtype != "float32" and not opt.fused else 0
     optimizer = (opt_values + master) * 4 / s.dp  # FSDP2 and every ZeRO stage shard optimizer state
     return Estimate(params=params, grads=grads, optimizer=optimizer, activations=_activations(shape, s) * b,
                     trainable=int(trainable), total_params=shape.total())
+
+
+def _state_values(shape: Shape, s: Setup, opt, matrices, trainable_here: float) -> float:
+    """Optimizer state values on the fullest stage: per parameter, or a row and a column per matrix
+    ("factored"); Muon keeps its own count for hidden matrices and AdamW's for the rest (other_states)."""
+    def values(states, params: float, mats) -> float:
+        if states == "factored":
+            return shape.layers / s.pp * sum(a + c for a, c in mats) / s.tp
+        return states * params
+
+    if opt.other_states is None or s.peft != "none":  # adapters' factors are all hidden matrices
+        return values(opt.states, trainable_here, matrices)
+    hidden = shape.layers / s.pp * (shape.layer_params() - 2 * shape.hidden) / s.tp
+    return values(opt.states, hidden, matrices) + values(opt.other_states, trainable_here - hidden, [])
 
 
 def _unsaved_inputs(shape: Shape, s: Setup) -> float:

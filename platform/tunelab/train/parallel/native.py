@@ -13,10 +13,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from tunelab.runtime import Layout
 from tunelab.train.data import label_tokens
 from tunelab.train.parallel import grads, stages, tied, tp
 from tunelab.train.parallel.anatomy import anatomy, causal_lm
-from tunelab.train.parallel.layout import Layout
 from tunelab.train.parallel.pipeline import Pipeline
 from tunelab.train.parallel.stepper import Stepper, rows_for, skeleton
 
@@ -85,7 +85,7 @@ class NativeStepper(Stepper):
         self.optimizer = optim_builder(self.params)
 
     # -- training -------------------------------------------------------------------------
-    def train_step(self, micro_batches, n_items):
+    def train_step(self, micro_batches, n_items, step=0):
         for m in self.modules:
             m.train()
         fused = hasattr(self.optimizer, "fused_step")

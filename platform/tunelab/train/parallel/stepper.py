@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tunelab.runtime import Layout
 from tunelab.train.parallel.anatomy import causal_lm
-from tunelab.train.parallel.layout import Layout
 
 
 def rows_for(batch: dict, layout: Layout) -> dict:
@@ -28,13 +28,14 @@ def skeleton(model: nn.Module) -> nn.Module:
 
 
 class Stepper:
-    """Base: holds the layout; engines implement the rest."""
+    """What the training loop drives: one process (local.py) or an engine (native.py, ds.py)."""
 
     layout: Layout
     optimizer: torch.optim.Optimizer
+    checkpoint_subdir = "engine"  # where in a checkpoint folder `save` writes (torch DCP or DeepSpeed shards)
 
-    def train_step(self, micro_batches: list[dict], n_items: int) -> tuple[float, float]:
-        """One optimizer step over the global micro-batches of the step: each micro-batch's loss is
+    def train_step(self, micro_batches: list[dict], n_items: int, step: int = 0) -> tuple[float, float]:
+        """Optimizer step number `step` over the global micro-batches of the step: each micro-batch's loss is
         its summed token loss / n_items (label tokens in the whole step, all ranks). Returns
         (loss, grad norm before clipping), the same on every rank."""
         raise NotImplementedError

@@ -1,0 +1,64 @@
+"""What there is to choose from: every name a matrix may use, with one line each (`exp ls`, docs tables).
+
+Registered names come with their registry entry's description (tunelab.registries); content files
+(recipes, suites, experiments) with their own `description` key.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from tunelab import paths, registries
+
+KINDS = ("models", "recipes", "suites", "tasks", "optimizers", "peft", "experiments")
+
+
+def _states(states) -> str:
+    return "factored (rows + columns)" if states == "factored" else f"{states:g}"
+
+
+def _content(kind: str) -> list[tuple[str, str]]:
+    """(name, description) of the YAML files of a content folder (data_recipes/, evals/, experiments/)."""
+    out = []
+    for name in paths.available(kind):
+        path = paths.find_named(kind, name)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError:
+            data = {}
+        text = data.get("description", "") if isinstance(data, dict) else ""
+        out.append((name, " ".join(str(text).split()) or "(no description)"))
+    return out
+
+
+def rows(kind: str) -> list[tuple[str, str]]:
+    """(name, one-line description) of every choice of `kind` (one of KINDS)."""
+    if kind == "models":
+        return [(n, a.description) for n, a in registries.MODELS.items()]
+    if kind == "recipes":
+        return _content("data_recipes")
+    if kind == "suites":
+        return _content("evals")
+    if kind == "experiments":
+        return _content("experiments")
+    if kind == "tasks":
+        return [(n, t.description) for n, t in registries.TASKS.items()]
+    if kind == "peft":
+        return [(n, p.description) for n, p in registries.PEFT.items()]
+    if kind == "optimizers":
+        return [(n, o.description) for n, o in registries.OPTIMIZERS.items()]
+    raise ValueError(f"unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
+
+
+def optimizer_table() -> str:
+    """The table of docs/optimizers.md, made from the registry (tests/test_registries.py keeps them equal)."""
+    lines = ["| name | implementation | state per weight | usual fine-tuning lr | notes |", "|---|---|---|---|---|"]
+    for name, o in registries.OPTIMIZERS.items():
+        states = _states(o.states) + (f" (hidden matrices) / {_states(o.other_states)} (the rest)"
+                                      if o.other_states is not None else "")
+        notes = o.description + ("; updates inside backward" if o.fused else "")
+        lines.append(f"| `{name}` | {o.source} | {states} | {o.lr} | {notes} |")
+    lines += ["| `torch.optim.Name` | that class | | | any optimizer torch ships |",
+              "| `package.module:Class` | that class | | | any `torch.optim.Optimizer` subclass taking "
+              "`(params, lr=..., ...)` |"]
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""Plan-time checks: everything about a cell that needs a registry, a content folder or several sections.
+
+`exp plan`, `exp run` and `matrix.expand` build every cell through `cell_config`, so a combination that
+cannot train fails before anything runs, with the key path of the file that set it. Nothing here asks
+the machine (CUDA, local folders): a matrix plans the same on a laptop, a login node or a GPU box; the
+machine is checked where the cell runs (`tunelab.runtime.check_host`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from tunelab.config import CellConfig, DataCfg, EvalCfg, ModelCfg
+from tunelab.errors import Invalid, Problem, problems_of
+from tunelab.plan import optim, parallel, sections
+
+__all__ = ["Invalid", "Problem", "cell_config", "check", "eval_config", "section_config"]
+
+
+def cell_config(raw: dict[str, Any]) -> CellConfig:
+    """A raw cell (a mapping as in YAML) -> a checked CellConfig; raises `Invalid` with every problem."""
+    raw = _with_suite(raw, ("eval",))
+    try:
+        cell = CellConfig.model_validate(raw)
+    except ValidationError as e:
+        raise Invalid(problems_of(e, CellConfig)) from None
+    problems = check(cell)
+    if problems:
+        raise Invalid(problems)
+    return cell
+
+
+SECTIONS = {"model": (ModelCfg, sections.model_section), "data": (DataCfg, sections.data_section),
+            "eval": (EvalCfg, sections.eval_section)}
+
+
+def section_config(key: str, raw: dict[str, Any]):
+    """One section alone (the stage CLIs: `exp eval run`, `exp data ...`), checked as in a cell; the problems'
+    locs are relative to the section."""
+    cls, checks = SECTIONS[key]
+    raw = _with_suite({key: raw}, ())[key] if key == "eval" else raw
+    try:
+        cfg = cls.model_validate(raw)
+    except ValidationError as e:
+        raise Invalid(problems_of(e, cls)) from None
+    problems = checks(cfg)
+    if problems:
+        raise Invalid([Problem(p.loc[1:], p.message, p.value) for p in problems])
+    return cfg
+
+
+def eval_config(raw: dict[str, Any]) -> EvalCfg:
+    return section_config("eval", raw)
+
+
+def _with_suite(raw: dict, prefix: tuple) -> dict:
+    """The eval section with its suite's settings as defaults (keys the cell sets win)."""
+    ev = raw.get("eval") if isinstance(raw, dict) else None
+    if not isinstance(ev, dict) or not ev.get("suite"):
+        return raw
+    try:
+        return {**raw, "eval": {**sections.load_suite(ev["suite"]), **ev}}
+    except ValueError as e:
+        raise Invalid([Problem((*prefix, "suite"), str(e), ev["suite"])]) from None
+
+
+def check(cell: CellConfig) -> list[Problem]:
+    """Every plan-time problem of a schema-valid cell: the sections, then how they fit together."""
+    problems = [*sections.model_section(cell.model), *sections.data_section(cell.data),
+                *optim.section(cell.optim), *sections.eval_section(cell.eval), *parallel.section(cell.parallel)]
+    if problems:  # cross-section checks assume each section is sound
+        return problems
+    across = optim.compatible(cell) + parallel.across(cell) + sections.peft_across(cell)
+    return [Problem((), "; ".join(across))] if across else []

@@ -1,0 +1,80 @@
+"""Plan-time checks of single sections: names against the registries and content folders."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from tunelab import paths
+from tunelab.config import DataCfg, EvalCfg, ModelCfg
+from tunelab.errors import Problem, load_yaml
+from tunelab.registries import MODELS, PEFT, TASKS, TEMPLATES
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+SUITE_DOC_KEYS = {"description"}  # keys a suite file may carry that are not eval settings
+
+
+def looks_like_path(name: str) -> bool:
+    return name.startswith(("/", ".", "~")) or os.sep + os.sep in name
+
+
+def model_section(cfg: ModelCfg) -> list[Problem]:
+    """An alias, a hub id or a path. Whether a path exists is a fact of the machine that runs the cell
+    (runtime.check_host), not of the plan."""
+    name = cfg.name
+    if name in MODELS or looks_like_path(name) or HUB_ID.match(name):
+        return []
+    return [Problem(("model", "name"), f"{name!r} is not a catalog alias, a local folder path or a hub id "
+                    f"(org/name); aliases: {', '.join(MODELS)}", name)]
+
+
+def find_recipe(name: str):
+    """The recipe file for a name in data_recipes/ or a path; ValueError naming the available ones."""
+    path = paths.find_named("data_recipes", name)
+    if path is None:
+        raise ValueError(f"no recipe {name!r}: not a file and not in data_recipes/ "
+                         f"(available: {', '.join(paths.available('data_recipes'))})")
+    return path
+
+
+def data_section(cfg: DataCfg) -> list[Problem]:
+    out = []
+    try:
+        find_recipe(cfg.recipe)
+    except ValueError as e:
+        out.append(Problem(("data", "recipe"), str(e), cfg.recipe))
+    if cfg.template is not None and cfg.template not in TEMPLATES:
+        out.append(Problem(("data", "template"), TEMPLATES.unknown(cfg.template), cfg.template))
+    return out
+
+
+def load_suite(name: str) -> dict:
+    """The settings of suite `name` (a file in evals/ or a path); ValueError when it cannot be used."""
+    path = paths.find_named("evals", name)
+    if path is None:
+        raise ValueError(f"unknown suite {name!r}; suites in evals/: {', '.join(paths.available('evals'))}")
+    data = load_yaml(path) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"suite file {path} must be a mapping of eval settings")
+    bad = sorted(set(data) - set(EvalCfg.model_fields) - SUITE_DOC_KEYS | ({"suite"} & set(data)))
+    if bad:
+        allowed = ", ".join(k for k in EvalCfg.model_fields if k != "suite")
+        raise ValueError(f"suite file {path}: unknown key(s) {bad}; allowed: {allowed}")
+    return {k: v for k, v in data.items() if k not in SUITE_DOC_KEYS}
+
+
+def eval_section(cfg: EvalCfg) -> list[Problem]:
+    out = []
+    for key, names in (("tasks", cfg.tasks), ("limits", list(cfg.limits)), ("subtasks", list(cfg.subtasks))):
+        unknown = [t for t in names if t not in TASKS]
+        if unknown:
+            out.append(Problem(("eval", key), f"unknown task(s) {unknown}; known: {', '.join(TASKS)}"))
+    return out
+
+
+def peft_across(cell) -> list[str]:
+    """A CUDA-only method with train.device cpu cannot run anywhere; without CUDA on this machine it may still
+    run on the machine that runs the cell, so that is checked there."""
+    if PEFT[cell.peft.method].needs_cuda and cell.train.device == "cpu":
+        return [f"peft.method {cell.peft.method} needs a CUDA device, but train.device is cpu"]
+    return []

