@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -17,6 +15,7 @@ import torch
 from tunelab.paths import cache_dir
 from tunelab.registries import MODELS
 from tunelab.runtime import Runtime, model_settings
+from tunelab.store import atomic_dir
 
 
 def resolve(name: str) -> str:
@@ -58,19 +57,10 @@ def load(cfg, where: Runtime | torch.device | str = "cpu", **from_pretrained):
 
 
 def _atomic_folder(dest: Path, build: Callable[[Path], None]) -> Path:
-    """Build a folder in a temp sibling and rename it, so a killed build leaves nothing half-made."""
-    if dest.is_dir():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}-"))
-    try:
-        build(tmp)
-        os.replace(tmp, dest)
-    except OSError:
-        if not dest.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    """The cached folder, built once (store.atomic_dir: a killed build leaves nothing half-made)."""
+    if not dest.is_dir():
+        with atomic_dir(dest) as tmp:
+            build(tmp)
     return dest
 
 

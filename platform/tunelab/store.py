@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -29,6 +30,24 @@ def write_text(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def atomic_dir(dest: Path) -> Iterator[Path]:
+    """Build a folder under a temporary sibling name; it takes its real name only once the block ends without
+    an error, so a killed build leaves nothing a later reader would trust. Two processes building the same
+    folder (a cache entry) both succeed: the first rename wins, the second's equal result is dropped."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}-"))
+    try:
+        yield tmp
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not dest.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +26,7 @@ from tunelab.data.sources import source_fingerprint
 from tunelab.data.templates import TEMPLATES
 from tunelab.data.tokenize import IGNORE, ExampleError, Settings, Tokenized, tokenize
 from tunelab.errors import UserError
+from tunelab.store import atomic_dir
 
 __all__ = ["IGNORE", "Built", "build", "build_info", "fingerprint"]
 
@@ -85,20 +83,14 @@ def build_info(cfg, tokenizer, cache_dir: Path | str, *, num_proc: int | None = 
 
 
 def _save(ds: DatasetDict, stats: dict, target: Path) -> None:
-    """Write into a temp sibling and rename: a killed build leaves nothing a later one would trust."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
+    """A cache entry appears whole or not at all (store.atomic_dir); stats.json, written last, marks it."""
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
-        ds.save_to_disk(str(tmp / "ds"))
-        (tmp / "ds" / "stats.json").write_text(json.dumps(stats, indent=1))
-        os.replace(tmp / "ds", target)
-    except OSError:
-        if not (target / "stats.json").is_file():  # else another process built the same fingerprint first
-            raise
+        with atomic_dir(target) as tmp:
+            ds.save_to_disk(str(tmp))
+            (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
         if bars:
             datasets.enable_progress_bars()
 
