@@ -1,12 +1,14 @@
-"""`exp export`, `exp chat`, `exp clean` and the status disk column, on two tiny cells trained once.
+"""`exp export`, `exp chat`, `exp clean` and the status disk column, on tiny cells trained once.
 
-The cells (full and LoRA, 2 steps, checkpoints at every step) are trained in this process by the same
-`run_cell` a cell process runs; every command is then run as a subprocess at least once, as a user runs it.
+The cells (full, LoRA, IA3 and prompt tuning, 2 steps, checkpoints at every step) are trained in this process
+by the same `run_cell` a cell process runs; every command is then run as a subprocess at least once, as a user
+runs it, and its other cases in-process.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +30,7 @@ base:
   eval: {tasks: [val_loss], val_batches: 1}
   tracking: {wandb: false}
 matrix:
-  peft.method: [none, lora]
+  peft.method: [none, lora, ia3, prompt]
 """
 IDS = torch.tensor([[5, 17, 99, 300, 2, 8, 41, 7]])
 
@@ -50,9 +52,9 @@ def cells(tmp_path_factory):
     return tmp, dirs
 
 
-def exp(*args, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+def exp(*args, env: dict | None = None) -> subprocess.CompletedProcess:
     """`exp ARGS` in a fresh process (PYTHONPATH and the session's cache come from os.environ)."""
-    return subprocess.run([sys.executable, "-m", "tunelab.cli", *map(str, args)], check=False, input=stdin or "",
+    return subprocess.run([sys.executable, "-m", "tunelab.cli", *map(str, args)], check=False, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
@@ -93,14 +95,14 @@ def test_export_full_loads_with_plain_transformers(cells):
     assert no_leftovers(out.parent)
 
 
-def test_export_merged_lora_matches_the_cell(cells):
+def test_export_merged_lora_matches_the_cell(cells, cli):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     tmp, dirs = cells
     out = tmp / "exports" / "lora-merged"
-    proc = exp("export", dirs["lora"], "--out", out, "--merge")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    code, _, err = cli("export", dirs["lora"], "--out", out, "--merge")
+    assert code == 0, err
     assert (out / "model.safetensors").is_file() and not (out / "adapter_config.json").exists()
     cell_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_folder()), dirs["lora"] / "final")
     expected = logits(cell_model)
@@ -108,6 +110,30 @@ def test_export_merged_lora_matches_the_cell(cells):
     # The adapter moved the outputs well beyond that tolerance, so the comparison can tell merged from base.
     assert (logits(base_folder()) - expected).abs().max() > 1e-3
     assert "lora adapter merged" in (out / "README.md").read_text()
+
+
+def test_export_merged_ia3_matches_the_cell(cells, cli):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tmp, dirs = cells
+    out = tmp / "exports" / "ia3-merged"
+    code, _, err = cli("export", dirs["ia3"], "--out", out, "--merge")
+    assert code == 0, err
+    cell_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_folder()), dirs["ia3"] / "final")
+    expected = logits(cell_model)
+    torch.testing.assert_close(logits(out), expected, rtol=0, atol=1e-5)
+    assert (logits(base_folder()) - expected).abs().max() > 1e-4
+
+
+def test_export_prompt_tuning_cannot_merge(cells, cli):
+    tmp, dirs = cells
+    out = tmp / "exports" / "prompt"
+    code, _, err = cli("export", dirs["prompt"], "--out", out, "--merge")
+    assert code == 0, err
+    assert (out / "adapter_config.json").is_file() and not (out / "model.safetensors").exists()
+    for text in (" ".join(err.split()), (out / "README.md").read_text()):
+        assert "needs the `peft` package" in text and "cannot be merged" in text and "--merge does not apply" in text
 
 
 def test_export_adapter_without_merge_says_it_needs_peft(cells, cli):
@@ -209,8 +235,9 @@ def test_chat_prompt_streams_the_cells_greedy_answer(cells):
 
 def test_chat_peft_cell_and_fallback_note(cells, cli):
     _, dirs = cells
-    code, out, err = cli("chat", dirs["lora"], "--prompt", "hi", "--max-new-tokens", "3", "--temperature", "0")
-    assert code == 0 and out.endswith("\n"), err
+    for method in ("lora", "prompt"):  # merged for generation; prompt tuning generates through the PeftModel
+        code, out, err = cli("chat", dirs[method], "--prompt", "hi", "--max-new-tokens", "3", "--temperature", "0")
+        assert code == 0 and out.endswith("\n"), err
     code, out, err = cli("chat", "tiny-random-llama", "--prompt", "hi", "--max-new-tokens", "3", "--system", "Be brief")
     assert code == 0, err
     assert err.count("no chat template") == 1 and "Alpaca prompt" in err
@@ -268,7 +295,7 @@ def test_clean_checkpoints_of_done_cells(cells, tmp_path):
     mdir = tmp_path / "ev"
     shutil.copytree(dirs["none"].parent, mdir)
     before = {d.name: disk_usage(d / "checkpoints") for d in mdir.iterdir() if (d / "checkpoints").is_dir()}
-    assert len(before) == 2 and all(before.values())
+    assert len(before) == len(dirs) and all(before.values())
     proc = exp("clean", mdir, "--checkpoints", "--yes")
     assert proc.returncode == 0, proc.stderr[-2000:]
     total = sum(before.values())
@@ -321,11 +348,12 @@ def test_clean_bad_folder(cli, tmp_path, where):
 def test_status_shows_disk_per_cell_and_honours_no_color(cells):
     _, dirs = cells
     mdir = dirs["none"].parent
-    colored = exp("status", mdir, env={"FORCE_COLOR": "1", "COLUMNS": "200"})
-    plain = exp("status", mdir, env={"FORCE_COLOR": "1", "NO_COLOR": "1", "COLUMNS": "200"})
-    assert colored.returncode == plain.returncode == 0, colored.stderr + plain.stderr
-    assert "disk" in plain.stdout
+    # FORCE_COLOR makes rich style its output even into a pipe; NO_COLOR must still take the colours out.
+    proc = exp("status", mdir, env={"FORCE_COLOR": "1", "NO_COLOR": "1", "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "disk" in proc.stdout
     for d in dirs.values():
-        assert human_bytes(disk_usage(d)) in plain.stdout
-    color = "\x1b[32m"  # "done" is green
-    assert color in colored.stdout and color not in plain.stdout
+        assert human_bytes(disk_usage(d)) in proc.stdout
+    codes = {int(c) for seq in re.findall(r"\x1b\[([\d;]*)m", proc.stdout) for c in seq.split(";") if c}
+    assert 1 in codes  # bold headers: styling is on
+    assert not codes & {*range(30, 39), *range(40, 49), *range(90, 98)}  # but no colour ("done" is green)

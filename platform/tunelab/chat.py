@@ -166,10 +166,17 @@ def session(model, tok, template: str, *, system: str | None, max_new_tokens: in
             prompt: str | None, label: str, info: Callable[[str], None]) -> None:
     """One answer to `prompt`, or a conversation read from the terminal until /exit or end of input."""
     start = [{"role": "system", "content": system}] if system else []
-    if prompt is not None:
-        generate(model, tok, *render([*start, {"role": "user", "content": prompt}], template, tok),
-                 max_new_tokens=max_new_tokens, temperature=temperature, write=_write)
+
+    def answer(conv: list[dict]) -> str:
+        reply = generate(model, tok, *render(conv, template, tok), max_new_tokens=max_new_tokens,
+                         temperature=temperature, write=_write)
         _write("\n")
+        if not reply.strip():  # a blank line alone looks like a bug in the command, not the model
+            info("(the model ended its answer without any text)")
+        return reply
+
+    if prompt is not None:
+        answer([*start, {"role": "user", "content": prompt}])
         return
     try:
         import readline  # noqa: F401 - line editing and history for input()
@@ -191,7 +198,4 @@ def session(model, tok, template: str, *, system: str | None, max_new_tokens: in
         if not line:
             continue
         conv.append({"role": "user", "content": line})
-        reply = generate(model, tok, *render(conv, template, tok), max_new_tokens=max_new_tokens,
-                         temperature=temperature, write=_write)
-        _write("\n")
-        conv.append({"role": "assistant", "content": reply})
+        conv.append({"role": "assistant", "content": answer(conv)})

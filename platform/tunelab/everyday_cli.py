@@ -6,6 +6,7 @@ stay inside the commands so `exp --help` and `exp clean` do not pay for torch.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +19,16 @@ from tunelab.errors import UserError
 
 out = Console()
 err = Console(stderr=True)
+
+
+@contextmanager
+def _interruptible(what: str):
+    """Ctrl-C ends these commands with a line of its own (exp's handler speaks of resuming `exp run`)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        err.print(f"interrupted: {what}")
+        raise typer.Exit(130) from None
 
 
 def _quiet_loading() -> None:
@@ -39,8 +50,9 @@ def export_cmd(
     from tunelab.export import export_cell
 
     _quiet_loading()
-    kind, notes = export_cell(cell_dir, out_dir, merge=merge, dtype=dtype, force=force,
-                              log=lambda m: err.print(escape(m), highlight=False))
+    with _interruptible(f"nothing was written to {out_dir}"):
+        kind, notes = export_cell(cell_dir, out_dir, merge=merge, dtype=dtype, force=force,
+                                  log=lambda m: err.print(escape(m), highlight=False))
     for n in notes:
         err.print(f"[yellow]note:[/] {escape(n)}", highlight=False, soft_wrap=True)
     what = {"full": "full weights", "merged": "merged weights", "adapter": "adapter (needs peft)"}[kind]
@@ -68,12 +80,13 @@ def chat_cmd(
     from tunelab.cell import device_for
 
     _quiet_loading()
-    model, tok, trained, label = chat.load_target(target, device_for(device))
-    name, note = chat.choose_template(template, tok, trained)
-    if note:
-        err.print(f"[dim]{escape(note)}", highlight=False, soft_wrap=True)
-    chat.session(model, tok, name, system=system, max_new_tokens=max_new_tokens, temperature=temperature,
-                 prompt=prompt, label=label, info=lambda m: err.print(f"[dim]{escape(m)}", highlight=False))
+    with _interruptible("chat ended"):
+        model, tok, trained, label = chat.load_target(target, device_for(device))
+        name, note = chat.choose_template(template, tok, trained)
+        if note:
+            err.print(f"[dim]{escape(note)}", highlight=False, soft_wrap=True)
+        chat.session(model, tok, name, system=system, max_new_tokens=max_new_tokens, temperature=temperature,
+                     prompt=prompt, label=label, info=lambda m: err.print(f"[dim]{escape(m)}", highlight=False))
 
 
 def clean_cmd(
