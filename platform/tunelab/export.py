@@ -138,7 +138,8 @@ def export_cell(cell_dir: Path, out: Path, *, merge: bool = False, dtype: str = 
             from transformers import AutoConfig
 
             base_path = _base_source(cell)
-            stored = getattr(AutoConfig.from_pretrained(base_path), "dtype", None) or torch.float32
+            revision = cell.config["model"].get("revision")
+            stored = getattr(AutoConfig.from_pretrained(base_path, revision=revision), "dtype", None) or torch.float32
             log(f"loading the base {cell.base} ({base_path}) in float32 and merging the {cell.method} adapter")
             # Merge in float32 whatever the stored dtype, then cast once: no double rounding of the update.
             base = _load_base(cell, base_path, torch.float32)
