@@ -13,10 +13,27 @@ from rich.table import Table
 
 from tunelab.errors import UserError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},  # subcommands inherit it
                   help="tunelab: instruction-tuning experiment matrices, trained, evaluated and tabulated.")
-out = Console()
+out = Console()  # rich honours NO_COLOR (and FORCE_COLOR, TERM=dumb) from the environment
 err = Console(stderr=True)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from tunelab import __version__
+
+        print(f"tunelab {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="print tunelab's version and exit")] = False,
+) -> None:
+    pass
 
 RunsDir = Annotated[Path, typer.Option("--runs-dir", help="where runs/<matrix>/<cell>/ folders go")]
 
@@ -100,12 +117,13 @@ def run(
 @app.command()
 def status(matrix_dir: Annotated[Path, typer.Argument(help="runs/<matrix> folder")]) -> None:
     """Print the state of every cell of a matrix's run folder."""
+    from tunelab.cellfolder import disk_usage, human_bytes
     from tunelab.store import cell_dirs, read_json, read_status
 
     if not matrix_dir.is_dir():
         raise UserError("no such run folder", file=matrix_dir)
     table = Table(title=str(matrix_dir))
-    for col in ("cell", "state", "train s", "eval s", "error"):
+    for col in ("cell", "state", "train s", "eval s", "disk", "error"):
         table.add_column(col)
     colors = {"done": "green", "failed": "red", "running": "yellow", "pending": "dim"}
     for d in cell_dirs(matrix_dir):
@@ -114,7 +132,8 @@ def status(matrix_dir: Annotated[Path, typer.Argument(help="runs/<matrix> folder
         t = st.get("timings") or {}
         table.add_row(meta.get("slug", d.name), f"[{colors.get(state, 'white')}]{state}",
                       f"{t['train_s']:.0f}" if "train_s" in t else "-",
-                      f"{t['eval_s']:.0f}" if "eval_s" in t else "-", (st.get("error") or "")[:100])
+                      f"{t['eval_s']:.0f}" if "eval_s" in t else "-", human_bytes(disk_usage(d)),
+                      (st.get("error") or "")[:100])
     out.print(table)
 
 
@@ -151,6 +170,11 @@ def _add_subcommands() -> None:
     from tunelab.train.parallel.cli import memory
 
     app.command("memory")(memory)
+    from tunelab.everyday_cli import chat_cmd, clean_cmd, export_cmd
+
+    app.command("export")(export_cmd)
+    app.command("chat")(chat_cmd)
+    app.command("clean")(clean_cmd)
 
 
 _add_subcommands()
