@@ -18,7 +18,8 @@ import pytest
 import torch
 from conftest import write
 
-from tunelab.cellfolder import disk_usage, eval_results, human_bytes
+from tunelab.cellfolder import disk_usage, human_bytes
+from tunelab.folders import eval_results
 from tunelab.store import lock, read_json, write_json, write_status
 
 MATRIX = """name: ev

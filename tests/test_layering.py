@@ -1,7 +1,7 @@
 """The import layering of docs/ARCHITECTURE.md, as a rule: every tunelab import (at module level or inside a
 function) points down or sideways, and no import circle exists between modules.
 
-    5 cli          tunelab.cli and the stage CLIs (data.cli, evals.cli, train.parallel.cli)
+    5 cli          tunelab.cli, the stage CLIs (data.cli, evals.cli, train.parallel.cli) and *_cli modules
     4 orchestrate  runner, cell, launch, matrix
     3 stages       data, train, evals, report, models, tracking, env, chat/export/clean helpers
     2 runtime      the machine meets the config (device, dtype, process group)
@@ -22,8 +22,8 @@ ORCHESTRATE = {"runner", "cell", "launch", "matrix"}
 
 
 def layer(module: str) -> int:
-    parts = module.split(".")[1:]  # drop "tunelab"
-    if parts[-1] == "cli":
+    parts = module.split(".")[1:] or ["__init__"]  # drop "tunelab"; the package itself only has __version__
+    if parts[-1] == "cli" or parts[-1].endswith("_cli"):
         return 5
     if parts[0] in ORCHESTRATE:
         return 4

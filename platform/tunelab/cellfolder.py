@@ -13,10 +13,11 @@ from pathlib import Path
 import yaml
 
 from tunelab.errors import UserError
+from tunelab.registries import PEFT
 from tunelab.store import read_json, read_status
 
 # Methods whose adapter peft can fold into the base weights; prompt-learning ones add virtual tokens instead.
-MERGEABLE = ("lora", "dora", "ia3", "qlora")
+MERGEABLE = tuple(n for n, p in PEFT.items() if n != "none" and not p.prompt_learning)
 
 
 @dataclass(frozen=True)
@@ -82,16 +83,6 @@ def open_finished(path: Path, command: str) -> CellFolder:
         raise UserError("the cell is done but has no final/ weights (train.save_final was false, or final/ was "
                         "removed); nothing to load", file=path)
     return cell
-
-
-def eval_results(cell_dir: Path) -> list[tuple[str, dict]]:
-    """Every score file of a cell, newest first: eval/results.json (id "eval") and eval/<eval-id>/results.json.
-
-    The one place that knows where scores live, so the layout can move without touching the readers."""
-    found = [(p, "eval") for p in [cell_dir / "eval" / "results.json"] if p.is_file()]
-    found += [(p, p.parent.name) for p in (cell_dir / "eval").glob("*/results.json")]
-    found.sort(key=lambda f: f[0].stat().st_mtime, reverse=True)
-    return [(eval_id, res) for p, eval_id in found if (res := read_json(p)) is not None]
 
 
 def disk_usage(path: Path) -> int:

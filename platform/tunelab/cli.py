@@ -36,6 +36,15 @@ def _options(
     pass
 
 RunsDir = Annotated[Path, typer.Option("--runs-dir", help="where runs/<matrix>/<cell>/ folders go")]
+Json = Annotated[bool, typer.Option("--json", help="print JSON for programs instead of a table")]
+# `exp --help` lists commands by what a user does.
+RUN, INSPECT, EVALUATE, EXPORT = "Run", "Inspect", "Evaluate", "Export"
+
+
+def _print_json(obj) -> None:
+    import json
+
+    print(json.dumps(obj, indent=2, default=str))
 
 
 def _print_wide(table: Table) -> None:
@@ -53,16 +62,19 @@ def _plan_table(name: str, cells) -> Table:
     return table
 
 
-@app.command()
-def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")]) -> None:
+@app.command(rich_help_panel=RUN)
+def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], as_json: Json = False) -> None:
     """Expand a matrix file and print its cells; runs nothing."""
     from tunelab import matrix
 
     spec, cells = matrix.load(file)
+    if as_json:
+        return _print_json([{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
+                             "config": c.config.model_dump(mode="json")} for c in cells])
     _print_wide(_plan_table(spec.name, cells))
 
 
-@app.command()
+@app.command(rich_help_panel=RUN)
 def run(
     file: Annotated[Path, typer.Argument(help="matrix YAML")],
     only: Annotated[str | None, typer.Option(help="run only cells whose slug or id matches this glob")] = None,
@@ -114,40 +126,78 @@ def run(
     raise typer.Exit(1 if failed else 0)
 
 
-@app.command()
-def status(matrix_dir: Annotated[Path, typer.Argument(help="runs/<matrix> folder")]) -> None:
-    """Print the state of every cell of a matrix's run folder."""
-    from tunelab.cellfolder import disk_usage, human_bytes
+def _status_rows(matrix_dir: Path) -> list[dict]:
+    from tunelab.cellfolder import disk_usage
     from tunelab.store import cell_dirs, read_json, read_status
+
+    rows = []
+    for d in cell_dirs(matrix_dir):
+        st, meta = read_status(d), read_json(d / "cell.json") or {}
+        rows.append({"cell": meta.get("slug", d.name), "id": meta.get("id"), "dir": str(d),
+                     "state": st.get("state", "?"), "timings": st.get("timings") or {},
+                     "disk_bytes": disk_usage(d), "error": st.get("error"), "slurm_job": st.get("slurm_job")})
+    return rows
+
+
+@app.command(rich_help_panel=RUN)
+def status(matrix_dir: Annotated[Path, typer.Argument(help="runs/<matrix> folder")], as_json: Json = False) -> None:
+    """Print the state of every cell of a matrix's run folder."""
+    from tunelab.cellfolder import human_bytes
 
     if not matrix_dir.is_dir():
         raise UserError("no such run folder", file=matrix_dir)
+    rows = _status_rows(matrix_dir)
+    if as_json:
+        return _print_json(rows)
     table = Table(title=str(matrix_dir))
     for col in ("cell", "state", "train s", "eval s", "disk", "error"):
         table.add_column(col)
     colors = {"done": "green", "failed": "red", "running": "yellow", "pending": "dim"}
-    for d in cell_dirs(matrix_dir):
-        st, meta = read_status(d), read_json(d / "cell.json") or {}
-        state = st.get("state", "?")
-        t = st.get("timings") or {}
-        table.add_row(meta.get("slug", d.name), f"[{colors.get(state, 'white')}]{state}",
+    for r in rows:
+        t = r["timings"]
+        table.add_row(r["cell"], f"[{colors.get(r['state'], 'white')}]{r['state']}",
                       f"{t['train_s']:.0f}" if "train_s" in t else "-",
-                      f"{t['eval_s']:.0f}" if "eval_s" in t else "-", human_bytes(disk_usage(d)),
-                      (st.get("error") or "")[:100])
+                      f"{t['eval_s']:.0f}" if "eval_s" in t else "-", human_bytes(r["disk_bytes"]),
+                      (r["error"] or "")[:100])
     out.print(table)
 
 
-@app.command("leaderboard")
-def leaderboard_cmd(matrix_dir: Annotated[Path, typer.Argument(help="runs/<matrix> folder")]) -> None:
+@app.command("leaderboard", rich_help_panel=INSPECT)
+def leaderboard_cmd(matrix_dir: Annotated[Path, typer.Argument(help="runs/<matrix> folder")],
+                    as_json: Json = False) -> None:
     """Rebuild and print the leaderboard of a matrix's run folder."""
     from tunelab.report import leaderboard
 
     if not matrix_dir.is_dir():
         raise UserError("no such run folder", file=matrix_dir)
-    _print_wide(leaderboard.to_rich(leaderboard.write(matrix_dir), f"{matrix_dir.name} leaderboard"))
+    rows = leaderboard.write(matrix_dir)
+    if as_json:
+        return _print_json(rows)
+    _print_wide(leaderboard.to_rich(rows, f"{matrix_dir.name} leaderboard"))
 
 
-@app.command()
+@app.command("ls", rich_help_panel=INSPECT)
+def ls(kind: Annotated[str | None, typer.Argument(help="models, recipes, suites, tasks, optimizers, peft or "
+                                                  "experiments; all of them when left out")] = None,
+       as_json: Json = False) -> None:
+    """List what a matrix can name, one line each: registered names and the content folders' files."""
+    from tunelab.listing import KINDS, rows
+
+    if kind is not None and kind not in KINDS:
+        raise UserError(f"exp ls {kind!r}: allowed are {', '.join(KINDS)}")
+    kinds = [kind] if kind else list(KINDS)
+    if as_json:
+        return _print_json({k: dict(rows(k)) for k in kinds})
+    for k in kinds:
+        table = Table(title=k, title_justify="left")
+        table.add_column("name")
+        table.add_column("what")
+        for name, what in rows(k):
+            table.add_row(name, what)
+        _print_wide(table)
+
+
+@app.command(rich_help_panel=INSPECT)
 def models() -> None:
     """List the model catalog's aliases."""
     from tunelab.registries import MODELS
@@ -165,16 +215,17 @@ def _add_subcommands() -> None:
     from tunelab.data.cli import app as data_app
     from tunelab.evals.cli import app as eval_app
 
-    app.add_typer(data_app, name="data", help="Build, inspect and preview data recipes.")
-    app.add_typer(eval_app, name="eval", help="Evaluate any model on a suite; fetch offline eval data.")
+    app.add_typer(data_app, name="data", help="Build, inspect and preview data recipes.", rich_help_panel=INSPECT)
+    app.add_typer(eval_app, name="eval", help="Evaluate any model on a suite; fetch offline eval data.",
+                  rich_help_panel=EVALUATE)
     from tunelab.train.parallel.cli import memory
 
-    app.command("memory")(memory)
+    app.command("memory", rich_help_panel=INSPECT)(memory)
     from tunelab.everyday_cli import chat_cmd, clean_cmd, export_cmd
 
-    app.command("export")(export_cmd)
-    app.command("chat")(chat_cmd)
-    app.command("clean")(clean_cmd)
+    app.command("chat", rich_help_panel=EVALUATE)(chat_cmd)
+    app.command("clean", rich_help_panel=RUN)(clean_cmd)
+    app.command("export", rich_help_panel=EXPORT)(export_cmd)
 
 
 _add_subcommands()

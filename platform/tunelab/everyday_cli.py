@@ -77,7 +77,7 @@ def chat_cmd(
         raise UserError(f"--device {device!r}: allowed are auto, cpu, cuda")
     if template not in chat.TEMPLATE_CHOICES:  # before the model loads, which takes a while
         raise UserError(f"--template {template!r}: allowed are {', '.join(chat.TEMPLATE_CHOICES)}")
-    from tunelab.cell import device_for
+    from tunelab.runtime import device_of as device_for
 
     _quiet_loading()
     with _interruptible("chat ended"):

@@ -36,13 +36,20 @@ def eval_done(run_dir: Path, eval_id: str) -> bool:
     return bool((read_json(eval_dir(run_dir, eval_id) / "results.json") or {}).get("complete"))
 
 
+def eval_results(run_dir: Path) -> list[tuple[str, dict]]:
+    """Every evaluation of a cell, newest first: (eval id, results.json); a first-layout folder's
+    eval/results.json has the id "eval"."""
+    found = [(p, p.parent.name) for p in (run_dir / "eval").glob("*/results.json")]
+    found += [(p, "eval") for p in [run_dir / "eval" / "results.json"] if p.is_file()]
+    found.sort(key=lambda f: f[0].stat().st_mtime, reverse=True)
+    return [(eval_id, res) for p, eval_id in found if (res := read_json(p)) is not None]
+
+
 def results(run_dir: Path, eval_id: str | None = None) -> dict:
-    """An evaluation's results.json: the one named, else the newest (first-layout folders: eval/results.json)."""
+    """An evaluation's results.json: the one named, else the newest."""
     if eval_id is not None:
         return read_json(eval_dir(run_dir, eval_id) / "results.json") or {}
-    found = sorted((run_dir / "eval").glob("*/results.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    found.append(run_dir / "eval" / "results.json")
-    return next((r for p in found if (r := read_json(p))), {})
+    return next((res for _, res in eval_results(run_dir)), {})
 
 
 def find(matrix_dir: Path, cell_id: str) -> Path | None:

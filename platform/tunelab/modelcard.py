@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 from tunelab import __version__
-from tunelab.cellfolder import CellFolder, eval_results
-from tunelab.models import HUB_ID
+from tunelab.cellfolder import CellFolder
+from tunelab.folders import eval_results
+from tunelab.plan.sections import HUB_ID
 from tunelab.report.leaderboard import fmt
 from tunelab.store import read_json
 
