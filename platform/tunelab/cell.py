@@ -129,6 +129,7 @@ def _load_trained(run: _Run):
 
 def _evaluate(run: _Run, model, tokenizer, datasets, val_loss) -> None:
     from tunelab import evals
+    from tunelab.report.scores import Score, wandb_key
     from tunelab.train import peft
 
     t0 = time.perf_counter()
@@ -136,7 +137,11 @@ def _evaluate(run: _Run, model, tokenizer, datasets, val_loss) -> None:
                         validation=datasets["validation"] if datasets else None, val_loss=val_loss)
     scores = evals.run(peft.for_eval(model), tokenizer, run.cfg.eval, ctx, run.emit)
     run.timings["eval_s"] = time.perf_counter() - t0
-    run.tracker.summary({f"eval/{k}": r["value"] for k, r in scores["tasks"].items() if r.get("value") is not None})
+    summary = {}
+    for task, res in scores["tasks"].items():  # the subset and unavailable marks travel to W&B too
+        s = Score.of(task, res)
+        summary[wandb_key(s)] = s.value if s.ok else ("unavailable" if s.status != "ok" else None)
+    run.tracker.summary({k: v for k, v in summary.items() if v is not None})
 
 
 def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None = None,

@@ -115,9 +115,9 @@ def run(
                                 console=err, how=how)
     if how.launcher == "slurm":
         return
-    rows = leaderboard.write(mdir)
-    _print_wide(leaderboard.to_rich(rows, f"{spec.name} leaderboard"))
-    out.print(f"wrote {mdir / 'leaderboard.md'} and {mdir / 'leaderboard.csv'}")
+    board = leaderboard.write(mdir)
+    _print_wide(leaderboard.to_rich(board, f"{spec.name} leaderboard"))
+    out.print(f"wrote {mdir / 'leaderboard.md'} (and .csv, .tex, .json)")
     failed = [o for o in outcomes if o.state in ("failed", "skipped-failed")]
     for o in failed:
         err.print(f"[red]{o.cell.dirname} failed:[/] {o.error} (log: {mdir / o.cell.dirname / 'cell.log'})")
@@ -162,18 +162,46 @@ def status(matrix_dir: Annotated[Path, typer.Argument(help="runs/<matrix> folder
     out.print(table)
 
 
+def _where(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for p in pairs:
+        key, eq, value = p.partition("=")
+        if not eq or not key:
+            raise UserError(f"--where {p!r}: expected KEY=VALUE with a dotted config key, e.g. optim.name=adamw")
+        out[key] = value
+    return out
+
+
 @app.command("leaderboard", rich_help_panel=INSPECT)
-def leaderboard_cmd(matrix_dir: Annotated[Path, typer.Argument(help="runs/<matrix> folder")],
-                    as_json: Json = False) -> None:
-    """Rebuild and print the leaderboard of a matrix's run folder."""
+def leaderboard_cmd(
+    matrix_dir: Annotated[Path, typer.Argument(help="runs/<matrix> folder")],
+    fmt: Annotated[str | None, typer.Option("--format", help="md, csv, latex, html or json to stdout "
+                                            "(default: a table for the terminal)")] = None,
+    aggregate: Annotated[bool, typer.Option(help="fold train.seed: one row per configuration, mean ± std "
+                                            "over its seeds")] = True,
+    by: Annotated[str | None, typer.Option(help="comma-separated keys the rows are grouped by; everything "
+                                           "else is folded (e.g. optim.name)")] = None,
+    where: Annotated[list[str] | None, typer.Option(help="only cells whose KEY=VALUE (repeatable)")] = None,
+    sort: Annotated[str | None, typer.Option(help="column to sort by, best first ('-COLUMN' reverses)")] = None,
+    as_json: Json = False,
+) -> None:
+    """Rebuild the leaderboard files of a matrix's run folder and print it (seeds folded, best values bold)."""
     from tunelab.report import leaderboard
+    from tunelab.report.records import collect
+    from tunelab.report.table import build
 
     if not matrix_dir.is_dir():
         raise UserError("no such run folder", file=matrix_dir)
-    rows = leaderboard.write(matrix_dir)
-    if as_json:
-        return _print_json(rows)
-    _print_wide(leaderboard.to_rich(rows, f"{matrix_dir.name} leaderboard"))
+    fmt = "json" if as_json else fmt
+    if fmt is not None and fmt not in leaderboard.FORMATS:
+        raise UserError(f"--format {fmt!r}: allowed are {', '.join(leaderboard.FORMATS)}")
+    leaderboard.write(matrix_dir)  # the files keep the default view
+    board = build(collect(matrix_dir), aggregate=aggregate, by=by.split(",") if by else None,
+                  where=_where(where or []), sort=sort)
+    title = f"{matrix_dir.name} leaderboard"
+    if fmt is None:
+        return _print_wide(leaderboard.to_rich(board, title))
+    print(leaderboard.render(board, fmt, title), end="")
 
 
 @app.command("ls", rich_help_panel=INSPECT)

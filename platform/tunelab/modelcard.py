@@ -14,7 +14,7 @@ from tunelab import __version__
 from tunelab.cellfolder import CellFolder
 from tunelab.folders import eval_results
 from tunelab.plan.sections import HUB_ID
-from tunelab.report.leaderboard import fmt
+from tunelab.report.scores import fmt
 from tunelab.store import read_json
 
 KINDS = {

@@ -102,23 +102,28 @@ for _name, _spec in {
 class PeftSpec:
     wrap: Lazy  # (model, PeftCfg) -> model
     description: str
+    keys: tuple[str, ...] = ()  # the peft.* settings this method reads (the leaderboard shows no others)
     load_kwargs: Lazy | None = None  # (PeftCfg, device) -> extra from_pretrained arguments
     needs_cuda: bool = False
     prompt_learning: bool = False  # virtual tokens: cannot merge into the weights
 
 
+_LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
 PEFT: Registry[PeftSpec] = Registry("PEFT method")
 PEFT.add("none", PeftSpec(Lazy("tunelab.train.peft:full"), "full-parameter training"))
-PEFT.add("lora", PeftSpec(Lazy("tunelab.train.peft:lora"), "LoRA: low-rank updates of the linear layers"))
-PEFT.add("dora", PeftSpec(Lazy("tunelab.train.peft:dora"), "DoRA: LoRA with a learned magnitude per column"))
-PEFT.add("ia3", PeftSpec(Lazy("tunelab.train.peft:ia3"), "IA3: learned scaling of keys, values and the MLP"))
+PEFT.add("lora", PeftSpec(Lazy("tunelab.train.peft:lora"), "LoRA: low-rank updates of the linear layers", _LORA_KEYS))
+PEFT.add("dora", PeftSpec(Lazy("tunelab.train.peft:dora"), "DoRA: LoRA with a learned magnitude per column",
+                          _LORA_KEYS))
+PEFT.add("ia3", PeftSpec(Lazy("tunelab.train.peft:ia3"), "IA3: learned scaling of keys, values and the MLP",
+                         ("target_modules", "feedforward_modules")))
 PEFT.add("prefix", PeftSpec(Lazy("tunelab.train.peft:prefix"), "prefix tuning: trained key/value prefixes",
-                            prompt_learning=True))
+                            ("num_virtual_tokens", "prefix_projection"), prompt_learning=True))
 PEFT.add("prompt", PeftSpec(Lazy("tunelab.train.peft:prompt"), "prompt tuning: trained soft-prompt embeddings",
-                            prompt_learning=True))
+                            ("num_virtual_tokens",), prompt_learning=True))
 PEFT.add("p_tuning", PeftSpec(Lazy("tunelab.train.peft:p_tuning"), "P-tuning: soft prompts from a prompt encoder",
-                              prompt_learning=True))
+                              ("num_virtual_tokens", "encoder_hidden_size"), prompt_learning=True))
 PEFT.add("qlora", PeftSpec(Lazy("tunelab.train.peft:qlora"), "QLoRA: LoRA on a 4-bit base (CUDA, bitsandbytes)",
+                           (*_LORA_KEYS, "quant_type", "double_quant"),
                            load_kwargs=Lazy("tunelab.train.peft:qlora_load_kwargs"), needs_cuda=True))
 
 # -- parallel engines ----------------------------------------------------------------------------------------
@@ -150,6 +155,11 @@ class TaskSpec:
     description: str
     official_n: int | None = None  # items of the benchmark's official test set: fewer scored = a subset
     stand_in: bool = False  # a smoke stand-in, not the benchmark
+
+    def partial(self, n: int) -> bool:
+        """Whether n scored items are fewer than the official test set (whatever the reason: a limit, chosen
+        subtasks, a local folder holding part of the set)."""
+        return self.official_n is not None and 0 < n < self.official_n
 
 
 _HARNESS = Lazy("tunelab.evals.engine:harness_task")

@@ -30,7 +30,7 @@ def run_cmd(
     from tunelab import evals, models, plan
     from tunelab.config import EvalCfg
     from tunelab.errors import UserError, explain
-    from tunelab.report.leaderboard import fmt
+    from tunelab.report.scores import fmt
     from tunelab.runtime import device_of
 
     raw = {"suite": suite, **{k: v for k, v in (("limit", limit), ("data_dir", data_dir), ("batch_size", batch_size))

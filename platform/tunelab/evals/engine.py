@@ -105,8 +105,9 @@ def run(model, tokenizer, cfg, ctx: Context, emit: Emit = ignore) -> dict:
     for name in cfg.tasks:
         emit(EvalTask(name))
         t0 = time.perf_counter()
-        results[name] = {**TASKS[name].run.load()(name, model, tokenizer, cfg, ctx),
-                         "seconds": time.perf_counter() - t0}
+        res = TASKS[name].run.load()(name, model, tokenizer, cfg, ctx)
+        res["subset"] = bool(res.get("subset")) or TASKS[name].partial(int(res.get("n") or 0))
+        results[name] = {**res, "seconds": time.perf_counter() - t0}
         write_json(ctx.out_dir / "results.json", out)
     out["complete"] = True
     write_json(ctx.out_dir / "results.json", out)

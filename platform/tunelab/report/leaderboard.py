@@ -1,109 +1,118 @@
-"""report.leaderboard(runs/<matrix>/) -> leaderboard.md and .csv: one row per cell (its training joined with
-the evaluation the matrix asks for)."""
+"""The leaderboard of runs/<matrix>/ in every format a paper or a program wants: md, csv, latex, html, json.
+
+Each score column comes with its spread (`±`: the standard error of a single run, from results.json, or the
+standard deviation over folded seeds), `runs` says how many finished runs stand behind a row, the best value
+of each column is marked (bold; `best` in json), and the marks of report/scores.py (`*` subset, `_smoke`
+stand-in, `unavailable`, `failed`) read the same in every format.
+"""
 
 from __future__ import annotations
 
-import csv
-import io
+import html
+import json
 from pathlib import Path
 
+import pandas as pd
 from rich.table import Table
 
-from tunelab import folders
-from tunelab.store import cell_dirs, read_json, read_status, write_text
+from tunelab.report.records import collect
+from tunelab.report.scores import MARKS, fmt, marked
+from tunelab.report.table import Board, Stat, build
+from tunelab.store import write_text
 
-TRAIN_COLUMNS = {  # summary.json key -> column header
-    "final_loss": "train loss",
-    "tokens_per_s": "tok/s",
-    "peak_mem_mb": "peak MB",
-    "train_seconds": "train s",
-}
-
-
-NOTE = ("Scores from eval/results.json of each cell; * marks a subset of the benchmark (see its limit and n "
-        "there), `_smoke` a stand-in that is not the benchmark, `unavailable` a test set that could not be "
-        "loaded. tok/s: non-padding tokens per second of training; peak MB: peak process RSS on CPU, CUDA max "
-        "allocated on GPU (of the main process under multi-process layouts).")
+FORMATS = ("md", "csv", "latex", "html", "json")
+FIGURES_NOTE = ("tok/s: non-padding tokens per second of training; peak MB: peak process RSS on CPU, CUDA max "
+                "allocated on GPU (of the main process under multi-process layouts).")
 
 
-
-def _entries(matrix_dir: Path) -> list[tuple[Path, dict]]:
-    """(cell folder, {id, eval_id, slug, varying}) for each cell of the matrix as last run (cells.json); for a
-    runs folder without one, every cell folder with its newest evaluation."""
-    index = read_json(matrix_dir / "cells.json")
-    if index is None:
-        return [(d, {**(read_json(d / "cell.json") or {}), "eval_id": None}) for d in cell_dirs(matrix_dir)]
-    return [(d, entry) for entry in index if (d := folders.find(matrix_dir, entry["id"])) is not None]
+def note(board: Board) -> str:
+    spread = ("±: the standard deviation over the runs of a row (runs = how many finished)"
+              if board.spread_kind == "std" else "±: the standard error of the score (results.json)")
+    return f"{MARKS} {spread}. {FIGURES_NOTE}"
 
 
-def _state(d: Path, eval_id: str | None) -> str:
-    state = read_status(d).get("state", "?")
-    if state == "done" and eval_id is not None and not folders.eval_done(d, eval_id):
-        return "pending"  # trained, but not yet evaluated as the matrix now asks
-    return state
+def frame(board: Board, bold=lambda text: text, spread: bool = True) -> pd.DataFrame:
+    """The table as display strings; `bold` wraps the best value of each column (per format)."""
+    many = any(r["runs"] > 1 for r in board.rows)
+    out = []
+    for r in board.rows:
+        row = {"cell": r["cell"], **{k: "" if r[k] is None else fmt(r[k]) for k in board.keys}, "status": r["status"]}
+        if many:
+            row["runs"] = r["runs"]
+        for col in board.columns:
+            st: Stat = r[col.name]
+            text = marked(st.mean, st.subset, st.unavailable)
+            row[col.name] = bold(text) if st.best else text
+            if spread and (col.kind == "score" or many):
+                row[f"{col.name} ±"] = fmt(st.spread) if st.spread is not None else ""
+        out.append(row)
+    return pd.DataFrame(out)
 
 
-def collect(matrix_dir: Path) -> list[dict]:
+def _latex_escape(text: str) -> str:
+    for a, b in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("$", r"\$"), ("#", r"\#"),
+                 ("_", r"\_"), ("{", r"\{"), ("}", r"\}"), ("~", r"\textasciitilde{}"), ("^", r"\^{}")):
+        text = text.replace(a, b)
+    return text
+
+
+def to_latex(board: Board, title: str) -> str:
+    """booktabs, ready to paste (needs \\usepackage{booktabs})."""
+    df = frame(board, bold=lambda t: f"\\textbf{{{_latex_escape(t)}}}")
+    df = df.map(lambda v: v if str(v).startswith("\\textbf") else _latex_escape(str(v)))
+    df.columns = [_latex_escape(c).replace(" ±", r" $\pm$") for c in df.columns]
+    body = df.to_latex(index=False, escape=False, column_format="l" * len(df.columns))
+    return f"% {title}: {note(board)}\n{body}"
+
+
+def to_html(board: Board, title: str) -> str:
+    df = frame(board, bold=lambda t: f"<b>{html.escape(t)}</b>")
+    df = df.map(lambda v: v if str(v).startswith("<b>") else html.escape(str(v)))
+    table = df.to_html(index=False, escape=False, classes="leaderboard", border=0)
+    return f"<h2>{html.escape(title)}</h2>\n{table}\n<p class=\"note\">{html.escape(note(board))}</p>\n"
+
+
+def to_json(board: Board) -> str:
     rows = []
-    for d, meta in _entries(matrix_dir):
-        row = {"cell": meta.get("slug", d.name), "id": meta.get("id", ""), **meta.get("varying", {}),
-               "status": _state(d, meta.get("eval_id"))}
-        for name, res in (folders.results(d, meta.get("eval_id")).get("tasks") or {}).items():
-            header = name if res.get("metric") in (None, "loss", name) else f"{name} {res['metric']}"
-            # A test set that could not be had shows as such, never as a blank or a 0; smoke stand-ins
-            # carry "_smoke" in their name, and subsets a "*" (see eval/<eval-id>/results.json).
-            if res.get("status", "ok") != "ok":
-                row[header] = "unavailable"
-            else:
-                row[header] = f"{fmt(res.get('value'))}*" if res.get("subset") else res.get("value")
-        summary = read_json(d / "train" / "summary.json") or {}
-        row.update({col: summary.get(key) for key, col in TRAIN_COLUMNS.items() if key in summary})
-        rows.append(row)
-    return rows
+    for r in board.rows:
+        rows.append({"cell": r["cell"], "status": r["status"], "runs": r["runs"], **{k: r[k] for k in board.keys},
+                     "columns": {c.name: {**r[c.name].__dict__, "kind": c.kind, "higher_is_better": c.higher_is_better}
+                                 for c in board.columns}})
+    return json.dumps({"rows": rows, "spread": board.spread_kind, "note": note(board)}, indent=2, default=str)
 
 
-def columns(rows: list[dict]) -> list[str]:
-    return list(dict.fromkeys(k for r in rows for k in r))
+def render(board: Board, fmt_name: str, title: str) -> str:
+    if fmt_name == "md":  # the subset mark stays outside the bold markers, escaped
+        table = frame(board, bold=lambda t: f"**{t[:-1]}**\\*" if t.endswith("*") else f"**{t}**").to_markdown(
+            index=False, tablefmt="pipe")
+        return f"# {title}\n\n{table}\n\n{note(board)}\n"
+    if fmt_name == "csv":
+        return frame(board).to_csv(index=False)
+    if fmt_name == "latex":
+        return to_latex(board, title)
+    if fmt_name == "html":
+        return to_html(board, title)
+    if fmt_name == "json":
+        return to_json(board) + "\n"
+    raise ValueError(f"unknown format {fmt_name!r}; formats: {', '.join(FORMATS)}")
 
 
-def fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
-    return str(v)
-
-
-def to_markdown(rows: list[dict], title: str) -> str:
-    cols = columns(rows)
-    lines = [f"# {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
-    lines += ["", NOTE]
-    return "\n".join(lines) + "\n"
-
-
-def to_csv(rows: list[dict]) -> str:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns(rows), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return buf.getvalue()
-
-
-def to_rich(rows: list[dict], title: str) -> Table:
+def to_rich(board: Board, title: str) -> Table:
+    """The terminal is narrow: dotted config keys stay in the files; the cell label names each row."""
+    df = frame(board, bold=lambda t: f"[bold]{t}[/]", spread=False)
+    df = df[[c for c in df.columns if "." not in c]]
     table = Table(title=title)
-    # The terminal is narrow: the id and the varying config keys (dotted) stay in the files; the slug
-    # already names each cell.
-    cols = [c for c in columns(rows) if c != "id" and "." not in c]
-    for c in cols:
-        table.add_column(c, justify="right" if any(isinstance(r.get(c), (int, float)) for r in rows) else "left")
-    for r in rows:
-        table.add_row(*(fmt(r.get(c)) for c in cols))
+    for c in df.columns:
+        table.add_column(str(c), justify="left" if c in ("cell", "status") else "right")
+    for row in df.itertuples(index=False):
+        table.add_row(*(str(v) for v in row))
     return table
 
 
-def write(matrix_dir: Path) -> list[dict]:
-    rows = collect(matrix_dir)
-    write_text(matrix_dir / "leaderboard.md", to_markdown(rows, f"Leaderboard: {matrix_dir.name}"))
-    write_text(matrix_dir / "leaderboard.csv", to_csv(rows))
-    return rows
+def write(matrix_dir: Path, **options) -> Board:
+    """leaderboard.md, .csv, .tex and .json of a matrix's run folder (seeds folded unless aggregate=False)."""
+    board = build(collect(matrix_dir), **options)
+    title = f"Leaderboard: {matrix_dir.name}"
+    for ext, name in (("md", "md"), ("csv", "csv"), ("tex", "latex"), ("json", "json")):
+        write_text(matrix_dir / f"leaderboard.{ext}", render(board, name, title))
+    return board

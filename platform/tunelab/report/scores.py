@@ -1,0 +1,72 @@
+"""One score of results.json as every report shows it: value, spread, n, and what it is not.
+
+The marks, the same in every format (leaderboard md/csv/latex/html/json, the report, the model card, W&B):
+`*` after a value: a subset of the benchmark (fewer items than its official test set); a task named
+`*_smoke`: a stand-in that exercises the pipeline and is not the benchmark; `unavailable`: the test set could
+not be loaded, so there is no score; `failed`: the cell did not finish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tunelab.registries import TASKS
+
+MARKS = ("`*`: a subset of the benchmark (fewer items than its official test set; see n); a task named "
+         "`*_smoke`: a stand-in that exercises the pipeline and is not the benchmark; `unavailable`: the test "
+         "set could not be loaded, so there is no score; `failed`: the cell did not finish.")
+LOWER_IS_BETTER = {"loss"}
+
+
+@dataclass(frozen=True)
+class Score:
+    task: str
+    metric: str
+    value: float | None
+    stderr: float | None
+    n: int
+    status: str  # ok | unavailable
+    subset: bool
+    stand_in: bool
+    reason: str = ""
+
+    @classmethod
+    def of(cls, task: str, res: dict) -> Score:
+        spec = TASKS[task] if task in TASKS else None
+        n = int(res.get("n") or 0)
+        subset = bool(res.get("subset")) or bool(spec and spec.partial(n))  # older results: the rule again
+        return cls(task, res.get("metric") or "", res.get("value"), res.get("stderr"), n,
+                   res.get("status", "ok"), subset, bool(spec and spec.stand_in), res.get("reason", ""))
+
+    @property
+    def header(self) -> str:
+        return self.task if self.metric in ("", "loss", self.task) else f"{self.task} {self.metric}"
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.metric not in LOWER_IS_BETTER
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and self.value is not None
+
+
+def fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def marked(value: float | None, subset: bool, unavailable: bool = False) -> str:
+    """A value as shown in a table cell."""
+    if unavailable:
+        return "unavailable"
+    return f"{fmt(value)}*" if subset and value is not None else fmt(value)
+
+
+def wandb_key(s: Score) -> str:
+    """The W&B summary key of a score: the subset mark travels with the name (eval/mmlu on 57 questions is
+    not MMLU)."""
+    return f"eval/{s.task}" + (f" (subset, n={s.n})" if s.subset else "")

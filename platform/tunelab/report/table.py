@@ -1,0 +1,169 @@
+"""The leaderboard as data: one row per cell configuration, seeds folded into mean ± std with n.
+
+Rows group the cells by the keys that tell them apart (`by`, default: the varying keys but `train.seed`); a key
+is shown only where it applies (peft.r on a LoRA cell, not on a full-parameter one: tunelab.registries.PEFT
+says which peft keys a method reads) and only when it varies among the cells where it applies. A single run
+shows its score's standard error from results.json as the spread; folded seeds show the standard deviation
+over runs.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tunelab.registries import PEFT
+from tunelab.report.records import TRAIN_FIGURES, Record
+
+SEED = "train.seed"
+
+
+@dataclass(frozen=True)
+class Stat:
+    mean: float | None
+    spread: float | None  # stderr of one run, or std over runs
+    n: int  # runs behind the value
+    subset: bool = False
+    unavailable: bool = False
+    stand_in: bool = False
+    best: bool = False
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    kind: str  # score | figure
+    higher_is_better: bool | None = None
+    source: str = ""  # the task of a score column, the train/summary.json key of a figure
+
+
+@dataclass
+class Board:
+    keys: list[str]
+    columns: list[Column]  # score and figure columns, in order
+    rows: list[dict] = field(default_factory=list)  # cell, status, runs, key values, column name -> Stat
+    aggregated: bool = False
+
+    @property
+    def spread_kind(self) -> str:
+        """What ± means in this board: "std" over the runs of a row, or the "stderr" of a single run's score."""
+        return "std" if any(r["runs"] > 1 for r in self.rows) else "stderr"
+
+
+def applies(key: str, config: dict) -> bool:
+    """Whether a config key means anything for this cell (a peft setting its method does not read does not)."""
+    if key.startswith("peft.") and key != "peft.method":
+        return key.removeprefix("peft.") in PEFT[config.get("peft.method", "none")].keys
+    return True
+
+
+def value_of(rec: Record, key: str):
+    return rec.config.get(key) if applies(key, rec.config) else None
+
+
+def shown_keys(records: list[Record], exclude: tuple[str, ...] = ()) -> list[str]:
+    """Varying keys that take more than one value among the cells where they apply."""
+    keys = list(dict.fromkeys(k for r in records for k in r.varying if k not in exclude))
+    return [k for k in keys if len({repr(value_of(r, k)) for r in records if applies(k, r.config)}) > 1]
+
+
+def _stat(values: list[float], stderrs: list, subset: bool, unavailable: bool, stand_in: bool) -> Stat:
+    if not values:
+        return Stat(None, None, 0, subset, unavailable, stand_in)
+    if len(values) == 1:
+        return Stat(values[0], stderrs[0] if stderrs else None, 1, subset, False, stand_in)
+    return Stat(statistics.fmean(values), statistics.stdev(values), len(values), subset, False, stand_in)
+
+
+def _row(group: list[Record], keys: list[str], columns: list[Column], label: str) -> dict:
+    done = [r for r in group if r.state == "done"]
+    states = Counter(r.state for r in group)
+    row = {"cell": label, "status": next(iter(states)) if len(states) == 1 else
+           ", ".join(f"{n} {s}" for s, n in states.items()), "runs": len(done),
+           **{k: value_of(group[0], k) for k in keys}}
+    for col in columns:
+        if col.kind == "score":
+            scores = [s for r in done if (s := r.scores.get(col.source)) is not None]
+            ok = [s for s in scores if s.ok]
+            row[col.name] = _stat([s.value for s in ok], [s.stderr for s in ok], any(s.subset for s in scores),
+                                  bool(scores) and not ok, any(s.stand_in for s in scores))
+        else:
+            vals = [float(r.train[col.source]) for r in done if isinstance(r.train.get(col.source), (int, float))]
+            row[col.name] = _stat(vals, [], False, False, False)
+    return row
+
+
+def _columns(records: list[Record]) -> list[Column]:
+    scores = {}
+    for r in records:
+        for s in r.scores.values():
+            scores.setdefault(s.header, Column(s.header, "score", s.higher_is_better, s.task))
+    figures = [Column(h, "figure", hib, k) for k, (h, hib) in TRAIN_FIGURES.items()
+               if any(k in r.train for r in records)]
+    return list(scores.values()) + figures
+
+
+def _label(group: list[Record], by: list[str] | None, aggregate: bool) -> str:
+    if by:
+        return ", ".join(f"{k}={value_of(group[0], k)}" for k in by)
+    first = group[0]
+    if aggregate and SEED in first.varying:  # seeds folded: the slug without its seed part
+        return first.slug.removesuffix(f"-s{first.config.get(SEED)}") or first.slug
+    return first.slug
+
+
+def _mark_best(board: Board) -> None:
+    for col in board.columns:
+        if col.higher_is_better is None:
+            continue
+        means = [r[col.name].mean for r in board.rows if r[col.name].mean is not None]
+        if len(set(means)) < 2:  # one value, or all equal: nothing stands out
+            continue
+        best = max(means) if col.higher_is_better else min(means)
+        for r in board.rows:
+            if r[col.name].mean is not None and math.isclose(r[col.name].mean, best, rel_tol=1e-12, abs_tol=0):
+                r[col.name] = Stat(**{**r[col.name].__dict__, "best": True})
+
+
+def build(records: list[Record], *, aggregate: bool = True, by: list[str] | None = None,
+          where: dict[str, str] | None = None, sort: str | None = None) -> Board:
+    """The leaderboard of `records`: rows grouped by `by` (default: every varying key but the seed when
+    `aggregate`, else one row per cell), filtered by `where` (key -> value as written in YAML)."""
+    records = [r for r in records if all(str(r.config.get(k)) == v for k, v in (where or {}).items())]
+    group_keys = by or ([k for k in dict.fromkeys(k for r in records for k in r.varying) if k != SEED]
+                        if aggregate else None)
+    keys = by or shown_keys(records, exclude=(SEED,) if aggregate else ())
+    columns = _columns(records)
+    groups: dict[tuple, list[Record]] = {}
+    for i, r in enumerate(records):
+        gid = tuple(repr(value_of(r, k)) for k in group_keys) if group_keys is not None else (i,)
+        groups.setdefault(gid, []).append(r)
+    board = Board(keys, columns, aggregated=aggregate or bool(by))
+    board.rows = [_row(g, keys, columns, _label(g, by, aggregate)) for g in groups.values()]
+    _mark_best(board)
+    if sort:
+        _sort(board, sort)
+    return board
+
+
+def _sort(board: Board, column: str) -> None:
+    """Best first for a score or figure column (a leading '-' reverses), by value for a key column."""
+    reverse = column.startswith("-")
+    name = column.lstrip("-")
+    col = next((c for c in board.columns if c.name == name), None)
+    if col is not None:
+        missing = -math.inf if col.higher_is_better else math.inf
+
+        def key(r):
+            return r[name].mean if r[name].mean is not None else missing
+
+        board.rows.sort(key=key, reverse=bool(col.higher_is_better) != reverse)
+    elif name in board.keys or name in ("cell", "status"):
+        board.rows.sort(key=lambda r: str(r.get(name)), reverse=reverse)
+    else:
+        from tunelab.errors import UserError
+
+        names = ["cell", "status", *board.keys, *(c.name for c in board.columns)]
+        raise UserError(f"--sort {column!r}: no such column; columns: {', '.join(names)}")
