@@ -249,6 +249,9 @@ def _add_subcommands() -> None:
     from tunelab.train.parallel.cli import memory
 
     app.command("memory", rich_help_panel=INSPECT)(memory)
+    from tunelab.report.compare_cli import compare_cmd
+
+    app.command("compare", rich_help_panel=INSPECT)(compare_cmd)
     from tunelab.everyday_cli import chat_cmd, clean_cmd, export_cmd
 
     app.command("chat", rich_help_panel=EVALUATE)(chat_cmd)

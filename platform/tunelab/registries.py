@@ -155,6 +155,7 @@ class TaskSpec:
     description: str
     official_n: int | None = None  # items of the benchmark's official test set: fewer scored = a subset
     stand_in: bool = False  # a smoke stand-in, not the benchmark
+    average: str = "micro"  # the headline over items (micro) or the mean of per-subtask scores (macro)
 
     def partial(self, n: int) -> bool:
         """Whether n scored items are fewer than the official test set (whatever the reason: a limit, chosen
@@ -171,6 +172,7 @@ TASKS.add("mmlu", TaskSpec(_HARNESS, "MMLU 5-shot accuracy (57 subjects)", offic
 TASKS.add("gsm8k", TaskSpec(_HARNESS, "GSM8K 8-shot chain of thought, exact match", official_n=1319))
 TASKS.add("gsm8k_smoke", TaskSpec(_HARNESS, "SMOKE stand-in: generated word problems in GSM8K's format",
                                   stand_in=True))
-TASKS.add("bbh", TaskSpec(_HARNESS, "BIG-Bench Hard 3-shot chain of thought (27 tasks)", official_n=6511))
+TASKS.add("bbh", TaskSpec(_HARNESS, "BIG-Bench Hard 3-shot chain of thought (27 tasks)", official_n=6511,
+                          average="macro"))
 TASKS.add("bbh_smoke", TaskSpec(_HARNESS, "SMOKE stand-in: BBH's shipped exemplars scored against each other",
-                                stand_in=True))
+                                stand_in=True, average="macro"))

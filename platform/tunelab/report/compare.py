@@ -1,0 +1,142 @@
+"""`exp compare A B`: two cells (or two matrices, cell by cell on their common keys) side by side.
+
+For each cell pair: the config keys that differ; for every task both evaluated, the score difference with a
+paired significance test over the per-item results of eval/<eval-id>/samples.jsonl (report/stats.py), refused
+with the reason when the two sides did not score the same items; and the training figures (loss, memory,
+speed) with their differences.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tunelab import folders
+from tunelab.errors import UserError
+from tunelab.registries import TASKS
+from tunelab.report.records import TRAIN_FIGURES, Record, collect, read
+from tunelab.report.stats import Paired, paired
+from tunelab.store import read_json
+
+ITEM_SCORE_FIELDS = ("acc", "exact_match", "passed")  # the per-item score in samples.jsonl, by task kind
+
+
+@dataclass
+class TaskComparison:
+    task: str
+    result: Paired | None = None
+    refused: str = ""  # why no test was run
+    values: tuple = (None, None)  # the two headline values from results.json
+
+
+@dataclass
+class Comparison:
+    a: Record
+    b: Record
+    config_diff: dict[str, tuple]  # key -> (A value, B value)
+    tasks: list[TaskComparison] = field(default_factory=list)
+    figures: dict[str, tuple] = field(default_factory=dict)  # column -> (A, B)
+
+
+def _samples(rec: Record) -> Path | None:
+    """The samples.jsonl of the evaluation the record's scores come from."""
+    found = [(p.stat().st_mtime, p) for p in (rec.dir / "eval").glob("*/samples.jsonl")]
+    if rec.eval_id and (folders.eval_dir(rec.dir, rec.eval_id) / "samples.jsonl").is_file():
+        return folders.eval_dir(rec.dir, rec.eval_id) / "samples.jsonl"
+    old = rec.dir / "eval" / "samples.jsonl"
+    return max(found)[1] if found else (old if old.is_file() else None)
+
+
+def items(rec: Record) -> dict[str, dict[tuple, tuple[str, float]]]:
+    """{task: {item key: (subtask, score)}}; HumanEval's score is the pass rate of a problem's samples."""
+    path = _samples(rec)
+    out: dict[str, dict] = defaultdict(dict)
+    passes: dict[tuple, list[float]] = defaultdict(list)
+    for line in (path.read_text().splitlines() if path else []):
+        r = json.loads(line)
+        field_ = next((f for f in ITEM_SCORE_FIELDS if f in r), None)
+        if field_ is None:
+            continue
+        if r["task"] == "humaneval":
+            passes[(r["task"], r["task_id"])].append(float(r["passed"]))
+            continue
+        key = (r.get("subtask"), r.get("doc_id"), r.get("doc_hash"))
+        out[r["task"]][key] = (str(r.get("subtask")), float(r[field_]))
+    for (task, tid), ps in passes.items():
+        out[task][(tid,)] = ("", sum(ps) / len(ps))
+    return out
+
+
+def _task(task: str, a: dict, b: dict, resamples: int, seed: int) -> TaskComparison:
+    if set(a) != set(b):
+        return TaskComparison(task, refused=f"the two sides scored different items ({len(a)} and {len(b)}, "
+                              f"{len(set(a) & set(b))} in common): a paired test needs the same items; "
+                              "evaluate both with the same eval settings")
+    keys = sorted(a, key=repr)
+    groups = np.array([a[k][0] for k in keys])
+    average = TASKS[task].average if task in TASKS else "micro"
+    sa, sb = (np.array([side[k][1] for k in keys]) for side in (a, b))
+    return TaskComparison(task, paired(sa, sb, groups, average, resamples, seed))
+
+
+def compare_cells(a: Record, b: Record, resamples: int = 10_000, seed: int = 0) -> Comparison:
+    keys = sorted(set(a.config) | set(b.config))
+    diff = {k: (a.config.get(k), b.config.get(k)) for k in keys
+            if a.config.get(k) != b.config.get(k) and not k.startswith("tracking.")}
+    out = Comparison(a, b, diff)
+    ia, ib = items(a), items(b)
+    for task in dict.fromkeys([*a.scores, *b.scores]):
+        values = tuple(s.value if (s := r.scores.get(task)) else None for r in (a, b))
+        if task not in ia or task not in ib:
+            why = "no per-item results" if task == "val_loss" else "scored on one side only, or no samples"
+            out.tasks.append(TaskComparison(task, refused=why, values=values))
+        else:
+            out.tasks.append(_task(task, ia[task], ib[task], resamples, seed))
+            out.tasks[-1].values = values
+    for key, (header, _) in TRAIN_FIGURES.items():
+        out.figures[header] = (a.train.get(key), b.train.get(key))
+    out.figures["val_loss"] = (a.train.get("val_loss"), b.train.get("val_loss"))
+    return out
+
+
+def _record(path: Path) -> Record:
+    meta = read_json(path / "cell.json")
+    if meta is None:
+        raise UserError("not a cell folder (no cell.json): give a cell folder runs/<matrix>/<cell>/ or a matrix's "
+                        "run folder runs/<matrix>/", file=path)
+    return read(path, {**meta, "eval_id": None})
+
+
+def pairs(a: Path, b: Path) -> list[tuple[Record, Record]]:
+    """Two cells, or the cells of two matrices matched on the keys both vary (refused when that is ambiguous)."""
+    for p in (a, b):
+        if not p.is_dir():
+            raise UserError("no such folder", file=p)
+    if (a / "cell.json").is_file() and (b / "cell.json").is_file():
+        return [(_record(a), _record(b))]
+    if (a / "cell.json").is_file() or (b / "cell.json").is_file():
+        raise UserError(f"compare two cells or two matrices, not one of each ({a} and {b})")
+    ra, rb = collect(a), collect(b)
+    if not ra or not rb:
+        raise UserError(f"no cells in {a if not ra else b}")
+    common = sorted(set().union(*(r.varying for r in ra)) & set().union(*(r.varying for r in rb)))
+
+    def index(records: list[Record], where: Path) -> dict[tuple, Record]:
+        out: dict[tuple, Record] = {}
+        for r in records:
+            key = tuple(repr(r.config.get(k)) for k in common)
+            if key in out:
+                raise UserError(f"{where}: cells {out[key].slug} and {r.slug} have the same values of the keys both "
+                                f"matrices vary ({', '.join(common) or 'none'}); compare those cells one by one")
+            out[key] = r
+        return out
+
+    xa, xb = index(ra, a), index(rb, b)
+    matched = [(xa[k], xb[k]) for k in xa if k in xb]
+    if not matched:
+        raise UserError(f"no cell of {a} matches a cell of {b} on the keys both vary ({', '.join(common)})")
+    return matched

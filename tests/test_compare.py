@@ -1,0 +1,109 @@
+"""`exp compare`: paired significance tests over per-item results, refusals, and matrices matched cell by cell."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tunelab.report.stats import mcnemar_exact, paired
+
+
+def test_mcnemar_exact_matches_the_binomial_test():
+    from scipy.stats import binomtest
+
+    a = np.array([1] * 30 + [0] * 10 + [1] * 8 + [0] * 2)
+    b = np.array([1] * 30 + [0] * 10 + [0] * 8 + [1] * 2)
+    p, (only_a, only_b) = mcnemar_exact(a, b)
+    assert (only_a, only_b) == (8, 2)
+    assert p == pytest.approx(binomtest(2, 10, 0.5).pvalue, abs=1e-12)
+    assert mcnemar_exact(a, a)[0] == 1.0
+
+
+def test_bootstrap_finds_a_real_difference_and_no_difference():
+    rng = np.random.default_rng(1)
+    a = (rng.random(200) < 0.3).astype(float)
+    b = np.maximum(a, (rng.random(200) < 0.4).astype(float))  # B right wherever A is, and more
+    groups = np.array(["x"] * 200)
+    r = paired(a, b, groups, resamples=2000)
+    assert r.diff == pytest.approx(b.mean() - a.mean()) and r.diff > 0.2
+    assert r.ci[0] > 0 and r.p_bootstrap < 1e-3 and r.p_mcnemar < 1e-6 and r.test == "McNemar (exact)"
+    same = paired(a, a, groups, resamples=500)
+    assert same.diff == 0 and same.p == 1.0 and same.ci == (0.0, 0.0)
+
+
+def test_macro_average_is_the_mean_of_subtask_means():
+    a = np.array([1.0, 1, 1, 1, 0, 0])  # subtask s: 4/4, subtask t: 0/2
+    b = np.array([1.0, 1, 1, 0, 1, 1])
+    groups = np.array(["s", "s", "s", "s", "t", "t"])
+    r = paired(a, b, groups, average="macro", resamples=300)
+    assert r.a == pytest.approx(0.5) and r.b == pytest.approx((0.75 + 1) / 2)
+    assert r.p_mcnemar is None and r.test == "paired bootstrap"  # McNemar tests a micro average only
+    assert not math.isnan(r.p_bootstrap)
+
+
+def _cell(root, name, items: dict[str, list[int]], varying: dict, config: dict, state="done"):
+    """A finished cell folder as tunelab writes it: config, status, summary, results and per-item samples."""
+    import yaml
+
+    d = root / name
+    ev = d / "eval" / "e1"
+    ev.mkdir(parents=True)
+    (d / "cell.json").write_text(json.dumps({"slug": name, "id": name, "varying": varying, "layout": 2}))
+    (d / "config.yaml").write_text(yaml.safe_dump(config))
+    (d / "status.json").write_text(json.dumps({"state": state}))
+    (d / "train").mkdir()
+    (d / "train" / "summary.json").write_text(json.dumps({"final_loss": 1.0, "tokens_per_s": 100.0,
+                                                          "peak_mem_mb": 500.0, "train_seconds": 2.0}))
+    tasks, samples = {}, []
+    for task, scores in items.items():
+        tasks[task] = {"metric": "acc", "value": float(np.mean(scores)), "n": len(scores), "status": "ok"}
+        samples += [{"task": task, "subtask": "s", "doc_id": i, "doc_hash": f"h{i}", "acc": v}
+                    for i, v in enumerate(scores)]
+    (ev / "results.json").write_text(json.dumps({"tasks": tasks, "complete": True}))
+    (ev / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return d
+
+
+def test_cells_compare_on_the_same_items_and_refuse_different_ones(cli, tmp_path):
+    a = _cell(tmp_path / "m", "a", {"mmlu": [0] * 40 + [1] * 10}, {"optim.name": "adamw"}, {"optim": {"name": "adamw"}})
+    b = _cell(tmp_path / "m", "b", {"mmlu": [1] * 40 + [1] * 10}, {"optim.name": "lion"}, {"optim": {"name": "lion"}})
+    code, out, err = cli("compare", a, b, "--json", "--resamples", "500")
+    assert code == 0, err
+    (c,) = json.loads(out)
+    assert c["config_diff"] == {"optim.name": ["adamw", "lion"]}
+    (t,) = c["tasks"]
+    assert t["diff"] == pytest.approx(0.8) and t["n"] == 50 and t["p"] < 1e-9 and t["discordant"] == [0, 40]
+    short = _cell(tmp_path / "m", "c", {"mmlu": [1] * 20}, {"optim.name": "sgd"}, {"optim": {"name": "sgd"}})
+    code, out, _ = cli("compare", a, short, "--json", "--resamples", "500")
+    (t,) = json.loads(out)[0]["tasks"]
+    assert code == 0 and t["refused"].startswith("the two sides scored different items (50 and 20")
+    code, out, _ = cli("compare", a, b)
+    assert code == 0 and "McNemar" in out and "optim.name" in out
+
+
+def test_matrices_are_matched_on_the_keys_both_vary(cli, tmp_path):
+    for m, shift in (("m1", 0), ("m2", 1)):
+        for opt in ("adamw", "lion"):
+            _cell(tmp_path / m, opt, {"mmlu": [shift] * 10 + [1] * 10}, {"optim.name": opt},
+                  {"optim": {"name": opt}, "train": {"steps": 10 + shift}})
+    code, out, err = cli("compare", tmp_path / "m1", tmp_path / "m2", "--json", "--resamples", "200")
+    assert code == 0, err
+    got = json.loads(out)
+    assert sorted(c["a"].rsplit("/", 1)[1] for c in got) == ["adamw", "lion"]
+    assert all(c["config_diff"] == {"train.steps": [10, 11]} for c in got)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["nope", "nope2"], "no such folder"),
+    (["MATRIX", "CELL"], "not one of each"),
+    (["CELL", "CELL", "--resamples", "5"], "at least 100"),
+])
+def test_bad_input(cli, tmp_path, args, needle):
+    cell = _cell(tmp_path / "m", "a", {"mmlu": [1, 0]}, {}, {})
+    args = [str(cell) if x == "CELL" else str(tmp_path / "m") if x == "MATRIX" else
+            (str(tmp_path / x) if x.startswith("nope") else x) for x in args]
+    code, out, err = cli("compare", *args)
+    assert code == 2 and needle in " ".join(err.split()) and "Traceback" not in out + err
