@@ -37,6 +37,8 @@ def _options(
 
 RunsDir = Annotated[Path, typer.Option("--runs-dir", help="where runs/<matrix>/<cell>/ folders go")]
 Json = Annotated[bool, typer.Option("--json", help="print JSON for programs instead of a table")]
+Sets = Annotated[list[str] | None, typer.Option("--set", help="KEY=VALUE for every cell, over the file's own "
+                                                "values (repeatable): --set model.name=tiny-random-llama")]
 # `exp --help` lists commands by what a user does.
 RUN, INSPECT, EVALUATE, EXPORT = "Run", "Inspect", "Evaluate", "Export"
 
@@ -63,11 +65,11 @@ def _plan_table(name: str, cells) -> Table:
 
 
 @app.command(rich_help_panel=RUN)
-def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], as_json: Json = False) -> None:
+def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets = None, as_json: Json = False) -> None:
     """Expand a matrix file and print its cells; runs nothing."""
     from tunelab import matrix
 
-    spec, cells = matrix.load(file)
+    spec, cells = matrix.load(file, matrix.parse_sets(sets or []))
     if as_json:
         return _print_json([{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
                              "config": c.config.model_dump(mode="json")} for c in cells])
@@ -87,6 +89,7 @@ def run(
     launcher: Annotated[str, typer.Option(help="local: run here; slurm: one sbatch job per cell")] = "local",
     gpus_per_node: Annotated[int | None, typer.Option(help="slurm: --gpus-per-node")] = None,
     dry_run: Annotated[bool, typer.Option(help="slurm: write the sbatch scripts, do not submit")] = False,
+    sets: Sets = None,
 ) -> None:
     """Run every cell of a matrix (skipping done ones), then print and write the leaderboard."""
     from tunelab import matrix, runner
@@ -97,7 +100,8 @@ def run(
     how = Launch(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, launcher=launcher,
                  dry_run=dry_run, gpus_per_node=gpus_per_node)
     how.check()
-    spec, cells = matrix.load(file)
+    overrides = matrix.parse_sets(sets or [])
+    spec, cells = matrix.load(file, overrides)
     chosen = runner.select(cells, only)
     if not chosen:
         raise UserError(f"--only {only!r} matches none of the cells: {', '.join(c.slug for c in cells)}")
@@ -109,7 +113,9 @@ def run(
             check_host(c.config, file=file)
     mdir = runs_dir / spec.name
     mdir.mkdir(parents=True, exist_ok=True)
-    write_text(mdir / "matrix.yaml", file.read_text())
+    # The file as run; --set overrides are written on top, so the folder says how its cells were made.
+    header = "".join(f"# exp run --set {k}={v}\n" for k, v in overrides.items())
+    write_text(mdir / "matrix.yaml", header + file.read_text())
     runner.write_index(mdir, cells)
     outcomes = runner.run_cells(chosen, spec.name, runs_dir, rerun_failed=rerun_failed, fail_fast=fail_fast,
                                 console=err, how=how)

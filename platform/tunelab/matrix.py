@@ -89,7 +89,24 @@ def _slug_part(key: str, value: Any) -> str:
     return "".join(c if c.isalnum() or c in ".+-" else "_" for c in text).strip("_") or "x"
 
 
-def load(path: str | Path) -> tuple[MatrixFile, list[Cell]]:
+def parse_sets(pairs: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` (repeatable) -> {dotted key: value}; VALUE is read as YAML (3, 1.0e-4, true, [a, b])."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for p in pairs:
+        key, eq, text = p.partition("=")
+        if not eq or not key or " " in key:
+            raise UserError(f"--set {p!r}: expected KEY=VALUE with a dotted config key, e.g. train.steps=10")
+        try:
+            out[key] = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise UserError(f"--set {p!r}: the value is not valid YAML ({str(e).splitlines()[0]})") from None
+    return out
+
+
+def load(path: str | Path, sets: dict[str, Any] | None = None) -> tuple[MatrixFile, list[Cell]]:
+    """The cells of a matrix file; `sets` (from --set) override every cell's keys, matrix axes included."""
     path = Path(path)
     raw = load_yaml(path)
     if not isinstance(raw, dict):
@@ -99,10 +116,16 @@ def load(path: str | Path) -> tuple[MatrixFile, list[Cell]]:
         spec = MatrixFile.model_validate(raw)
     except ValidationError as e:
         raise explain(e, MatrixFile, file=path) from None
-    return spec, expand(spec, path)
+    sets = dict(sets or {})
+    if "seeds" in sets:  # the one matrix-level key --set may change (a one-seed stand-in of a study)
+        try:
+            spec = MatrixFile.model_validate({**spec.model_dump(), "seeds": sets.pop("seeds")})
+        except ValidationError as e:
+            raise explain(e, MatrixFile, file=path, where=lambda loc: "--set " + ".".join(map(str, loc))) from None
+    return spec, expand(spec, path, sets)
 
 
-def expand(spec: MatrixFile, path: Path) -> list[Cell]:
+def expand(spec: MatrixFile, path: Path, sets: dict[str, Any] | None = None) -> list[Cell]:
     for key, values in spec.matrix.items():
         if not values:
             raise UserError("an axis needs at least one value", file=path, key=f"matrix.{key}")
@@ -140,12 +163,15 @@ def expand(spec: MatrixFile, path: Path) -> list[Cell]:
         raw = copy.deepcopy(spec.base)
         for k, v in picks.items():
             set_dotted(raw, k, v)
+        for k, v in (sets or {}).items():  # a stand-in run of a study without editing its file
+            set_dotted(raw, k, v)
+        where = {**origins, **{k: f"--set {k}" for k in sets or {}}}
         try:
             config = plan.cell_config(raw)
         except plan.Invalid as e:
             label = "cell " + ", ".join(f"{k}={v}" for k, v in picks.items()) if picks else "base"
             raise explain(e, CellConfig, file=path,
-                          where=lambda loc, o=origins, lb=label: _origin(loc, o) if loc else lb) from None
+                          where=lambda loc, o=where, lb=label: _origin(loc, o) if loc else lb) from None
         key = (config.id(), config.eval.id())
         if key not in seen:
             seen.add(key)

@@ -15,6 +15,7 @@ TRAIN_FIGURES = {  # train/summary.json key -> column header, and whether higher
     "final_loss": ("train loss", False),
     "tokens_per_s": ("tok/s", True),
     "peak_mem_mb": ("peak MB", False),
+    "predicted_peak_mb": ("predicted MB", None),  # exp memory's prediction: not better or worse, a check
     "train_seconds": ("train s", False),
 }
 

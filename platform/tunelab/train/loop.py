@@ -24,6 +24,7 @@ from tunelab.store import append_jsonl, read_jsonl, write_json, write_text
 from tunelab.train import checkpoint, optim, parallel
 from tunelab.train.data import batch_tokens, label_tokens, loader
 from tunelab.train.metrics import mfu, peak_flops, peak_memory_mb
+from tunelab.train.parallel.predict import predicted_peak_mb
 from tunelab.train.validation import Validation, validation_loss
 
 
@@ -41,6 +42,7 @@ class TrainResult:
     precision: str
     resumed_from: int | None
     world_size: int = 1
+    predicted_peak_mb: float | None = None  # `exp memory`'s prediction for this cell (tensors only)
     validation: dict | None = None  # how val_loss was measured: {batch_size, max_batches}
     model: object = field(default=None, repr=False)  # the trained model with full weights (main process)
 
@@ -222,6 +224,7 @@ def run(model, tokenizer, datasets, cfg, run_dir: Path, emit: Emit = ignore, *, 
         peak_mem_mb=mem, peak_mem_kind=kind, train_seconds=st.seconds, trainable_params=trainable,
         total_params=loop.n_params, precision=runtime.precision, resumed_from=resumed_from,
         world_size=runtime.world_size,
+        predicted_peak_mb=predicted_peak_mb(model.config, cfg, str(runtime.dtype).removeprefix("torch.")),
         validation=None if val is None else validation.settings(),
         model=loop.stepper.unwrap(),  # every rank takes part in gathering the weights
     )

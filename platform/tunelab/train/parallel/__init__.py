@@ -18,8 +18,8 @@ __all__ = ["ENGINES", "Layout", "Stepper", "enable_gradient_checkpointing", "pre
 # Loaded on first use (PEP 562): `exp memory` imports parallel/memory.py, which needs neither torch nor the
 # engines, and every `exp` command registers it at start-up.
 _WHERE = {"ENGINES": "tunelab.registries", "Layout": "tunelab.runtime", "setup": "tunelab.runtime",
-          "Stepper": "tunelab.train.parallel.stepper", "prepare": "tunelab.train.parallel.prepare",
-          "enable_gradient_checkpointing": "tunelab.train.parallel.prepare"}
+          "Stepper": "tunelab.train.parallel.stepper", "prepare": "tunelab.train.parallel.steppers",
+          "enable_gradient_checkpointing": "tunelab.train.parallel.steppers"}
 
 
 def __getattr__(name: str):

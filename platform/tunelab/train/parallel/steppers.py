@@ -1,4 +1,4 @@
-"""parallel.prepare: the Stepper a cell's layout needs (see the package docstring)."""
+"""prepare(): the Stepper a cell's layout needs (see the package docstring)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,39 @@
+"""What `exp memory` predicts for a cell as configured, stored beside the measured peak (train/summary.json),
+so every run checks the memory model and the memory study (experiments/paper_memory.yaml) prints both."""
+
+from __future__ import annotations
+
+from tunelab.registries import OPTIMIZERS
+from tunelab.train.parallel.memory import GB, Setup, estimate, shape_of
+
+# Projection names -> the memory model's short names.
+SHORT = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
+         "down_proj": "down"}
+ALL_LINEAR = ("q", "k", "v", "o", "gate", "up", "down")  # tunelab's LoRA default for Llama-like families
+
+
+def setup_of(cell, dtype: str) -> Setup | None:
+    """The memory model's Setup for a cell; None where the model does not cover it (other PEFT methods,
+    optimizers outside the registry, LoRA on modules it does not know)."""
+    p, t = cell.parallel, cell.train
+    if cell.optim.name not in OPTIMIZERS or cell.peft.method not in ("none", "lora"):
+        return None
+    targets = ALL_LINEAR
+    if cell.peft.target_modules is not None:
+        if any(m not in SHORT for m in cell.peft.target_modules):
+            return None
+        targets = tuple(SHORT[m] for m in cell.peft.target_modules)
+    return Setup(optim=cell.optim.name, peft=cell.peft.method, lora_r=cell.peft.r, lora_targets=targets, dtype=dtype,
+                 dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, seq=cell.data.max_length, batch=t.batch_size,
+                 microbatches=p.microbatches, pp_schedule=p.pp_schedule,
+                 activation_checkpointing=p.activation_checkpointing or t.gradient_checkpointing)
+
+
+def predicted_peak_mb(model_config, cell, dtype: str) -> float | None:
+    """Peak MB per device by the memory model (tensors only: no runtime, no allocator slack), or None."""
+    s = setup_of(cell, dtype)
+    try:
+        shape = shape_of(model_config)
+    except AttributeError:  # not a Llama-like config the model can read
+        return None
+    return None if s is None else estimate(shape, s).peak * GB / 2**20
