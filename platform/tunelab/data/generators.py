@@ -10,9 +10,15 @@ NAMES = ["Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "
 ITEMS = ["apples", "marbles", "stickers", "pencils", "books", "cards", "shells", "stamps"]
 
 
-def _add_sub(r: random.Random) -> tuple[str, str]:
+# Held-out problems draw their first number from a range training problems never use, so no held-out question
+# can equal a training one (gsm8k_smoke is made that way; evals/contamination.py still checks each cell).
+FIRST = {False: {"add": (5, 60), "mul": (2, 25), "notebooks": (2, 9), "children": (2, 12)},
+         True: {"add": (61, 120), "mul": (26, 50), "notebooks": (10, 19), "children": (13, 24)}}
+
+
+def _add_sub(r: random.Random, held_out: bool = False) -> tuple[str, str]:
     name, item = r.choice(NAMES), r.choice(ITEMS)
-    a, b = r.randint(5, 60), r.randint(2, 40)
+    a, b = r.randint(*FIRST[held_out]["add"]), r.randint(2, 40)
     c = r.randint(1, a + b - 1)
     q = f"{name} has {a} {item}. {name} buys {b} more and gives {c} to a friend. How many {item} does {name} have now?"
     s = (f"{name} starts with {a} {item}. After buying {b} more, {name} has {a} + {b} = {a + b}. "
@@ -20,17 +26,17 @@ def _add_sub(r: random.Random) -> tuple[str, str]:
     return q, s
 
 
-def _multiply(r: random.Random) -> tuple[str, str]:
+def _multiply(r: random.Random, held_out: bool = False) -> tuple[str, str]:
     item = r.choice(ITEMS)
-    a, b = r.randint(2, 25), r.randint(2, 12)
+    a, b = r.randint(*FIRST[held_out]["mul"]), r.randint(2, 12)
     q = f"A box holds {a} {item}. How many {item} are in {b} boxes?"
     return q, f"Each box holds {a} {item}, so {b} boxes hold {b} * {a} = {a * b}. The answer is {a * b}."
 
 
-def _change(r: random.Random) -> tuple[str, str]:
+def _change(r: random.Random, held_out: bool = False) -> tuple[str, str]:
     name = r.choice(NAMES)
-    n, price = r.randint(2, 9), r.randint(1, 9)
-    bill = next(b for b in (10, 20, 50, 100) if b >= n * price)
+    n, price = r.randint(*FIRST[held_out]["notebooks"]), r.randint(1, 9)
+    bill = next(b for b in (10, 20, 50, 100, 200) if b >= n * price)
     q = (f"{name} buys {n} notebooks at {price} dollars each and pays with a {bill} dollar bill. "
          f"How much change does {name} get?")
     s = (f"The notebooks cost {n} * {price} = {n * price} dollars. "
@@ -38,8 +44,8 @@ def _change(r: random.Random) -> tuple[str, str]:
     return q, s
 
 
-def _share(r: random.Random) -> tuple[str, str]:
-    k, each = r.randint(2, 12), r.randint(2, 15)
+def _share(r: random.Random, held_out: bool = False) -> tuple[str, str]:
+    k, each = r.randint(*FIRST[held_out]["children"]), r.randint(2, 15)
     q = f"{k * each} cookies are shared equally among {k} children. How many cookies does each child get?"
     return q, f"Each child gets {k * each} / {k} = {each} cookies. The answer is {each}."
 
@@ -47,12 +53,13 @@ def _share(r: random.Random) -> tuple[str, str]:
 KINDS = (_add_sub, _multiply, _change, _share)
 
 
-def arithmetic(n: int = 1000, seed: int = 0) -> list[dict]:
-    """Grade-school word problems with worked answers; every other row puts the problem in `input`."""
+def arithmetic(n: int = 1000, seed: int = 0, held_out: bool = False) -> list[dict]:
+    """Grade-school word problems with worked answers; every other row puts the problem in `input`.
+    `held_out`: problems no training call of this generator can produce (see FIRST)."""
     r = random.Random(seed)
     rows = []
     for i in range(n):
-        q, s = r.choice(KINDS)(r)
+        q, s = r.choice(KINDS)(r, held_out)
         if i % 2:
             rows.append({"instruction": "Solve the word problem. Show your work.", "input": q, "output": s})
         else:

@@ -46,12 +46,18 @@ def run_cmd(
     if device not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device {device!r}: allowed are auto, cpu, cuda")
     lm, tok = models.load(model_cfg, device_of(device))
-    result = evals.run(lm, tok, cfg, evals.Context(out_dir=out))
+    result = evals.run(lm, tok, cfg, evals.Context(out_dir=out, model_note=models.source_note(model)))
     console = Console()
     for name, r in result["tasks"].items():
         shown = fmt(r.get("value")) if r.get("status", "ok") == "ok" else f"unavailable: {r.get('reason')}"
         console.print(f"{name:12s} {r.get('metric', ''):28s} {shown}", highlight=False, soft_wrap=True)
     console.print(f"wrote {out / 'results.json'}")
+    if result.get("model_note"):
+        console.print(f"note: the model's weights are {result['model_note']}", highlight=False, soft_wrap=True)
+    if all(r.get("status", "ok") != "ok" for r in result["tasks"].values()):
+        # Nothing was scored: a script must not read this as a result.
+        raise UserError(f"every requested task was unavailable ({', '.join(result['tasks'])}); see the reasons "
+                        f"above and in {out / 'results.json'}")
 
 
 @app.command("pull")

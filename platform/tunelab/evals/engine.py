@@ -25,6 +25,8 @@ class Context:
     out_dir: Path
     validation: object | None = None
     val_loss: float | None = None  # already measured by the training stage
+    train: object | None = None  # the cell's tokenized training set: stand-ins are checked against it
+    model_note: str | None = None  # what the weights are when it matters (a dequantized stand-in): reported
     _lm: object | None = field(default=None, repr=False)
 
     def lm(self, model, tokenizer, cfg):
@@ -68,13 +70,18 @@ def humaneval_task(name, model, tokenizer, cfg, ctx: Context) -> dict:
 
 def harness_task(name, model, tokenizer, cfg, ctx: Context) -> dict:
     """An lm-eval benchmark of `harness.BENCHMARKS`."""
-    from tunelab.evals import harness
+    from tunelab.evals import contamination, harness
 
-    return harness.evaluate(
-        harness.BENCHMARKS[name], ctx.lm(model, tokenizer, cfg), limit=cfg.limit_for(name),
+    bench = harness.BENCHMARKS[name]
+    res = harness.evaluate(
+        bench, ctx.lm(model, tokenizer, cfg), limit=cfg.limit_for(name),
         subtasks=cfg.subtasks.get(name), data_dir=cfg.data_dir, max_gen_toks=cfg.max_new_tokens,
         chat_template=cfg.chat_template, samples_path=ctx.out_dir / "samples.jsonl",
     )
+    if bench.items is not None:
+        res["contamination"] = (contamination.overlap(bench.items(), ctx.train, tokenizer) if ctx.train is not None
+                                else {"checked_items": 0, "note": "no training set (not a training cell): unchecked"})
+    return res
 
 
 def provenance(tokenizer=None) -> dict:
@@ -101,7 +108,7 @@ def run(model, tokenizer, cfg, ctx: Context, emit: Emit = ignore) -> dict:
     results: dict[str, dict] = {}
     out = {"tasks": results, "config": cfg.model_dump(mode="json"), "versions": provenance(tokenizer),
            "chat_template": "applied (tokenizer's template)" if cfg.chat_template else "none (plain prompts)",
-           "complete": False}
+           "model_note": ctx.model_note, "complete": False}
     for name in cfg.tasks:
         emit(EvalTask(name))
         t0 = time.perf_counter()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from tunelab.evals import sources
+from tunelab.evals import exemplars, sources
 from tunelab.paths import REPO_ROOT
 
 TASKS_DIR = REPO_ROOT / "tasks"
@@ -36,6 +36,7 @@ class Benchmark:
     offline_hint: str = "no offline source exists"
     also: tuple[tuple[str, str], ...] = ()  # more (metric, filter) pairs to report
     made_from: str = ""  # where a task without a test set to download gets its items
+    items: Callable[[], list[str]] | None = None  # a stand-in's questions, checked against each cell's training set
     notes: Callable[[Path | None, list[str]], str] = field(default=lambda root, leaves: "")
 
 
@@ -49,6 +50,7 @@ def _mmlu_notes(root: Path | None, leaves: list[str]) -> str:
             f"ships (mmlu/flan_cot_fewshot), which are the MMLU dev questions{few}")
 
 
+SMOKE_GSM8K = {"generator": "arithmetic", "n": 200, "seed": 1000, "held_out": True}  # = its task YAML's kwargs
 BENCHMARKS = {b.name: b for b in (
     Benchmark("mmlu", "tunelab_mmlu", "acc", "none",
               "accuracy over all questions (lm-eval's mmlu average); macro = mean over subjects", "acc",
@@ -61,13 +63,16 @@ BENCHMARKS = {b.name: b for b in (
     Benchmark("gsm8k_smoke", "tunelab_gsm8k_smoke", "exact_match", "strict-match",
               "SMOKE, not GSM8K: generated arithmetic word problems, GSM8K's 8-shot CoT prompt and scoring",
               "em_strict",
-              made_from="tunelab.data.generators.arithmetic (seed 1000)", also=(("exact_match", "flexible-extract"),)),
+              made_from="tunelab.data.generators.arithmetic (seed 1000, held out: numbers training never draws)",
+              also=(("exact_match", "flexible-extract"),),
+              items=lambda: [d["question"] for d in sources.generated_docs(**SMOKE_GSM8K)]),
     Benchmark("bbh", "tunelab_bbh", "exact_match", "get-answer",
               "macro average over the 27 tasks of exact match after 'the answer is'; 3-shot CoT", "em_macro",
               leaf_tags=("tunelab_bbh_tasks",), local="bbh", hub="SaylorTwift/bbh"),
     Benchmark("bbh_smoke", "tunelab_bbh_smoke", "exact_match", "get-answer",
               "SMOKE, not BBH: the shipped CoT exemplars, each with the other two as shots; macro average", "em_macro",
-              leaf_tags=("tunelab_bbh_smoke_tasks",), made_from="the BBH CoT exemplars lm-eval ships"),
+              leaf_tags=("tunelab_bbh_smoke_tasks",), made_from="the BBH CoT exemplars lm-eval ships",
+              items=lambda: [r["input"] for t in exemplars.bbh_tasks() for r in exemplars.bbh(t)]),
 )}
 
 

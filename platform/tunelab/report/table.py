@@ -45,6 +45,7 @@ class Board:
     columns: list[Column]  # score and figure columns, in order
     rows: list[dict] = field(default_factory=list)  # cell, status, runs, key values, column name -> Stat
     aggregated: bool = False
+    notes: list[str] = field(default_factory=list)  # said under the table in every format
 
     @property
     def spread_kind(self) -> str:
@@ -140,12 +141,21 @@ def build(records: list[Record], *, aggregate: bool = True, by: list[str] | None
     for i, r in enumerate(records):
         gid = tuple(repr(value_of(r, k)) for k in group_keys) if group_keys is not None else (i,)
         groups.setdefault(gid, []).append(r)
-    board = Board(keys, columns, aggregated=aggregate or bool(by))
+    board = Board(keys, columns, aggregated=aggregate or bool(by), notes=_model_notes(records))
     board.rows = [_row(g, keys, columns, _label(g, by, aggregate)) for g in groups.values()]
     _mark_best(board)
     if sort:
         _sort(board, sort)
     return board
+
+
+def _model_notes(records: list[Record]) -> list[str]:
+    """Weights that are not what their name says (env.json's model note, e.g. a dequantized stand-in)."""
+    by_note: dict[str, list[str]] = {}
+    for r in records:
+        if note := (r.env.get("model") or {}).get("note"):
+            by_note.setdefault(note, []).append(r.slug)
+    return [f"Model weights of {', '.join(cells)}: {note}." for note, cells in by_note.items()]
 
 
 def _sort(board: Board, column: str) -> None:
