@@ -297,6 +297,8 @@ def test_what_a_program_sees(evaluator):
         "import os, sys, subprocess, tempfile, json, threading\n"
         "import hashlib, sqlite3, ssl, ctypes, decimal, lzma, bz2, zlib, unicodedata, array, math, random\n"
         "import collections, itertools, functools, heapq, bisect, re, string, fractions, statistics, datetime\n"
+        "import xml.etree.ElementTree as ET, uuid, zoneinfo, csv, pickle, struct, binascii, select, mmap\n"
+        "assert ET.fromstring('<a><b/></a>')[0].tag == 'b'\n"
         "assert hashlib.sha256(b'x').hexdigest().startswith('2d711642')\n"
         "assert sqlite3.connect(':memory:').execute('select 1+1').fetchone() == (2,)\n"
         "assert ctypes.CDLL(None).abs(-3) == 3\n"

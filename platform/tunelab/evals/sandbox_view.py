@@ -24,12 +24,14 @@ from dataclasses import dataclass
 # Runs outside the sandbox, as the evaluator; trusted code only (the stdlib's own modules).
 _PROBE = r"""
 import importlib, json, os, sys, sysconfig
+# Each bind costs bwrap about a millisecond per run. Left out: Tk, curses and readline (no
+# display, no terminal in the sandbox), nis (a network client, gone in 3.13), test modules.
+SKIPPED = ("_tkinter", "_curses", "readline", "nis", "_test", "xx", "_xx", "_ctypes_test")
 paths = {p for p in (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]) if p}
 paths |= {p for p in sys.path if p and os.path.isdir(p)}
 for d in [p for p in sys.path if p.endswith("lib-dynload") and os.path.isdir(p)]:
     for name in sorted(os.listdir(d)):
-        # Tk needs a display the sandbox has none of; the test modules are not the stdlib.
-        if name.endswith(".so") and not name.startswith(("_tkinter", "_test", "xx", "_xx", "_ctypes_test")):
+        if name.endswith(".so") and not name.startswith(SKIPPED):
             try:
                 importlib.import_module(name.split(".")[0])
             except BaseException:
@@ -140,12 +142,12 @@ def _under(path: str, roots) -> bool:
 
 
 def _soname_aliases(lib: str) -> list[str]:
-    """libffi.so.8.1.2 is loaded by the name libffi.so.8: the shorter names in its folder
-    that lead to the same file (the loader asks for the soname)."""
+    """libffi.so.8.1.2 is loaded by the name libffi.so.8: the shorter versioned names in its
+    folder that lead to the same file (the loader asks for the soname, never for libffi.so)."""
     folder, name = os.path.split(lib)
     aliases, parts = [], name.split(".")
     real = os.path.realpath(lib)
-    while len(parts) > 2 and parts[-1].isdigit():
+    while len(parts) > 3 and parts[-1].isdigit() and parts[-2].isdigit():  # libz.so.1.2.13 -> libz.so.1, not libz.so
         parts.pop()
         alias = os.path.join(folder, ".".join(parts))
         if alias != lib and os.path.islink(alias) and os.path.realpath(alias) == real:
