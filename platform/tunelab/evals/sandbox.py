@@ -39,6 +39,7 @@ import math
 import os
 import pathlib
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -236,13 +237,14 @@ def _run_contained(code: str, limits: _Limits, bwrap: str) -> SandboxResult:
         except OSError as e:
             return SandboxResult("error", None, f"could not start bwrap: {e}", 0.0, host_uid)
         fds.close_passed()
+        init = _sandbox_init(info_r, proc, limits.timeout_s)
         timed_out = False
         try:
-            proc.wait(timeout=limits.timeout_s)
+            proc.wait(timeout=max(0.0, limits.timeout_s - (time.monotonic() - start)))
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            _end_sandbox(proc, info_r)
+            _end_sandbox(proc, init)
         status = _status(timed_out, proc.returncode, _read_all(result_r), token)
         return SandboxResult(status, proc.returncode, _tail(err), time.monotonic() - start, host_uid)
     finally:
@@ -251,21 +253,61 @@ def _run_contained(code: str, limits: _Limits, bwrap: str) -> SandboxResult:
             lock.close()
 
 
-def _end_sandbox(proc: subprocess.Popen, info_r: int) -> None:
-    """Kill every process of the sandbox and return once they are gone.
+def _sandbox_init(info_r: int, proc: subprocess.Popen, timeout_s: float) -> int | None:
+    """A pidfd of the sandbox's init (its pid 1), which bwrap reports on --info-fd right
+    after creating it; None if bwrap failed before. A pidfd, checked to be bwrap's child,
+    so that a pid reused by another process is never the one waited for or signalled."""
+    info, deadline = b"", time.monotonic() + timeout_s
+    while not info.rstrip().endswith(b"}"):  # bwrap writes the object in pieces
+        if not select.select([info_r], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            break
+        chunk = _read_all(info_r)
+        if not chunk:  # closed: bwrap has exited
+            break
+        info += chunk
+    try:
+        pid = int(json.loads(info)["child-pid"])
+        fd = os.pidfd_open(pid)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if int(f.read().rsplit(")", 1)[1].split()[1]) == proc.pid:
+                return fd
+    except (OSError, ValueError, IndexError):
+        pass
+    os.close(fd)
+    return None
 
-    Killing the sandbox's init (its pid 1) makes the kernel kill the whole pid namespace;
-    its exit, and so bwrap's, completes only after all of them have died. Killing bwrap
-    first would return before that (its --die-with-parent kill of the init is asynchronous).
-    """
-    if proc.poll() is None:
-        with contextlib.suppress(ValueError, KeyError, ProcessLookupError, TypeError):
-            os.kill(int(json.loads(_read_all(info_r))["child-pid"]), signal.SIGKILL)
+
+def _end_sandbox(proc: subprocess.Popen, init: int | None) -> None:
+    """Kill every process of the sandbox and return once they are all gone.
+
+    When the init of a pid namespace dies, the kernel kills every process in it, and the
+    init's exit completes only after all of them are gone. bwrap may exit before that: it
+    reports the program's exit status as soon as its init learns it. So: kill the init if
+    the program still runs, then wait for the init itself (its pidfd turns readable)."""
+    try:
+        if proc.poll() is None and init is not None:
+            signal.pidfd_send_signal(init, signal.SIGKILL)
         try:
             proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # bwrap still setting up, no init yet
+        except subprocess.TimeoutExpired:  # no init yet: --die-with-parent ends the sandbox
             proc.kill()
             proc.wait()
+        if init is not None:
+            if not select.select([init], [], [], 5)[0]:
+                signal.pidfd_send_signal(init, signal.SIGKILL)
+                select.select([init], [], [], 5)
+            # bwrap left its init unreaped; it went to the nearest reaper, which may be us
+            # (an evaluator running as a container's pid 1): then reap it here.
+            with contextlib.suppress(ChildProcessError):
+                os.waitid(os.P_PIDFD, init, os.WEXITED | os.WNOHANG)
+    except ProcessLookupError:
+        pass
+    finally:
+        if init is not None:
+            os.close(init)
 
 
 def _status(timed_out: bool, rc: int | None, got: bytes, token: bytes) -> str:
