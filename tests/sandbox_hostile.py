@@ -117,17 +117,22 @@ HOSTILE: dict[str, Hostile] = {
     "signal the evaluator's group": Hostile("os.killpg($evaluator_pgid, $sigusr1)\n"),
     "kill every process it may": Hostile("os.kill(-1, signal.SIGKILL)\ntime.sleep(1)\n"),
     "ptrace the evaluator": Hostile(_libc_call("libc.ptrace(16, $evaluator_pid, 0, 0)")),  # PTRACE_ATTACH
-    "setsid daemon outlives the run": Hostile(
-        "if os.fork() == 0:\n"
-        "    os.setsid()\n"
-        "    if os.fork():\n"
+    # The daemons hold touched memory, so that dying takes them a while: a sandbox that
+    # returned before its processes were gone would be caught in the act.
+    "setsid daemons outlive the run": Hostile(
+        "for _ in range(3):\n"
+        "    if os.fork() == 0:\n"
+        "        os.setsid()\n"
+        "        if os.fork():\n"
+        "            os._exit(0)\n"
+        "        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):\n"
+        "            signal.signal(s, signal.SIG_IGN)\n"
+        "        ballast = bytearray(300 << 20)\n"
+        "        ballast[::4096] = b'x' * len(ballast[::4096])\n"
+        "        time.sleep(30)\n"
         "        os._exit(0)\n"
-        "    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):\n"
-        "        signal.signal(s, signal.SIG_IGN)\n"
-        "    time.sleep(30)\n"
-        "    os._exit(0)\n"
-        "time.sleep(0.3)\n"
-        "assert False, 'a daemon is running'\n"
+        "time.sleep(1)\n"
+        "assert False, 'daemons are running'\n"
     ),
     "fork bomb": Hostile("while True:\n    os.fork()\n", ("failed", "timeout"), {"max_procs": 8}),
     "fork bomb that keeps trying": Hostile(

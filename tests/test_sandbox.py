@@ -28,6 +28,7 @@ from string import Template
 
 import pytest
 from conftest import REPO
+from sandbox_evaluator import sandboxed_tasks
 from sandbox_hostile import HOSTILE, PREAMBLE
 
 from tunelab.errors import UserError
@@ -61,7 +62,9 @@ class InProcess:
 
     def run(self, code: str, **limits) -> dict:
         r = run_program(code, **limits)
+        leftovers = sorted(sandboxed_tasks(r.host_uid) - self.elsewhere)
         return {"status": r.status, "returncode": r.returncode, "stderr_tail": r.stderr_tail, "host_uid": r.host_uid,
+                "leftovers": leftovers,
                 "signals": len(self.signals), "environ_same": _environ() == self.environ}  # fmt: skip
 
     def describe(self) -> dict:
@@ -210,24 +213,6 @@ def evaluator(request, arena):
 # --------------------------------------------------------------------------- checks
 
 
-def sandboxed_tasks(uid: int) -> set[int]:
-    """Live processes of real uid `uid` in another pid namespace than this test's: a program's
-    processes (each sandbox has a pid namespace of its own) or, on a developer's machine, other
-    sandboxes; the evaluators record the latter before their first run."""
-    ours = os.readlink("/proc/self/ns/pid")
-    pids = set()
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-            if int(fields["Uid"].split()[0]) == uid and fields["State"].split()[0] not in "ZX":
-                if os.readlink(f"/proc/{name}/ns/pid") != ours:
-                    pids.add(int(name))
-        except (OSError, KeyError):
-            continue
-    return pids
-
-
 def reset(arena) -> None:
     victim = arena["fields"]["victim"]
     victim.write_text("keep me")
@@ -248,7 +233,9 @@ def assert_nothing_happened(arena, ev, answer) -> None:
     for s in arena["sockets"]:
         with pytest.raises(BlockingIOError):
             s.accept()
-    # Every process of the program is gone by the time run_program returns.
+    # Every process of the program is gone by the time run_program returns: looked for by the
+    # evaluator at once, and here again.
+    assert answer["leftovers"] == []
     assert sandboxed_tasks(answer["host_uid"]) - ev.elsewhere == set()
 
 
