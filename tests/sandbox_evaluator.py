@@ -1,0 +1,69 @@
+"""An evaluator that runs as an unprivileged user, for tests/test_sandbox.py.
+
+Started as root by the test (inside a mount namespace where the interpreter, the venv and
+the checkout are reachable), it drops to the uid given first, before importing tunelab,
+then answers one JSON line per request line on stdin:
+
+  {"op": "run", "code": ..., "limits": {...}}  -> the SandboxResult's fields
+  {"op": "describe"}                            -> sandbox.describe() and check_available()
+
+Every answer also says how many SIGUSR1 the evaluator received and whether its
+environment is still as it started: the hostile programs aim at both; and which processes
+of the program's host uid are still alive right after run_program returned.
+"""
+
+import json
+import os
+import signal
+import sys
+
+
+def sandboxed_tasks(uid: int) -> set[int]:
+    """Live processes of real uid `uid` in another pid namespace than ours: a program's
+    processes (each sandbox has a pid namespace of its own) or, on a developer's machine,
+    other sandboxes, which the evaluators record before their first run."""
+    ours = os.readlink("/proc/self/ns/pid")
+    pids = set()
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(fields["Uid"].split()[0]) == uid and fields["State"].split()[0] not in "ZX":
+                if os.readlink(f"/proc/{name}/ns/pid") != ours:
+                    pids.add(int(name))
+        except (OSError, KeyError):
+            continue
+    return pids
+
+
+def main() -> None:
+    uid, paths = int(sys.argv[1]), sys.argv[2:]
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)  # drops every capability
+    sys.path[:0] = paths
+    from tunelab.evals import sandbox
+
+    signals = []
+    signal.signal(signal.SIGUSR1, lambda *_: signals.append(1))
+    environ = dict(os.environ)
+    elsewhere = sandboxed_tasks(uid)
+    print(json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0), "uid": os.getuid()}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            if request["op"] == "run":
+                r = sandbox.run_program(request["code"], **request.get("limits", {}))
+                leftovers = sorted(sandboxed_tasks(r.host_uid) - elsewhere)
+                answer = {"status": r.status, "returncode": r.returncode, "stderr_tail": r.stderr_tail,
+                          "host_uid": r.host_uid, "leftovers": leftovers}  # fmt: skip
+            else:
+                answer = {"describe": sandbox.describe(), "available": sandbox.check_available()}
+        except Exception as e:
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        answer.update(signals=len(signals), environ_same=dict(os.environ) == environ)
+        print(json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    main()

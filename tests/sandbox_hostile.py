@@ -1,0 +1,209 @@
+"""Hostile programs for tests/test_sandbox.py, each run by a root and by an unprivileged evaluator.
+
+Each program *succeeds* only if its attack does: when the attack is contained it raises
+(or is killed) and is scored failed. The test then checks that nothing happened outside.
+Sources are string.Template texts; the test substitutes:
+
+  $outside $victim   a folder (0777) and a file in it (0666), owned by the unprivileged evaluator
+  $home $netrc $ssh_key   the evaluator's HOME (0700) and two 0600 secrets in it
+  $public   a world-readable secret (0644)
+  $port $abstract $unix_path   a TCP, an abstract unix and a path unix socket the evaluator listens on
+  $evaluator_pid $evaluator_pgid   the evaluator process and its process group
+  $tag   a name unique to the test run, for files a program might leave in /tmp and the like
+  $sigusr1   the signal number the evaluator counts
+
+No source contains a secret: a secret in the test's report of a program's stderr was read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PREAMBLE = "import os, sys, signal, socket, time\n"
+LIBC = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+
+
+@dataclass(frozen=True)
+class Hostile:
+    source: str
+    expect: tuple[str, ...] = ("failed",)
+    limits: dict = field(default_factory=dict)
+
+
+def _libc_call(expr: str) -> str:
+    """A program that makes a libc call and succeeds only if the call returned 0 or more."""
+    return LIBC + f"rc = {expr}\nassert rc >= 0, os.strerror(ctypes.get_errno())\n"
+
+
+HOSTILE: dict[str, Hostile] = {
+    # --- the filesystem of the host
+    "write outside": Hostile("open('$outside/escape.txt', 'w').write('x')\n"),
+    "truncate a file outside": Hostile("open('$victim', 'w').close()\n"),
+    "delete a file outside": Hostile("os.remove('$victim')\n"),
+    "rename a file outside in": Hostile("os.rename('$victim', 'stolen.txt')\n"),
+    "rmtree outside": Hostile("import shutil\nshutil.rmtree('$outside')\nassert not os.path.exists('$outside')\n"),
+    "chdir outside and write": Hostile("os.chdir('$outside')\nopen('escape.txt', 'w').write('x')\n"),
+    "symlink out and write": Hostile(
+        "os.symlink('$outside/escape.txt', 'link')\nopen('link', 'w').write('x')\n"
+        "assert os.path.exists('$outside/escape.txt')\n"
+    ),
+    "hard link a file outside": Hostile("os.link('$victim', 'mine')\nopen('mine', 'w').write('x')\n"),
+    "write to shared temp folders": Hostile(
+        "wrote = []\n"
+        "for d in ('/tmp', '/var/tmp', '/dev/shm', '/run', '/'):\n"
+        "    try:\n"
+        "        open(f'{d}/tunelab-escape-$tag', 'w').write('x')\n"
+        "        wrote.append(d)\n"
+        "    except OSError as e:\n"
+        "        print(d, e, file=sys.stderr)\n"
+        "assert wrote, 'no shared folder was writable'\n"
+    ),
+    "read ~/.netrc": Hostile("print(open('$netrc').read(), file=sys.stderr)\n"),
+    "read ~/.ssh/id_rsa": Hostile("print(open('$ssh_key').read(), file=sys.stderr)\n"),
+    "read a world-readable file": Hostile("print(open('$public').read(), file=sys.stderr)\n"),
+    "list the evaluator's home": Hostile("print(os.listdir('$home'), file=sys.stderr)\n"),
+    "hunt the filesystem for secrets": Hostile(
+        "found = []\n"
+        "for root, dirs, files in os.walk('/'):\n"
+        "    dirs[:] = [d for d in dirs if os.path.join(root, d) not in ('/dev', '/usr/lib', '/root/.pyenv')]\n"
+        "    for name in files:\n"
+        "        if name in ('.netrc', 'id_rsa', 'secret.txt', 'environ', 'passwd', 'shadow'):\n"
+        "            try:\n"
+        "                found.append(open(os.path.join(root, name), errors='replace').read(4000))\n"
+        "            except OSError:\n"
+        "                pass\n"
+        "print(found, file=sys.stderr)\n"
+        "assert found, 'nothing found'\n"
+    ),
+    "read the evaluator's environ": Hostile(
+        "leaks = []\n"
+        "for pid in (os.getppid(), $evaluator_pid, 1):\n"
+        "    try:\n"
+        "        leaks.append(open(f'/proc/{pid}/environ').read())\n"
+        "    except OSError as e:\n"
+        "        print(pid, e, file=sys.stderr)\n"
+        "print(leaks, file=sys.stderr)\n"
+        "assert leaks\n"
+    ),
+    "reach the host root through /proc": Hostile("print(os.listdir('/proc/$evaluator_pid/root/'), file=sys.stderr)\n"),
+    "secrets in the environment": Hostile(
+        "leak = {k: v for k, v in os.environ.items() if k in ('WANDB_API_KEY', 'HF_TOKEN', 'AWS_SECRET_ACCESS_KEY')}\n"
+        "print(leak, file=sys.stderr)\nassert leak\n"
+    ),
+    # --- the guards of the former in-interpreter sandbox, attacked as its report did
+    "replace os.path.realpath, then write and read": Hostile(
+        "os.path.realpath = lambda p, **k: os.getcwd()\n"
+        "open('$outside/escape.txt', 'w').write('x')\n"
+        "print(open('$public').read(), file=sys.stderr)\n"
+    ),
+    "neuter audit hooks through gc, then connect": Hostile(
+        "import gc, types\n"
+        "def nothing(event, args):\n    return None\n"
+        "for o in gc.get_objects():\n"
+        "    if isinstance(o, types.FunctionType) and o.__code__.co_varnames[:2] == ('event', 'args'):\n"
+        "        o.__code__ = nothing.__code__\n"
+        "socket.create_connection(('127.0.0.1', $port), timeout=1)\n"
+        "open('$outside/escape.txt', 'w').write('x')\n"
+    ),
+    # --- the network
+    "TCP to the host's loopback": Hostile("socket.create_connection(('127.0.0.1', $port), timeout=1)\n"),
+    "abstract unix socket of the host": Hostile("s = socket.socket(socket.AF_UNIX)\ns.connect('\\0$abstract')\n"),
+    "unix socket file of the host": Hostile("s = socket.socket(socket.AF_UNIX)\ns.connect('$unix_path')\n"),
+    "host network interfaces": Hostile(
+        "names = [n for _, n in socket.if_nameindex() if n != 'lo']\nprint(names, file=sys.stderr)\nassert names\n"
+    ),
+    # --- processes and signals
+    "signal the evaluator": Hostile("os.kill($evaluator_pid, $sigusr1)\n"),
+    "signal the evaluator's group": Hostile("os.killpg($evaluator_pgid, $sigusr1)\n"),
+    "kill every process it may": Hostile("os.kill(-1, signal.SIGKILL)\ntime.sleep(1)\n"),
+    "ptrace the evaluator": Hostile(_libc_call("libc.ptrace(16, $evaluator_pid, 0, 0)")),  # PTRACE_ATTACH
+    # The daemons hold touched memory, so that dying takes them a while: a sandbox that
+    # returned before its processes were gone would be caught in the act.
+    "setsid daemons outlive the run": Hostile(
+        "for _ in range(3):\n"
+        "    if os.fork() == 0:\n"
+        "        os.setsid()\n"
+        "        if os.fork():\n"
+        "            os._exit(0)\n"
+        "        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):\n"
+        "            signal.signal(s, signal.SIG_IGN)\n"
+        "        ballast = bytearray(300 << 20)\n"
+        "        ballast[::4096] = b'x' * len(ballast[::4096])\n"
+        "        time.sleep(30)\n"
+        "        os._exit(0)\n"
+        "time.sleep(1)\n"
+        "assert False, 'daemons are running'\n"
+    ),
+    "fork bomb": Hostile("while True:\n    os.fork()\n", ("failed", "timeout"), {"max_procs": 8}),
+    "fork bomb that keeps trying": Hostile(
+        "while True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+        ("timeout",),
+        {"max_procs": 8, "timeout_s": 1.0},
+    ),
+    "thread bomb": Hostile(
+        "import threading\nwhile True:\n    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n",
+        limits={"max_procs": 8},
+    ),
+    # --- resources
+    "infinite loop": Hostile("while True:\n    pass\n", ("timeout",), {"timeout_s": 1.0}),
+    "memory bomb": Hostile("x = bytearray(8 << 30)\n", limits={"memory_mb": 256}),
+    "slow memory bomb": Hostile("x = []\nwhile True:\n    x.append(bytearray(10 << 20))\n", limits={"memory_mb": 256}),
+    "huge file": Hostile("open('big', 'wb').write(b'0' * (32 << 20))\n", limits={"max_file_mb": 4}),
+    "fill the disk": Hostile(
+        "i = 0\nwhile True:\n    open(f'f{i}', 'wb').write(b'0' * (1 << 20))\n    i += 1\n",
+        limits={"max_disk_mb": 8},
+    ),
+    "flood stderr": Hostile("sys.stderr.write('x' * (64 << 20))\n", limits={"max_file_mb": 4}),
+    # --- kernel interfaces
+    "new user namespace": Hostile(_libc_call("libc.unshare(0x10000000)")),
+    "mount a tmpfs": Hostile(_libc_call("libc.mount(b'none', b'/work', b'tmpfs', 0, None)")),
+    "read the session keyring": Hostile(
+        LIBC + "import platform\nnr = {'x86_64': 250, 'aarch64': 219}[platform.machine()]\n"
+        "rc = libc.syscall(nr, 0, -3, 0)\n"  # keyctl(KEYCTL_GET_KEYRING_ID, KEY_SPEC_SESSION_KEYRING)
+        "assert rc >= 0, os.strerror(ctypes.get_errno())\n"
+    ),
+    "become root": Hostile("os.setuid(0)\nprint(open('$netrc').read(), file=sys.stderr)\n"),
+    "raw memory and disks": Hostile(
+        "opened = []\n"
+        "for dev in ('/dev/mem', '/dev/kmem', '/dev/sda', '/dev/vda', '/dev/nvme0n1', '/dev/kmsg'):\n"
+        "    try:\n"
+        "        open(dev, 'rb').close()\n"
+        "        opened.append(dev)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "assert opened\n"
+    ),
+    # --- forged passes: the exit status, the pass token
+    "sys.exit(0) in the function under test": Hostile("def f():\n    sys.exit(0)\nf()\nassert False\n"),
+    "raise SystemExit(0)": Hostile("raise SystemExit(0)\nassert False\n"),
+    "os._exit(0)": Hostile("os._exit(0)\nassert False\n"),
+    "posix._exit(0)": Hostile("import posix\nposix._exit(0)\nassert False\n"),
+    "SIGKILL itself": Hostile("os.kill(os.getpid(), signal.SIGKILL)\nassert False\n"),
+    "abort": Hostile("os.abort()\n"),
+    "forge a pass token": Hostile(
+        "import posix, secrets\nforged = b'R' + secrets.token_hex(16).encode()\n"
+        "print(forged.decode())\nprint(forged.decode(), file=sys.stderr)\n"
+        "for fd in range(256):\n"
+        "    try:\n"
+        "        os.write(fd, forged)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "posix._exit(0)\n"
+    ),
+    "replay the harness's file descriptors": Hostile(
+        "import posix\nseen = []\n"
+        "for fd in range(3, 1024):\n"
+        "    try:\n"
+        "        os.set_blocking(fd, False)\n"
+        "        seen.append(os.read(fd, 4096))\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "for fd in range(1024):\n"
+        "    try:\n"
+        "        os.write(fd, b''.join(seen))\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "posix._exit(0)\n"
+    ),
+    "exit early, a fork finishing the program": Hostile("if os.fork():\n    os._exit(0)\ntime.sleep(0.2)\n"),
+}
