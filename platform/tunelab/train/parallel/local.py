@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tunelab.plan.optim import spec as optim_spec
 from tunelab.runtime import Layout
 from tunelab.train.data import label_tokens
 from tunelab.train.loss import causal_lm_loss
@@ -58,10 +59,11 @@ class LocalStepper(Stepper):
     def __init__(self, model: nn.Module, optim_builder, cell, layout: Layout, precision: str = "fp32"):
         self.layout, self.cell, self._model, self.precision = layout, cell, model, precision
         self.max_grad_norm = cell.train.max_grad_norm
-        # Names let Muon tell embeddings from hidden matrices; LOMO/AdaLomo clip inside backward.
+        # Names let Muon tell embeddings from hidden matrices (the registry's `named`); other optimizers get bare
+        # parameters, so their state is keyed as every engine keys it (checkpoints load across layouts).
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
-        self.optimizer = optim_builder(named)
+        self.optimizer = optim_builder(named if optim_spec(cell.optim.name).named else self.params)
         if hasattr(self.optimizer, "fused_step"):  # one gradient buffer for a tied embedding
             prepare_for_fused(model, self.optimizer)
 
@@ -96,8 +98,23 @@ class LocalStepper(Stepper):
         if callable(getattr(self.optimizer, "state_dict", None)):
             torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
 
+    # A distributed checkpoint (an engine's engine/ folder) loads here too: the same trainable weights and
+    # optimizer state, keyed by parameter names, whatever layout wrote them.
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self._model, self.optimizer)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self._model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
     def load(self, path) -> None:
         path = Path(path)
+        if not (path / "model.pt").is_file() and (path / ".metadata").is_file():
+            return super().load(path)
         saved = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
         params = dict(self._model.named_parameters())
         expected = {n for n, p in params.items() if p.requires_grad}
