@@ -33,7 +33,8 @@ h1 { margin-bottom: 0.2em; } h2 { margin-top: 1.6em; border-bottom: 1px solid #d
 .scroll { overflow-x: auto; }
 table { border-collapse: collapse; font-size: 13px; margin: 0.5em 0; }
 th, td { padding: 3px 8px; border-bottom: 1px solid #e4e4e4; text-align: left; white-space: nowrap; }
-th { background: #f4f4f4; } .note { color: #555; font-size: 13px; max-width: 1000px; }
+th { background: #f4f4f4; } .long { white-space: normal; min-width: 16em; max-width: 26em; }
+.note { color: #555; font-size: 13px; max-width: 1000px; }
 img { max-width: 100%; height: auto; display: block; margin: 0.5em 0; }
 """
 
@@ -51,7 +52,11 @@ def _img(png: bytes | None, alt: str, missing: str) -> str:
 def _table(rows: list[dict], empty: str) -> str:
     if not rows:
         return f'<p class="note">{_esc(empty)}</p>'
-    table = pd.DataFrame(rows).fillna("-").to_html(index=False, border=0, escape=True)
+    def cell(v) -> str:  # long text (marks, data source, an error) wraps; the rest stays on one line
+        text = _esc(v)
+        return f'<div class="long">{text}</div>' if len(text) > 40 else text
+
+    table = pd.DataFrame(rows).fillna("-").map(cell).to_html(index=False, border=0, escape=False)
     return f'<div class="scroll">{table}</div>'
 
 

@@ -58,7 +58,9 @@ def loss_curves(records: list[Record]) -> bytes | None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title("train loss (lines) and validation loss (circles)", fontsize=10)
+    any_val = any(v[0] for _, _, v in curves)
+    ax.set_title("train loss (lines) and validation loss (circles)" if any_val else
+                 "train loss (no validation loss logged during training: train.eval_every is off)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(title="cell", fontsize=8, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1),
               ncol=1 + len(curves) // 16)

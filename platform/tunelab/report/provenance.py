@@ -22,7 +22,8 @@ def marks(s: Score) -> str:
         out.append(f"unavailable: {s.reason}" if s.reason else "unavailable")
     if s.subset:
         official = TASKS[s.task].official_n if s.task in TASKS else None
-        out.append(f"* subset: {s.n} of {official} items" if official else f"* subset: {s.n} items")
+        items = f"{s.n} of {official} items" if official else f"{s.n} item{'' if s.n == 1 else 's'}"
+        out.append(f"* subset: {items}")
     if s.stand_in:
         out.append("stand-in: exercises the pipeline, not the benchmark")
     return "; ".join(out)
@@ -56,8 +57,8 @@ def score_rows(records: list[Record]) -> list[dict]:
                 "cell": r.slug, "state": r.state, "task": task, "metric": s.metric,
                 "value": marked(s.value, s.subset, not s.ok), "±": fmt(s.stderr), "n": str(s.n),
                 "marks": marks(s), "shots": _shots(res.get("shots")), "task version": fmt(res.get("task_version")),
-                "prompt hash": res.get("prompt_hash") or "-", "data source": res.get("data_source") or "-",
-                "harness": _harness(res, versions), "eval id": r.eval_id or "-",
+                "prompt hash": res.get("prompt_hash") or "-", "harness": _harness(res, versions),
+                "data source": res.get("data_source") or "-", "eval id": r.eval_id or "-",
             })
     return rows
 
