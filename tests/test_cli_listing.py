@@ -56,6 +56,6 @@ def test_plan_status_and_leaderboard_speak_json(tmp_path):
     status = json.loads(exp("status", runs / "m", "--json").stdout)
     assert [(s["cell"], s["state"]) for s in status] == [("lr0.001", "done")]
     assert status[0]["disk_bytes"] > 0 and status[0]["timings"]["train_s"] > 0
-    board = json.loads(exp("leaderboard", runs / "m", "--json").stdout)
+    board = json.loads(exp("leaderboard", runs / "m", "--json").stdout)["rows"]
     assert [(r["cell"], r["status"]) for r in board] == [("lr0.001", "done")]  # lr0.002 never ran
-    assert board[0]["val_loss"] > 0
+    assert board[0]["columns"]["val_loss"]["mean"] > 0

@@ -123,7 +123,11 @@ def run(
         return
     board = leaderboard.write(mdir)
     _print_wide(leaderboard.to_rich(board, f"{spec.name} leaderboard"))
-    out.print(f"wrote {mdir / 'leaderboard.md'} (and .csv, .tex, .json)")
+    from tunelab.report.html import page
+    from tunelab.report.records import collect as records
+
+    write_text(mdir / "report.html", page(mdir, records(mdir)))
+    out.print(f"wrote {mdir / 'leaderboard.md'} (and .csv, .tex, .json) and the report {mdir / 'report.html'}")
     failed = [o for o in outcomes if o.state in ("failed", "skipped-failed")]
     for o in failed:
         err.print(f"[red]{o.cell.dirname} failed:[/] {o.error} (log: {mdir / o.cell.dirname / 'cell.log'})")
@@ -256,8 +260,10 @@ def _add_subcommands() -> None:
 
     app.command("memory", rich_help_panel=INSPECT)(memory)
     from tunelab.report.compare_cli import compare_cmd
+    from tunelab.report.report_cli import report_cmd
 
     app.command("compare", rich_help_panel=INSPECT)(compare_cmd)
+    app.command("report", rich_help_panel=INSPECT)(report_cmd)
     from tunelab.everyday_cli import chat_cmd, clean_cmd, export_cmd
 
     app.command("chat", rich_help_panel=EVALUATE)(chat_cmd)

