@@ -92,7 +92,8 @@ def _train(run: _Run):
     run.emit(Stage("data"))
     if not rt.is_main:  # the main process builds the cache once; the others read it
         _barrier()
-    datasets = build_data(cfg.data, tokenizer, cache_dir())
+    datasets = build_data(cfg.data, tokenizer, cache_dir(),
+                          progress=lambda done, total: run.emit(events.DataProgress(done, total)))
     if rt.is_main:
         _barrier()
     # Again: building data draws from the global RNGs on a cache miss only, and adapter init must not

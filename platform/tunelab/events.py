@@ -10,6 +10,7 @@ On the wire (the cell process's stdout, one JSON object per line) each event is 
     {"stage": "eval", "task": "mmlu"}                          EvalTask: an eval task began
     {"stage": "eval_progress", "task": "mmlu", "done": 40,     EvalProgress: items of the task scored so far
      "total": 57}
+    {"stage": "data_progress", "done": 2000, "total": 5000}    DataProgress: examples tokenized so far
 
 Anything else on that stream is not an event (`decode` returns None) and goes to the cell's log.
 """
@@ -61,9 +62,16 @@ class EvalProgress:
     tag: ClassVar[str] = "eval_progress"
 
 
-Event = Stage | Step | Resumed | EvalTask | EvalProgress
+@dataclass(frozen=True)
+class DataProgress:
+    done: int
+    total: int
+    tag: ClassVar[str] = "data_progress"
+
+
+Event = Stage | Step | Resumed | EvalTask | EvalProgress | DataProgress
 Emit = Callable[[Event], None]
-_BY_TAG = {cls.tag: cls for cls in (Step, Resumed, EvalTask, EvalProgress)}
+_BY_TAG = {cls.tag: cls for cls in (Step, Resumed, EvalTask, EvalProgress, DataProgress)}
 
 
 def encode(event: Event) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from tunelab import events, folders
 from tunelab.config import world_size as processes
@@ -76,6 +76,7 @@ def launch(run_dir: Path, on_event, command: list[str]) -> int:
 
 def _progress(console: Console) -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(),
                     TextColumn("{task.fields[info]}"), console=console, transient=False)
 
 
@@ -133,8 +134,10 @@ def _shown(ev: events.Event) -> dict:
     """How an event shows on the cell's progress line."""
     if isinstance(ev, events.Step):
         return {"completed": ev.step, "info": f"train loss {ev.loss:.4f}"}
-    if isinstance(ev, events.EvalProgress):
-        return {"info": f"eval {ev.task} {ev.done}/{ev.total}"}
+    if isinstance(ev, events.EvalProgress):  # the cell's bar follows the task's items (and shows their ETA)
+        return {"total": ev.total, "completed": ev.done, "info": f"eval {ev.task} {ev.done}/{ev.total}"}
+    if isinstance(ev, events.DataProgress):
+        return {"info": f"tokenizing {ev.done}/{ev.total}"}
     if isinstance(ev, events.EvalTask):
         return {"info": f"eval {ev.task}"}
     if isinstance(ev, events.Resumed):

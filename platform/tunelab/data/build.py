@@ -66,17 +66,18 @@ class Built:
     cached: bool
 
 
-def build(cfg, tokenizer, cache_dir: Path | str, *, num_proc: int | None = None) -> DatasetDict:
-    return build_info(cfg, tokenizer, cache_dir, num_proc=num_proc).datasets
+def build(cfg, tokenizer, cache_dir: Path | str, *, num_proc: int | None = None, progress=None) -> DatasetDict:
+    return build_info(cfg, tokenizer, cache_dir, num_proc=num_proc, progress=progress).datasets
 
 
-def build_info(cfg, tokenizer, cache_dir: Path | str, *, num_proc: int | None = None) -> Built:
+def build_info(cfg, tokenizer, cache_dir: Path | str, *, num_proc: int | None = None, progress=None) -> Built:
+    """`progress(done, total)`: examples tokenized so far (a cache hit reports nothing)."""
     recipe, recipe_path = load_recipe(cfg.recipe)
     target = Path(cache_dir) / "data" / fingerprint(cfg, recipe, recipe_path, tokenizer)
     if (target / "stats.json").is_file():
         return Built(load_from_disk(str(target)), json.loads((target / "stats.json").read_text()), target, True)
     t0 = time.perf_counter()
-    ds, stats = make(cfg, recipe, recipe_path, tokenizer, num_proc)
+    ds, stats = make(cfg, recipe, recipe_path, tokenizer, num_proc, progress)
     stats.update(fingerprint=target.name, build_seconds=round(time.perf_counter() - t0, 3))
     _save(ds, stats, target)
     return Built(load_from_disk(str(target)), stats, target, False)
@@ -95,13 +96,13 @@ def _save(ds: DatasetDict, stats: dict, target: Path) -> None:
             datasets.enable_progress_bars()
 
 
-def make(cfg, recipe: Recipe, recipe_path: Path, tokenizer, num_proc: int | None = None):
+def make(cfg, recipe: Recipe, recipe_path: Path, tokenizer, num_proc: int | None = None, progress=None):
     """The build itself, uncached: -> (DatasetDict, stats)."""
     got = collect(recipe, recipe_path)
     settings = Settings(TEMPLATES[template_name(cfg, recipe)], cfg.max_length, cfg.train_on_prompt,
                         cfg.truncation, recipe.filters.min_tokens, recipe.filters.max_tokens)
     try:
-        ex = tokenize(got.convs, got.sources, tokenizer, settings, num_proc)
+        ex = tokenize(got.convs, got.sources, tokenizer, settings, num_proc, progress)
     except ExampleError as e:
         s, row = got.origins[e.index]
         raise UserError(f"{recipe.sources[s].label(s)}: row {row}: {e.message}", file=recipe_path,

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tunelab import plan
 from tunelab.config import DataCfg
@@ -55,7 +56,12 @@ def _built(recipe, model, max_length, template, truncation, train_on_prompt, pac
 
     cfg = data_cfg(recipe=recipe, max_length=max_length, template=template, truncation=truncation,
                    train_on_prompt=train_on_prompt, pack=pack)
-    return build_info(cfg, load_tokenizer(model), cache_dir or default_cache(), num_proc=num_proc)
+    tok = load_tokenizer(model)
+    with Progress(TextColumn("tokenizing"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("tokenizing", total=None)
+        return build_info(cfg, tok, cache_dir or default_cache(), num_proc=num_proc,
+                          progress=lambda done, total: bar.update(task, completed=done, total=total))
 
 
 @app.command()

@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 from array import array
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
@@ -179,18 +180,28 @@ def auto_num_proc(n: int) -> int:
 
 
 def tokenize(convs: list[list[dict]], sources: list[int], tokenizer, settings: Settings,
-             num_proc: int | None = None) -> Tokenized:
+             num_proc: int | None = None, progress: Callable[[int, int], None] | None = None) -> Tokenized:
     """All examples, in order. With num_proc > 1 the chunks go to forked workers, which inherit the
-    tokenizer instead of pickling it; each runs the Rust encoder on one thread."""
+    tokenizer instead of pickling it; each runs the Rust encoder on one thread. `progress(done, total)` is
+    called after each chunk."""
     num_proc = auto_num_proc(len(convs)) if num_proc is None else num_proc
     bounds = [(lo, min(lo + CHUNK, len(convs))) for lo in range(0, len(convs), CHUNK)]
+
+    def collect(chunks) -> Tokenized:
+        done = []
+        for (_, b), chunk in zip(bounds, chunks):
+            done.append(chunk)
+            if progress:
+                progress(b, len(convs))
+        return Tokenized.concat(done)
+
     if num_proc <= 1 or len(bounds) <= 1 or "fork" not in mp.get_all_start_methods():
-        return Tokenized.concat([tokenize_chunk(convs[a:b], sources[a:b], tokenizer, settings, a) for a, b in bounds])
+        return collect(tokenize_chunk(convs[a:b], sources[a:b], tokenizer, settings, a) for a, b in bounds)
     _WORK["job"] = (convs, sources, tokenizer, settings)
     try:
         with ProcessPoolExecutor(num_proc, mp_context=mp.get_context("fork"),
                                  initializer=os.environ.__setitem__,
                                  initargs=("TOKENIZERS_PARALLELISM", "false")) as pool:
-            return Tokenized.concat(list(pool.map(_work, bounds)))
+            return collect(pool.map(_work, bounds))
     finally:
         _WORK.clear()
