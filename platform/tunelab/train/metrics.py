@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 
 import torch
@@ -34,12 +35,45 @@ def peak_flops_of(device_name: str) -> float | None:
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak, or None for a CPU or a GPU not in the table."""
-    return peak_flops_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    """The device's dense bf16 peak (data sheet), or a CPU's measured fp32 matmul peak; None for a GPU not in
+    the table."""
+    if device.type == "cuda":
+        return peak_flops_of(torch.cuda.get_device_name(device))
+    return cpu_peak_flops() if device.type == "cpu" else None
+
+
+def cpu_peak_flops(size: int = 1024, repeats: int = 8) -> float:
+    """What this host's CPU does at best on an fp32 matmul with torch's threads, measured once and cached
+    (TUNELAB_CACHE/hosts/), so CPU runs report an MFU too. The best of a few timed runs: on a loaded machine
+    that is below the idle peak, which makes MFU read high; the cache file says when it was measured."""
+    import platform
+    import time
+
+    from tunelab.paths import cache_dir
+    from tunelab.store import read_json, write_json
+
+    threads = torch.get_num_threads()
+    key = f"{platform.node()}-{platform.machine()}-{threads}threads-torch{torch.__version__}"
+    path = cache_dir() / "hosts" / f"{key}.json"
+    cached = read_json(path)
+    if cached and cached.get("flops", 0) > 0:
+        return float(cached["flops"])
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm up (threads, caches)
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = max(best, 2 * size**3 / (time.perf_counter() - t0))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    write_json(path, {"flops": best, "threads": threads, "matmul": f"fp32 {size}x{size}", "measured_at": time.time(),
+                      "load_average": load, "runs": repeats})
+    return best
 
 
 def mfu(n_params: int, tokens_per_s: float, peak: float | None) -> float | None:
-    """6 N FLOPs per token (forward 2N, backward 4N) over the device's peak; attention FLOPs not counted."""
+    """6 N FLOPs per token (forward 2N, backward 4N) over the device's peak (peak_flops); attention FLOPs not
+    counted."""
     if peak is None or tokens_per_s <= 0:
         return None
     return 6 * n_params * tokens_per_s / peak
