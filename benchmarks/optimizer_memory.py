@@ -1,8 +1,10 @@
 """Peak memory of one training step of a ~100M-parameter Llama, per optimizer, each in a fresh process.
 
-    python benchmarks/optimizer_memory.py [--seq 64] [--only adamw,lomo]
+    python benchmarks/optimizer_memory.py [--shapes 1x64,4x512] [--only adamw,lomo]
 
-Each method runs in its own subprocess: random-init Llama (fp32, CPU), one batch of 1 x --seq tokens,
+Each method runs in its own subprocess: random-init Llama (fp32, CPU), one batch of each --shapes entry
+(rows x tokens: 1 x 64 isolates the optimizer's own state; 4 x 512 is a realistic batch, where activations
+weigh in),
 one full training step as tunelab's loop does it: forward with the loop's loss (train/loss.py), backward,
 clip to norm 1.0, step; or, for LOMO/AdaLomo, `prepare_for_fused(model, opt)` as the loop calls it for them
 (optimizers/tied.py) and the fused step, which clips inside its two backward passes. Measured: the
@@ -14,6 +16,9 @@ freed, after which blocks of that size come from the heap and may stay resident 
 backward optimizers free many parameter-sized blocks mid-backward, so their peak varies by tens of MB
 with the order of frees. Every method is therefore measured twice: with the default allocator, and with
 the threshold pinned (MALLOC_MMAP_THRESHOLD_=65536), which measures the tensors rather than that history.
+
+lomo-optim's Lomo (the official implementation) trains the same model with its tied embedding: it offers no
+setting for tied weights (it hooks every parameter of the model it is given), so it runs as it comes.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ def rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def one(method: str, seq: int) -> dict:
+def one(method: str, seq: int, rows: int = 1) -> dict:
     """Runs in the child process: build, one step, report."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -66,7 +71,7 @@ def one(method: str, seq: int) -> dict:
     model = LlamaForCausalLM(config)
     total = sum(p.numel() for p in model.parameters())
     after_model = rss_mb()
-    ids = torch.randint(0, config.vocab_size, (1, seq))
+    ids = torch.randint(0, config.vocab_size, (rows, seq))
     batch = {"input_ids": ids, "labels": ids.clone()}
     n_items = label_tokens(batch)
 
@@ -113,31 +118,36 @@ def one(method: str, seq: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--shapes", default="1x64,4x512", help="comma-separated ROWSxTOKENS batches")
     ap.add_argument("--only", default=",".join(METHODS), help="comma-separated methods")
     ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--rows", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--seq", type=int, default=64, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.seq)))
+        print(json.dumps(one(args.one, args.seq, args.rows)))
         return
+    print(f"load average at the start: {os.getloadavg()[0]:.2f}")
+    for shape in args.shapes.split(","):
+        n_rows, seq = map(int, shape.split("x"))
+        for allocator, extra in ALLOCATORS.items():
+            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), **extra}
+            rows = []
+            for method in args.only.split(","):
+                out = subprocess.run([sys.executable, __file__, "--one", method, "--seq", str(seq), "--rows",
+                                      str(n_rows)], check=False, capture_output=True, text=True, env=env)
+                if out.returncode:
+                    sys.exit(f"{method} failed:\n{out.stderr[-3000:]}")
+                rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(f"measured {method} ({shape}, {allocator} allocator)", file=sys.stderr)
+            report(rows, allocator, seq, n_rows)
+    print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
 
-    for allocator, extra in ALLOCATORS.items():
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), **extra}
-        rows = []
-        for method in args.only.split(","):
-            out = subprocess.run([sys.executable, __file__, "--one", method, "--seq", str(args.seq)],
-                                 check=False, capture_output=True, text=True, env=env)
-            if out.returncode:
-                sys.exit(f"{method} failed:\n{out.stderr[-3000:]}")
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"measured {method} ({allocator} allocator)", file=sys.stderr)
-        report(rows, allocator, args.seq)
 
-
-def report(rows: list[dict], allocator: str, seq: int) -> None:
+def report(rows: list[dict], allocator: str, seq: int, n_rows: int = 1) -> None:
     base = next((r for r in rows if r["method"] == "adamw"), rows[0])
-    print(f"\n### {allocator} allocator\n\nLlama {rows[0]['params'] / 1e6:.1f}M parameters, fp32, CPU, "
-          f"batch 1 x {seq} tokens, one training step per fresh process\n")
+    print(f"\n### batch {n_rows} x {seq}, {allocator} allocator\n\nLlama {rows[0]['params'] / 1e6:.1f}M parameters, "
+          f"fp32, CPU, batch {n_rows} x {seq} tokens, one training step per fresh process\n")
     print(f"| method | what | trainable | peak RSS MB | x {base['method']} | added MB | x {base['method']} |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
