@@ -6,7 +6,8 @@
 
 The peer runs at its best on the hardware: with `train_sampling_strategy="group_by_length"` (batches of
 similar lengths, the least padding it offers) everywhere, and where flash-attn's varlen kernel runs (CUDA
-with flash-attn installed) also padding-free (`DataCollatorWithFlattening`); the headline ratio is tunelab against the fastest of them.
+with flash-attn installed) also padding-free (`DataCollatorWithFlattening`); the headline ratio is tunelab
+against the fastest of them.
 "Trainer" alone trains on tunelab's own batches (the rows in tunelab's shuffled order, padded to the longest
 row of each batch by the same collate function), for a like-for-like step. All log every step and are timed
 from the end of the warmup steps to the end of the last step; tokens are each contender's own non-padding
