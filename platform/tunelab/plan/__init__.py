@@ -21,15 +21,7 @@ __all__ = ["Invalid", "Problem", "cell_config", "check", "eval_config", "section
 
 def cell_config(raw: dict[str, Any]) -> CellConfig:
     """A raw cell (a mapping as in YAML) -> a checked CellConfig; raises `Invalid` with every problem."""
-    raw = _with_suite(raw, ("eval",))
-    try:
-        cell = CellConfig.model_validate(raw)
-    except ValidationError as e:
-        raise Invalid(problems_of(e, CellConfig)) from None
-    problems = check(cell)
-    if problems:
-        raise Invalid(problems)
-    return cell
+    return _validated(CellConfig, _with_suite(raw, ("eval",)), check)
 
 
 SECTIONS = {"model": (ModelCfg, sections.model_section), "data": (DataCfg, sections.data_section),
@@ -41,13 +33,18 @@ def section_config(key: str, raw: dict[str, Any]):
     locs are relative to the section."""
     cls, checks = SECTIONS[key]
     raw = _with_suite({key: raw}, ())[key] if key == "eval" else raw
+    return _validated(cls, raw, lambda cfg: [Problem(p.loc[1:], p.message, p.value) for p in checks(cfg)])
+
+
+def _validated(cls, raw: dict, checks):
+    """The schema first (pydantic's errors as Problems), then the plan-time checks; Invalid with all of them."""
     try:
         cfg = cls.model_validate(raw)
     except ValidationError as e:
         raise Invalid(problems_of(e, cls)) from None
     problems = checks(cfg)
     if problems:
-        raise Invalid([Problem(p.loc[1:], p.message, p.value) for p in problems])
+        raise Invalid(problems)
     return cfg
 
 
