@@ -210,9 +210,9 @@ def run(model, tokenizer, datasets, cfg, run_dir: Path, emit: Emit = ignore, *, 
     runtime = runtime or _local_runtime(model, cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     loop = _setup(model, tokenizer, datasets, cfg, run_dir, emit, runtime, validation)
+    peak = peak_flops(runtime.device)  # before the RNG states a checkpoint restores (a CPU may measure here)
     start, resumed_from = _resume(loop)
     model.train()
-    peak = peak_flops(runtime.device)
     for step in range(start, t.steps + 1):
         _step(loop, step, peak)
     val = loop.validate() if validation.final and loop.validate else None

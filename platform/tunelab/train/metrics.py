@@ -58,7 +58,8 @@ def cpu_peak_flops(size: int = 1024, repeats: int = 8) -> float:
     cached = read_json(path)
     if cached and cached.get("flops", 0) > 0:
         return float(cached["flops"])
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    g = torch.Generator().manual_seed(0)  # its own generator: training's RNG streams stay untouched
+    a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
     a @ b  # warm up (threads, caches)
     best = 0.0
     for _ in range(repeats):
