@@ -21,15 +21,16 @@ TEMPLATE_CHOICES = ("auto", "chat", "alpaca", "plain")
 
 
 def _load(name: str, device, *, dtype: str = "auto", revision: str | None = None, what: str = "MODEL"):
-    from pydantic import ValidationError
-
-    from tunelab import models
-    from tunelab.config import ModelCfg
+    from tunelab import models, plan
+    from tunelab.plan.sections import looks_like_path
 
     try:
-        cfg = ModelCfg(name=name, dtype=dtype, revision=revision)
-    except ValidationError as e:
-        raise UserError(e.errors()[0]["msg"].removeprefix("Value error, "), key=what) from None
+        cfg = plan.section_config("model", {"name": name, "dtype": dtype, "revision": revision})
+    except plan.Invalid as e:
+        raise UserError(e.problems[0].message, key=what) from None
+    if looks_like_path(name) and not Path(name).expanduser().is_dir():
+        raise UserError(f"{name!r} is not a catalog alias, and no folder of that name exists on this machine",
+                        key=what)
     try:
         return models.load(cfg, device)
     except OSError as e:
