@@ -70,6 +70,9 @@ def _path_rows(src, recipe_path: Path, where: str) -> list[dict]:
 
 
 def _hub_rows(src, recipe_path: Path, where: str) -> list[dict]:
+    from tunelab import services
+
+    services.prepare_hub()  # bounded requests; offline at once when the hub does not answer
     from datasets import load_dataset
 
     split = f"{src.split}[:{src.limit}]" if src.limit else src.split
