@@ -138,9 +138,7 @@ def killed_matrix(tmp_path_factory):
     from conftest import write
     from processes import kill_group, run_exp, start_exp, wait_for
 
-    from tunelab import matrix
-
-    from tunelab import runner
+    from tunelab import matrix, runner
     from tunelab.cell import run_cell
 
     tmp = tmp_path_factory.mktemp("killme")

@@ -97,6 +97,8 @@ def launch(run_dir: Path, on_event, command: list[str], held: CellLock | None = 
                   f"starts: {' '.join(command)}\n")
         log.flush()
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env, pass_fds=fds)
+        if held is not None:
+            held.note(f"cell process pid {proc.pid}")
         assert proc.stdout is not None
         for line in proc.stdout:
             event = events.decode(line)
@@ -205,7 +207,7 @@ def _run_here(run_dir: Path, cell: Cell, how: Launch, progress: Progress, held: 
         return Outcome(cell, "done" if rc == 0 else "failed", None if rc == 0 else exit_cause(rc))
     if rc == LOCKED_EXIT and held is None and read_status(run_dir).get("state") != "failed":
         progress.update(current, info="[yellow]locked by another process")
-        return Outcome(cell, "skipped-locked", f"locked by {lock_holder(run_dir)}")
+        return Outcome(cell, "skipped-locked", f"locked by another process ({lock_holder(run_dir)})")
     status = _settle(run_dir, rc)
     if status.get("state") == "done":
         progress.update(current, info="[green]done")
@@ -234,7 +236,7 @@ def _claimed(run_dir: Path, cell: Cell, matrix: str, how: Launch, progress: Prog
 
 
 def _wait_for(run_dir: Path, cell: Cell, progress: Progress) -> CellLock:
-    progress.console.print(f"{cell.dirname}: waiting for {lock_holder(run_dir)}, which holds its lock")
+    progress.console.print(f"{cell.dirname}: waiting for the process that holds its lock ({lock_holder(run_dir)})")
     held = CellLock(run_dir)
     held.acquire(wait=None)
     return held
@@ -272,7 +274,8 @@ def run_cells(cells: list[Cell], matrix: str, runs_dir: Path, *, rerun_failed: b
             elif claims:
                 held = CellLock(run_dir)
                 if not held.acquire(wait=0):
-                    progress.console.print(f"{cell.dirname}: locked by {lock_holder(run_dir)}; coming back to it")
+                    progress.console.print(f"{cell.dirname}: locked by another process ({lock_holder(run_dir)}); "
+                                           "coming back to it")
                     locked_elsewhere.append((cell, run_dir))
                     continue
                 with held:

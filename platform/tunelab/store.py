@@ -193,6 +193,13 @@ class CellLock:
         self._f = f
         return True
 
+    def note(self, text: str) -> None:
+        """Add to what the holder says of itself (the launcher: the pid of the cell process it started)."""
+        assert self._f is not None, "not held"
+        self._f.seek(0, os.SEEK_END)
+        self._f.write(f"{text}\n")
+        self._f.flush()
+
     def fileno(self) -> int:
         assert self._f is not None, "not held"
         return self._f.fileno()
@@ -239,7 +246,7 @@ def is_locked(run_dir: Path) -> bool:
 def lock_holder(run_dir: Path) -> str:
     """Who holds the lock, as its holder wrote it ("pid 123 on host since ..."), for messages."""
     try:
-        return (run_dir / ".lock").read_text().strip() or "another process"
+        return "; ".join((run_dir / ".lock").read_text().split("\n")).strip("; ") or "another process"
     except OSError:
         return "another process"
 
