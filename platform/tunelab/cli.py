@@ -111,8 +111,14 @@ def run(
             from tunelab.runtime import check_host
 
             check_host(c.config, file=file)
+    from tunelab import services, tracking
+    from tunelab.paths import cache_dir
+
+    services.check_env()
+    tracking.check_env()
+    make_dir(cache_dir(), "the cache: $TUNELAB_CACHE, else ~/.cache/tunelab")
     mdir = runs_dir / spec.name
-    make_dir(mdir)
+    make_dir(mdir, "--runs-dir")
     # The file as run; --set overrides are written on top, so the folder says how its cells were made.
     header = "".join(f"# exp run --set {k}={v}\n" for k, v in overrides.items())
     write_text(mdir / "matrix.yaml", header + file.read_text())
@@ -132,12 +138,13 @@ def run(
     for o in failed:
         log = runner.cell_dir(mdir, o.cell) / "cell.log"
         err.print(f"[red]{o.cell.dirname} failed:[/] {escape(str(o.error))} (log: {log}; `exp status {mdir}` shows "
-                  "its last lines)")
+                  "its last lines)", soft_wrap=True)  # paths stay whole, to be copied
     if any(o.state == "skipped-failed" for o in failed):
         err.print("run again with --rerun-failed to retry failed cells")
     stopped = [o for o in outcomes if o.state == "interrupted"]
     for o in stopped:
-        err.print(f"[yellow]{o.cell.dirname} was interrupted[/] ({escape(str(o.error))}): run again to resume it")
+        err.print(f"[yellow]{o.cell.dirname} was interrupted[/] ({escape(str(o.error))}): run again to resume it",
+                  soft_wrap=True)
     raise typer.Exit(1 if failed or stopped else 0)
 
 

@@ -35,6 +35,7 @@ from tunelab.store import (
     CellLock,
     is_locked,
     lock_holder,
+    read_json,
     read_status,
     write_json,
     write_status,
@@ -224,19 +225,26 @@ def _claimed(run_dir: Path, cell: Cell, matrix: str, how: Launch, progress: Prog
     """Run a cell whose lock this runner holds, unless it turned done or failed before the lock was ours."""
     skip = _skip_reason(run_dir, cell, rerun_failed, probe_lock=False)
     if skip == "skipped-done":  # it was not when this runner looked first: another process finished it
-        progress.console.print(f"{cell.dirname}: done by another process")
+        _say(progress, f"{cell.dirname}: done by another process")
         return Outcome(cell, "done-elsewhere")
     if skip:
-        progress.console.print(f"[dim]{cell.dirname}: failed in another process, skipped")
+        _say(progress, f"[dim]{cell.dirname}: failed in another process, skipped")
         return Outcome(cell, skip, read_status(run_dir).get("error"))
     if waited:
-        progress.console.print(f"{cell.dirname}: its lock is free and it is not done: running it here")
+        _say(progress, f"{cell.dirname}: its lock is free and it is not done: running it here")
+    results = folders.eval_dir(run_dir, cell.eval_id) / "results.json"
+    if results.is_file() and read_json(results) is None:  # damaged since (atomic writes never cut one short)
+        _say(progress, f"{cell.dirname}: {results} is not readable JSON: evaluating it again")
     prepare(run_dir, cell, matrix)
     return _run_here(run_dir, cell, how, progress, held)
 
 
+def _say(progress: Progress, text: str) -> None:
+    progress.console.print(text, soft_wrap=True, highlight=False)  # paths and pids stay whole, to be copied
+
+
 def _wait_for(run_dir: Path, cell: Cell, progress: Progress) -> CellLock:
-    progress.console.print(f"{cell.dirname}: waiting for the process that holds its lock ({lock_holder(run_dir)})")
+    _say(progress, f"{cell.dirname}: waiting for the process that holds its lock ({lock_holder(run_dir)})")
     held = CellLock(run_dir)
     held.acquire(wait=None)
     return held
@@ -274,8 +282,8 @@ def run_cells(cells: list[Cell], matrix: str, runs_dir: Path, *, rerun_failed: b
             elif claims:
                 held = CellLock(run_dir)
                 if not held.acquire(wait=0):
-                    progress.console.print(f"{cell.dirname}: locked by another process ({lock_holder(run_dir)}); "
-                                           "coming back to it")
+                    _say(progress, f"{cell.dirname}: locked by another process ({lock_holder(run_dir)}); "
+                                   "coming back to it")
                     locked_elsewhere.append((cell, run_dir))
                     continue
                 with held:

@@ -19,13 +19,30 @@ import sys
 import urllib.error
 import urllib.request
 
+from tunelab.errors import UserError
+
 TIMEOUT_ENV = "TUNELAB_HUB_TIMEOUT"
 DEFAULT_TIMEOUT_S = 10.0
 _TRUE = {"1", "TRUE", "YES", "ON"}
 
 
 def hub_timeout() -> float:
-    return float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
+    value = os.environ.get(TIMEOUT_ENV)
+    if not value:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise UserError(f"environment variable {TIMEOUT_ENV}={value!r}: expected seconds, a number above 0 "
+                        f"(default {DEFAULT_TIMEOUT_S:g})")
+    return seconds
+
+
+def check_env() -> None:
+    """Before a matrix runs: the settings this module reads from the environment are usable."""
+    hub_timeout()
 
 
 def endpoint() -> str:

@@ -48,9 +48,14 @@ def _write_failed(path: Path, e: OSError) -> WriteFailed:
                        "Free space or choose another folder (exp run --runs-dir DIR), then run again", file=path)
 
 
-def make_dir(path: Path) -> Path:
+def make_dir(path: Path, what: str = "") -> Path:
+    """mkdir -p, with the place's errors said in words (`what`: how the user named the folder, e.g. an option
+    or an environment variable)."""
+    named = f" ({what})" if what else ""
     try:
         path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise WriteFailed(f"not a folder{named}: it, or a folder above it, is a file", file=path) from None
     except OSError as e:
         if e.errno in _PLACE_ERRORS:
             raise _write_failed(path, e) from None

@@ -13,8 +13,11 @@ import secrets
 import sys
 from pathlib import Path
 
+from tunelab.errors import UserError
 from tunelab.events import Step
 from tunelab.store import write_text
+
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # what wandb itself accepts
 
 
 def wandb_mode(cfg) -> str:
@@ -24,6 +27,21 @@ def wandb_mode(cfg) -> str:
     if os.environ.get("WANDB_MODE"):
         return os.environ["WANDB_MODE"]
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+def check_env() -> None:
+    """Before a matrix runs: the W&B settings taken from the environment are ones W&B accepts."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode and mode not in WANDB_MODES:
+        raise UserError(f"environment variable WANDB_MODE={mode!r}: allowed values are {', '.join(WANDB_MODES)} "
+                        "(or leave it unset: online with an API key, else offline)")
+    timeout = os.environ.get("WANDB_INIT_TIMEOUT")
+    if timeout:
+        try:
+            assert float(timeout) > 0
+        except (ValueError, AssertionError):
+            raise UserError(f"environment variable WANDB_INIT_TIMEOUT={timeout!r}: expected seconds, a number "
+                            "above 0") from None
 
 
 RUN_ID_FILE = "wandb_run_id"
