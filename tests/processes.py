@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 WAIT_S = 300  # a bound for every wait: a test fails, it never hangs
@@ -59,3 +61,39 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@contextmanager
+def silent_server():
+    """http://127.0.0.1:PORT of a socket that accepts connections (the kernel completes them) and never
+    answers: a hung service. Loopback only."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+
+
+def closed_port() -> str:
+    """http://127.0.0.1:PORT where nothing listens: a service that is down. Loopback only."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return f"http://127.0.0.1:{port}"
+
+
+def children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command name) of the processes whose parent is `pid`."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if int(rest[1]) == pid:
+            out.append((int(stat.parent.name), name))
+    return out
