@@ -203,6 +203,9 @@ def _with_tracker(emit: Emit, tracker) -> Emit:
     return both
 
 
+LOCK_WAIT_S = 10.0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from contextlib import nullcontext
 
-    from tunelab.store import Locked, lock
+    from tunelab.store import LOCK_HELD_ENV, LOCKED_EXIT, Locked, lock, lock_holder
     from tunelab.train import parallel
 
     run_dir = Path(argv[0]).resolve()
@@ -221,11 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         layout = None if folders.is_trained(run_dir) else parallel.setup(cfg.parallel)
         if layout is not None and not layout.is_main:
             emit = events.ignore  # events come from the main process only
-        with lock(run_dir) if layout is None or layout.is_main else nullcontext():
+        # The runner holds the folder's lock for the cell it starts; started any other way, the main process
+        # takes it, waiting a moment for a process that only looks (store.is_locked).
+        must_lock = (layout is None or layout.is_main) and os.environ.get(LOCK_HELD_ENV) != str(run_dir)
+        with lock(run_dir, wait=LOCK_WAIT_S) if must_lock else nullcontext():
             run_cell(run_dir, emit, cfg, layout)
     except Locked:
-        print(f"{run_dir} is locked by another process", file=sys.stderr)
-        return 3
+        print(f"{run_dir} is locked by {lock_holder(run_dir)}", file=sys.stderr)
+        return LOCKED_EXIT
     except Exception:  # noqa: BLE001 - the traceback goes to cell.log, the exit code says failed
         traceback.print_exc()
         return 1

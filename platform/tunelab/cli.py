@@ -95,7 +95,7 @@ def run(
     from tunelab import matrix, runner
     from tunelab.launch import Launch, procs_per_node
     from tunelab.report import leaderboard
-    from tunelab.store import write_text
+    from tunelab.store import make_dir, write_text
 
     how = Launch(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, launcher=launcher,
                  dry_run=dry_run, gpus_per_node=gpus_per_node)
@@ -111,8 +111,14 @@ def run(
             from tunelab.runtime import check_host
 
             check_host(c.config, file=file)
+    from tunelab import services, tracking
+    from tunelab.paths import cache_dir
+
+    services.check_env()
+    tracking.check_env()
+    make_dir(cache_dir(), "the cache: $TUNELAB_CACHE, else ~/.cache/tunelab")
     mdir = runs_dir / spec.name
-    mdir.mkdir(parents=True, exist_ok=True)
+    make_dir(mdir, "--runs-dir")
     # The file as run; --set overrides are written on top, so the folder says how its cells were made.
     header = "".join(f"# exp run --set {k}={v}\n" for k, v in overrides.items())
     write_text(mdir / "matrix.yaml", header + file.read_text())
@@ -130,28 +136,42 @@ def run(
     out.print(f"wrote {mdir / 'leaderboard.md'} (and .csv, .tex, .json) and the report {mdir / 'report.html'}")
     failed = [o for o in outcomes if o.state in ("failed", "skipped-failed")]
     for o in failed:
-        err.print(f"[red]{o.cell.dirname} failed:[/] {o.error} (log: {mdir / o.cell.dirname / 'cell.log'})")
+        log = runner.cell_dir(mdir, o.cell) / "cell.log"
+        err.print(f"[red]{o.cell.dirname} failed:[/] {escape(str(o.error))} (log: {log}; `exp status {mdir}` shows "
+                  "its last lines)", soft_wrap=True)  # paths stay whole, to be copied
     if any(o.state == "skipped-failed" for o in failed):
         err.print("run again with --rerun-failed to retry failed cells")
-    raise typer.Exit(1 if failed else 0)
+    stopped = [o for o in outcomes if o.state == "interrupted"]
+    for o in stopped:
+        err.print(f"[yellow]{o.cell.dirname} was interrupted[/] ({escape(str(o.error))}): run again to resume it",
+                  soft_wrap=True)
+    raise typer.Exit(1 if failed or stopped else 0)
 
 
 def _status_rows(matrix_dir: Path) -> list[dict]:
     from tunelab.cellfolder import disk_usage
-    from tunelab.store import cell_dirs, read_json, read_status
+    from tunelab.store import cell_dirs, live_state, read_json, read_status
 
     rows = []
     for d in cell_dirs(matrix_dir):
         st, meta = read_status(d), read_json(d / "cell.json") or {}
         rows.append({"cell": meta.get("slug", d.name), "id": meta.get("id"), "dir": str(d),
-                     "state": st.get("state", "?"), "timings": st.get("timings") or {},
-                     "disk_bytes": disk_usage(d), "error": st.get("error"), "slurm_job": st.get("slurm_job")})
+                     "state": live_state(d, st), "timings": st.get("timings") or {},
+                     "disk_bytes": disk_usage(d), "error": st.get("error"), "exit": st.get("exit"),
+                     "log_tail": st.get("log_tail") or [], "slurm_job": st.get("slurm_job")})
     return rows
+
+
+STATE_NOTES = {
+    "interrupted": "its status says running, but no process holds its folder's lock: it died without a word "
+                   "(killed, out of memory, machine lost); `exp run` resumes it from its last checkpoint",
+    "failed": "`exp run --rerun-failed` retries failed cells; the whole log is the cell folder's cell.log",
+}
 
 
 @app.command(rich_help_panel=RUN)
 def status(matrix_dir: Annotated[Path, typer.Argument(help="runs/<matrix> folder")], as_json: Json = False) -> None:
-    """Print the state of every cell of a matrix's run folder."""
+    """Print the state of every cell of a matrix's run folder; why failed cells failed."""
     from tunelab.cellfolder import human_bytes
 
     if not matrix_dir.is_dir():
@@ -160,16 +180,24 @@ def status(matrix_dir: Annotated[Path, typer.Argument(help="runs/<matrix> folder
     if as_json:
         return _print_json(rows)
     table = Table(title=str(matrix_dir))
-    for col in ("cell", "state", "train s", "eval s", "disk", "error"):
+    for col in ("cell", "state", "train s", "eval s", "disk", "cause"):
         table.add_column(col)
-    colors = {"done": "green", "failed": "red", "running": "yellow", "pending": "dim"}
+    colors = {"done": "green", "failed": "red", "running": "yellow", "interrupted": "yellow", "pending": "dim"}
     for r in rows:
         t = r["timings"]
+        cause = "; ".join(dict.fromkeys(c for c in (r["error"], r["exit"]) if c))
         table.add_row(r["cell"], f"[{colors.get(r['state'], 'white')}]{r['state']}",
                       f"{t['train_s']:.0f}" if "train_s" in t else "-",
                       f"{t['eval_s']:.0f}" if "eval_s" in t else "-", human_bytes(r["disk_bytes"]),
-                      (r["error"] or "")[:100])
-    out.print(table)
+                      escape(cause[:160]))
+    _print_wide(table)
+    for r in (r for r in rows if r["state"] == "failed" and r["log_tail"]):
+        out.print(f"[red]{escape(r['cell'])}[/]: last lines of {escape(r['dir'])}/cell.log", highlight=False)
+        for line in r["log_tail"][-8:]:
+            out.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
+    for state in dict.fromkeys(r["state"] for r in rows):
+        if state in STATE_NOTES:
+            out.print(f"{state}: {STATE_NOTES[state]}", highlight=False)
 
 
 def _where(pairs: list[str]) -> dict[str, str]:

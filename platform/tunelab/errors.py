@@ -39,10 +39,13 @@ def _fields_at(model: type[BaseModel], loc: tuple) -> list[str] | None:
     """The field names allowed at `loc` inside `model`, to list them in an unknown-key error."""
     cls: Any = model
     for part in loc:
+        if isinstance(part, int) and get_origin(cls) is list:  # an item of a list of models
+            cls = get_args(cls)[0]
+            continue
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:
             return None
         cls = cls.model_fields[part].annotation
-        if get_origin(cls) is not None:  # Optional[X] and friends: take the model among the args
+        if get_origin(cls) is not None and get_origin(cls) is not list:  # Optional[X]: the model among the args
             cls = next((a for a in get_args(cls) if isinstance(a, type) and issubclass(a, BaseModel)), cls)
     if isinstance(cls, type) and issubclass(cls, BaseModel):
         return list(cls.model_fields)

@@ -122,7 +122,20 @@ def load(path: str | Path, sets: dict[str, Any] | None = None) -> tuple[MatrixFi
             spec = MatrixFile.model_validate({**spec.model_dump(), "seeds": sets.pop("seeds")})
         except ValidationError as e:
             raise explain(e, MatrixFile, file=path, where=lambda loc: "--set " + ".".join(map(str, loc))) from None
-    return spec, expand(spec, path, sets)
+    cells = expand(spec, path, sets)
+    _check_recipes(cells, path)
+    return spec, cells
+
+
+def _check_recipes(cells: list[Cell], path: Path) -> None:
+    """A recipe file is read when a cell builds its data; a mistake in it is found now, before anything runs."""
+    from tunelab.data.recipe import load_recipe
+
+    for name in dict.fromkeys(c.config.data.recipe for c in cells):
+        try:
+            load_recipe(name)
+        except UserError as e:
+            raise UserError(f"data.recipe {name!r}: {e}", file=path) from None
 
 
 def expand(spec: MatrixFile, path: Path, sets: dict[str, Any] | None = None) -> list[Cell]:

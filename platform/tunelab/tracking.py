@@ -1,13 +1,23 @@
-"""Tracking: every cell logs to local files (train/metrics.jsonl, eval/results.json) and to W&B."""
+"""Tracking: every cell logs to local files (train/metrics.jsonl, eval/results.json) and to W&B.
+
+W&B is a witness, never a judge: the local files are the results, so nothing W&B does may fail or stall a
+cell. A server that cannot be reached within the init timeout (WANDB_INIT_TIMEOUT, else INIT_TIMEOUT_S)
+turns the run into an offline one in the cell folder (`wandb sync` uploads it later); any later W&B error
+ends tracking for that cell. Each of these says what happened in the cell's log (its stderr).
+"""
 
 from __future__ import annotations
 
 import os
 import secrets
+import sys
 from pathlib import Path
 
+from tunelab.errors import UserError
 from tunelab.events import Step
 from tunelab.store import write_text
+
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # what wandb itself accepts
 
 
 def wandb_mode(cfg) -> str:
@@ -19,7 +29,32 @@ def wandb_mode(cfg) -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
+def check_env() -> None:
+    """Before a matrix runs: the W&B settings taken from the environment are ones W&B accepts."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode and mode not in WANDB_MODES:
+        raise UserError(f"environment variable WANDB_MODE={mode!r}: allowed values are {', '.join(WANDB_MODES)} "
+                        "(or leave it unset: online with an API key, else offline)")
+    timeout = os.environ.get("WANDB_INIT_TIMEOUT")
+    if timeout:
+        try:
+            assert float(timeout) > 0
+        except (ValueError, AssertionError):
+            raise UserError(f"environment variable WANDB_INIT_TIMEOUT={timeout!r}: expected seconds, a number "
+                            "above 0") from None
+
+
 RUN_ID_FILE = "wandb_run_id"
+INIT_TIMEOUT_S = 30.0  # W&B's own default is 90 s: paid by every cell of a matrix while the server is down
+
+
+def _say(message: str) -> None:
+    print(f"tunelab: W&B: {message}", file=sys.stderr, flush=True)
+
+
+def _why(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
 
 
 class Tracker:
@@ -32,16 +67,44 @@ class Tracker:
         mode = wandb_mode(cfg.tracking)
         if not cfg.tracking.wandb or mode == "disabled":
             return
-        import wandb
-
         id_file = run_dir / RUN_ID_FILE
         run_id = id_file.read_text().strip() if resuming and id_file.is_file() else secrets.token_hex(6)
         write_text(id_file, run_id + "\n")
-        self.run = wandb.init(
-            project=cfg.tracking.project, entity=cfg.tracking.entity, group=group, name=name,
-            job_type="cell", config=config, tags=tags, dir=str(run_dir), mode=mode, reinit="create_new",
-            id=run_id, resume="allow", settings=wandb.Settings(console="off", silent=True),
-        )
+        kwargs = dict(project=cfg.tracking.project, entity=cfg.tracking.entity, group=group, name=name,
+                      job_type="cell", config=config, tags=tags, dir=str(run_dir), reinit="create_new",
+                      id=run_id, resume="allow")
+        try:
+            self.run = self._init(mode, kwargs)
+        except Exception as e:  # noqa: BLE001 - any failure of W&B: the cell goes on, and says so
+            if mode == "offline":
+                _say(f"could not start an offline run ({_why(e)}); this cell is not tracked in W&B")
+                return
+            _say(f"could not start an online run ({_why(e)}); logging offline to {run_dir / 'wandb'} instead "
+                 f"(upload it later with `wandb sync {run_dir / 'wandb'}`)")
+            try:
+                import wandb
+
+                wandb.teardown()  # the failed attempt keeps the run id busy otherwise
+                self.run = self._init("offline", kwargs)
+            except Exception as e2:  # noqa: BLE001
+                _say(f"the offline run failed too ({_why(e2)}); this cell is not tracked in W&B")
+
+    @staticmethod
+    def _init(mode: str, kwargs: dict):
+        import wandb
+
+        timeout = float(os.environ.get("WANDB_INIT_TIMEOUT") or INIT_TIMEOUT_S)
+        return wandb.init(mode=mode, settings=wandb.Settings(console="off", silent=True, init_timeout=timeout),
+                          **kwargs)
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        """Stop using W&B for this cell after an error: its local files keep everything."""
+        _say(f"{what} failed ({_why(e)}); W&B tracking stops for this cell, its local files keep every value")
+        run, self.run = self.run, None
+        try:
+            run.finish(exit_code=1)
+        except Exception:  # noqa: BLE001 - already reported
+            pass
 
     def on_event(self, event) -> None:
         """A cell event (tunelab.events): each optimizer step's metrics become the run's history."""
@@ -52,13 +115,22 @@ class Tracker:
 
     def log(self, metrics: dict, step: int | None = None) -> None:
         if self.run is not None:
-            self.run.log(metrics, step=step)
+            try:
+                self.run.log(metrics, step=step)
+            except Exception as e:  # noqa: BLE001
+                self._failed("logging", e)
 
     def summary(self, values: dict) -> None:
         if self.run is not None:
-            self.run.summary.update(values)
+            try:
+                self.run.summary.update(values)
+            except Exception as e:  # noqa: BLE001
+                self._failed("updating the summary", e)
 
     def finish(self, failed: bool = False) -> None:
         if self.run is not None:
-            self.run.finish(exit_code=1 if failed else 0)
-            self.run = None
+            run, self.run = self.run, None
+            try:
+                run.finish(exit_code=1 if failed else 0)
+            except Exception as e:  # noqa: BLE001
+                _say(f"finishing the run failed ({_why(e)}); the cell's local files keep every value")

@@ -70,6 +70,9 @@ def _path_rows(src, recipe_path: Path, where: str) -> list[dict]:
 
 
 def _hub_rows(src, recipe_path: Path, where: str) -> list[dict]:
+    from tunelab import services
+
+    hub = services.prepare_hub()  # bounded requests; offline at once when the hub does not answer
     from datasets import load_dataset
 
     split = f"{src.split}[:{src.limit}]" if src.limit else src.split
@@ -77,8 +80,9 @@ def _hub_rows(src, recipe_path: Path, where: str) -> list[dict]:
         ds = load_dataset(src.hub, src.config, split=split, revision=src.revision)
     except Exception as e:  # noqa: BLE001 - offline, unknown id, bad config/split: all are the user's to fix
         raise UserError(f"could not load hub dataset {src.hub!r} (config {src.config!r}, split {src.split!r}): "
-                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} -- without network access, "
-                        f"download it elsewhere and point the source's 'path' at a local copy",
+                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{f' ({hub})' if hub else ''} "
+                        "-- without network access, download it elsewhere and point the source's 'path' at a local "
+                        "copy",
                         file=recipe_path, key=f"{where}.hub") from None
     return ds.to_list()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tunelab.errors import UserError
 from tunelab.paths import cache_dir
 from tunelab.store import write_text
 
@@ -14,8 +15,16 @@ def cache_root() -> Path:
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """Every record of a JSON-lines test file; a line that is not JSON is the user's file to fix, said so."""
+    rows = []
     with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise UserError(f"line {n} is not JSON ({e.msg}, column {e.colno})", file=path) from None
+    return rows
 
 
 def write_jsonl(path: Path, rows) -> None:

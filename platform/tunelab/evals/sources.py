@@ -41,6 +41,9 @@ class Choice:
 
 @functools.cache
 def hub_reachable(repo: str) -> bool:
+    from tunelab import services
+
+    services.prepare_hub()  # bounded requests; offline at once when the hub does not answer
     if os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "True") or os.environ.get("HF_DATASETS_OFFLINE") == "1":
         return False
     try:

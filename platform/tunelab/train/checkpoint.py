@@ -13,6 +13,7 @@ renamed once complete, so a run killed while saving leaves the previous checkpoi
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import shutil
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from tunelab.errors import UserError
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -87,8 +90,15 @@ def load(path: Path, *, stepper, sched) -> dict:
     """Restore the stepper's model and optimizer and the scheduler in place; returns the loop state (step,
     data position ...). RNG states are returned, not set: the caller sets them last, once nothing else will
     draw from them."""
-    stepper.load(path / stepper.checkpoint_subdir)
-    # Our own file: RNG states hold numpy arrays and tuples, which weights_only refuses.
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    try:
+        stepper.load(path / stepper.checkpoint_subdir)
+        # Our own file: RNG states hold numpy arrays and tuples, which weights_only refuses.
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    except (OSError, EOFError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as e:
+        # Written whole or not at all (renamed once complete): damage came later (disk, copy, a hand).
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise UserError(f"checkpoint unreadable ({type(e).__name__}: {first}); delete this folder to resume from "
+                        "an earlier checkpoint, or the whole checkpoints/ folder to train from the start",
+                        file=path) from e
     sched.load_state_dict(state.pop("scheduler"))
     return state
