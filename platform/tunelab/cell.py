@@ -75,20 +75,40 @@ def _tracker(run: _Run, resuming: bool):
                    tags=[f"{k}={v}" for k, v in meta.get("varying", {}).items()], resuming=resuming)
 
 
+def _load(run: _Run):
+    """The model as the layout builds it (train.parallel.init_mode) and the tokenizer -> (model, tokenizer,
+    checkpoint files when the model is on the meta device). The model is built from the same files either way."""
+    from tunelab import models
+    from tunelab.train import parallel, peft
+
+    cfg, rt = run.cfg, run.rt
+    safetensors = rt.layout.distributed and any(models.folder(cfg.model).glob("*.safetensors"))
+    mode, why = parallel.init_mode(cfg, rt.layout, safetensors)
+    if rt.layout.distributed:
+        print(f"model init: {mode} ({why})", file=sys.stderr)
+    if mode == "meta":
+        return models.empty(cfg.model, rt.dtype, rt.attn), models.tokenizer(cfg.model), \
+            models.Weights(models.folder(cfg.model))
+    if mode == "zero3":
+        return parallel.load_partitioned(cfg.model, rt, cfg), models.tokenizer(cfg.model), None
+    return (*models.load(cfg.model, rt, **peft.load_kwargs(cfg.peft, rt.device)), None)
+
+
 def _train(run: _Run):
     """Load, build data, wrap, train on every process. -> (trained model, tokenizer, datasets, val loss)."""
     from transformers import set_seed
 
-    from tunelab import models, train
+    from tunelab import train
     from tunelab.data.build import build as build_data
     from tunelab.paths import cache_dir
-    from tunelab.train import peft
+    from tunelab.train import parallel, peft
     from tunelab.train.validation import Validation
 
     cfg, rt, t0 = run.cfg, run.rt, time.perf_counter()
+    rss_before = _rss_mb()
     run.emit(Stage("load"))
     set_seed(cfg.train.seed)  # weights a model may create on load
-    model, tokenizer = models.load(cfg.model, rt, **peft.load_kwargs(cfg.peft, rt.device))
+    model, tokenizer, files = _load(run)
     run.emit(Stage("data"))
     if not rt.is_main:  # the main process builds the cache once; the others read it
         _barrier()
@@ -98,16 +118,40 @@ def _train(run: _Run):
     # Again: building data draws from the global RNGs on a cache miss only, and adapter init must not
     # depend on whether the data was cached.
     set_seed(cfg.train.seed)
-    model = peft.apply(model, cfg.peft)
+    weights = None
+    if files is None:
+        model = peft.apply(model, cfg.peft)
+    else:  # adapters initialised for real, the base weights read per shard by the engine
+        model, weights = parallel.with_adapters(model, lambda m: peft.apply(m, cfg.peft), files)
     run.timings["setup_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     result = train.run(model, tokenizer, datasets, cfg, run.run_dir, run.emit, runtime=rt,
-                       validation=Validation.of(cfg.eval))
+                       validation=Validation.of(cfg.eval), weights=weights)
     run.timings["train_s"] = time.perf_counter() - t0
+    before = _gather(rss_before)
     if rt.is_main:
+        write_json(run.run_dir / "train" / "memory.json", {
+            "kind": result.peak_mem_kind, "peak_mb": result.peak_mem_mb_ranks, "rss_before_load_mb": before})
         write_status(run.run_dir, "running", timings=run.timings, trained=cfg.train.save_final)
         run.tracker.summary({f"train/{k}": v for k, v in result.summary().items()})
     return result.model, tokenizer, datasets, result.val_loss
+
+
+def _rss_mb() -> float:
+    """This process's resident memory now (the baseline its load and training add to)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def _gather(value: float) -> list[float]:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [value]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def _load_trained(run: _Run):

@@ -1,7 +1,7 @@
 """What the training loop steps: one process, or 3D parallelism, behind one small interface.
 
     layout = setup(cell.parallel)                       # process group + (pp, dp, tp) DeviceMesh (tunelab.runtime)
-    stepper = prepare(model, build_optimizer, cell, layout, precision)
+    stepper = prepare(model, build_optimizer, cell, layout, precision)   # (weights=: a meta-device model, deferred.py)
     loss, grad_norm = stepper.train_step(micro_batches, n_items, step)
     stepper.save(dir) / stepper.load(dir)               # a checkpoint folder's model and optimizer part
     model = stepper.unwrap()                            # full weights on the main process
@@ -13,18 +13,25 @@ docs/parallelism.md explains the layouts.
 
 from __future__ import annotations
 
-__all__ = ["ENGINES", "Layout", "Stepper", "enable_gradient_checkpointing", "prepare", "setup"]
+__all__ = ["ENGINES", "Layout", "Stepper", "enable_gradient_checkpointing", "init_mode", "load_partitioned",
+           "prepare", "setup", "with_adapters"]
 
 # Loaded on first use (PEP 562): `exp memory` imports parallel/memory.py, which needs neither torch nor the
 # engines, and every `exp` command registers it at start-up.
 _WHERE = {"ENGINES": "tunelab.registries", "Layout": "tunelab.runtime", "setup": "tunelab.runtime",
           "Stepper": "tunelab.train.parallel.stepper", "prepare": "tunelab.train.parallel.prepare",
-          "enable_gradient_checkpointing": "tunelab.train.parallel.prepare"}
+          "enable_gradient_checkpointing": "tunelab.train.parallel.prepare",
+          "init_mode": "tunelab.train.parallel.prepare", "with_adapters": "tunelab.train.parallel.deferred",
+          "load_partitioned": "tunelab.train.parallel.ds"}
 
 
 def __getattr__(name: str):
     if name in _WHERE:
         import importlib
 
-        return getattr(importlib.import_module(_WHERE[name]), name)
+        module = importlib.import_module(_WHERE[name])
+        # Importing `parallel/prepare.py` binds the package's `prepare` to that module: bind every name the
+        # module provides to its function instead, once.
+        globals().update({n: getattr(module, n) for n, where in _WHERE.items() if where == _WHERE[name]})
+        return globals()[name]
     raise AttributeError(f"module 'tunelab.train.parallel' has no attribute {name!r}")

@@ -74,12 +74,30 @@ class ZeroHooks(EngineHooks):
             self.zero3.release_backward_leftovers()
 
 
-def fused_config(cell, layout: Layout) -> dict:
+def zero3_buckets(hidden: int) -> dict:
+    """ZeRO-3's communication buffers sized by the model, as the transformers integration sizes its "auto"
+    values. DeepSpeed's defaults (a 5e8-element reduce bucket) would hold every gradient of a model up to
+    500M parameters at once on every rank, which is the memory ZeRO-3 is there to save."""
+    return {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden}
+
+
+def half_of(cell, dtype: torch.dtype | None) -> str | None:
+    """"bf16", "fp16" or None: the weights' dtype when known (an "auto" dtype resolves to bf16 on a GPU), else
+    the cell's."""
+    if dtype is not None:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(cell.model.dtype)
+
+
+def fused_config(cell, layout: Layout, hidden: int | None = None, dtype: torch.dtype | None = None) -> dict:
     p = cell.parallel
     zero: dict = {"stage": 3 if p.zero == 3 else 0}
     if p.zero == 3 and p.cpu_offload:
         zero["offload_param"] = {"device": "cpu"}
-    half = {"bfloat16": "bf16", "float16": "fp16"}.get(cell.model.dtype)
+    if p.zero == 3 and hidden:
+        zero.update(zero3_buckets(hidden))
+    half = half_of(cell, dtype)
     return {
         "train_micro_batch_size_per_gpu": max(1, cell.train.batch_size // layout.dp),
         "gradient_accumulation_steps": 1,
@@ -97,11 +115,12 @@ def fused_config(cell, layout: Layout) -> dict:
 class FusedEngine:
     """The DeepSpeed engine around `model` and the fused optimizer's step over it."""
 
-    def __init__(self, model, optimizer, cell, layout: Layout):
+    def __init__(self, model, optimizer, cell, layout: Layout, hidden: int | None = None,
+                 dtype: torch.dtype | None = None):
         import deepspeed
 
         self.layout, self.zero3 = layout, cell.parallel.zero == 3
-        self.engine, *_ = deepspeed.initialize(model=model, config=fused_config(cell, layout))
+        self.engine, *_ = deepspeed.initialize(model=model, config=fused_config(cell, layout, hidden, dtype))
         group = layout.group("dp") if layout.dp > 1 else None
         optimizer.engine_hooks = ZeroHooks(group, self.engine.optimizer if self.zero3 else None)
         self.optimizer = optimizer

@@ -6,17 +6,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from tunelab.runtime import Layout
 from tunelab.train.data import label_tokens
 from tunelab.train.parallel import grads, stages, tied, tp
 from tunelab.train.parallel.anatomy import anatomy, causal_lm
+from tunelab.train.parallel.deferred import Deferred, materialize
 from tunelab.train.parallel.pipeline import Pipeline
 from tunelab.train.parallel.stepper import Stepper, rows_for, skeleton
 
@@ -44,7 +41,9 @@ def _has(module: nn.Module, path: str) -> bool:
 
 
 class NativeStepper(Stepper):
-    def __init__(self, model: nn.Module, optim_builder, cell, layout: Layout):
+    def __init__(self, model: nn.Module, optim_builder, cell, layout: Layout, weights: Deferred | None = None):
+        """`weights`: the model is on the meta device; each process fills its own shards once they are cut
+        (deferred.py). Without it, every process holds the whole model until it is sharded."""
         self.layout, self.cell = layout, cell
         pcfg = cell.parallel
         self.max_norm = cell.train.max_grad_norm
@@ -74,6 +73,8 @@ class NativeStepper(Stepper):
             layer_paths = a.layers if a else anatomy(model).layers
             for m in self.modules:
                 _shard(m, layer_paths, mesh, pcfg)
+        if weights is not None:  # before anything holds on to a parameter: to_empty may replace them
+            materialize(self.modules, weights, "cpu" if pcfg.cpu_offload else layout.device)
         self.tied = tied.TiedEmbeddings(self.modules, a, layout) if layout.pp > 1 and a.tied else None
         if layout.pp > 1:
             lm = causal_lm(model)
@@ -169,12 +170,17 @@ class NativeStepper(Stepper):
     def unwrap(self):
         if not self.layout.distributed:
             return self._model
+        # One tensor made whole at a time, kept by one process per pipeline stage (the main process's
+        # stage, or the one that sends it there): no other process ever holds more than one whole tensor.
+        keep = self.layout.coord("dp") == 0 and self.layout.coord("tp") == 0
         full = {}
         for m in self.modules:
-            sd = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
-            full.update({k: v.detach().cpu() for k, v in sd.items()})
+            for k, v in m.state_dict().items():
+                whole = v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()
+                if keep:
+                    full[k] = whole.detach().cpu()
+                del whole
         if self.layout.pp > 1:
-            keep = self.layout.coord("dp") == 0 and self.layout.coord("tp") == 0
             parts = [None] * self.layout.pp if self.layout.coord("pp") == 0 else None
             dist.gather_object(full if keep else None, parts, group=self.layout.group("pp"), group_dst=0)
             full = {k: v for part in (parts or []) if part for k, v in part.items()}
