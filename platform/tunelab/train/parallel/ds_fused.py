@@ -75,11 +75,15 @@ class ZeroHooks(EngineHooks):
 
 
 def zero3_buckets(hidden: int) -> dict:
-    """ZeRO-3's communication buffers sized by the model, as the transformers integration sizes its "auto"
-    values. DeepSpeed's defaults (a 5e8-element reduce bucket) would hold every gradient of a model up to
-    500M parameters at once on every rank, which is the memory ZeRO-3 is there to save."""
+    """ZeRO-3's buffers sized by the model (h = hidden size), so that a rank holds its partitions and little
+    else. DeepSpeed's defaults suit a GPU next to a large host: a 5e8-element reduce bucket and optimizer
+    sub-group (every gradient and an fp32 temporary of every partition at once, for models up to 500M
+    parameters), and gathered parameters kept for reuse within 1e9 parameters (the whole model between
+    forward and backward). Buckets as the transformers integration sizes its "auto" values (h^2); gathered
+    parameters released after use; the optimizer steps over sub-groups of 10 h^2 values."""
     return {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-            "stage3_param_persistence_threshold": 10 * hidden}
+            "stage3_param_persistence_threshold": 10 * hidden, "stage3_max_reuse_distance": 0,
+            "stage3_max_live_parameters": 10 * hidden * hidden, "sub_group_size": 10 * hidden * hidden}
 
 
 def half_of(cell, dtype: torch.dtype | None) -> str | None:

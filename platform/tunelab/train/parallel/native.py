@@ -20,14 +20,15 @@ from tunelab.train.parallel.stepper import Stepper, rows_for, skeleton
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
 
 
-def _shard(module: nn.Module, layer_paths: list[str], mesh, pcfg) -> None:
-    """FSDP2: each decoder layer its own unit (gathered one at a time), then the rest at the root."""
+def _shard(module: nn.Module, a, mesh, pcfg) -> None:
+    """FSDP2: each decoder layer its own unit (gathered one at a time); an untied embedding and output head
+    their own units too (each as large as several layers), the rest (final norm) at the root."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     kw = {"mesh": mesh, "reshard_after_forward": pcfg.zero == 3,
           "offload_policy": CPUOffloadPolicy() if pcfg.cpu_offload else OffloadPolicy()}
-    units = [module.get_submodule(p) for p in layer_paths if _has(module, p)]
-    for unit in units:
+    paths = list(a.layers) + ([] if a.tied else [a.embed, a.lm_head])
+    for unit in [module.get_submodule(p) for p in paths if _has(module, p)]:
         fully_shard(unit, **kw)
     fully_shard(module, **kw)
 
@@ -70,9 +71,8 @@ class NativeStepper(Stepper):
         if layout.dp > 1 or pcfg.cpu_offload:
             self.grad_scale = layout.dp
             mesh = layout.mesh["dp"] if layout.distributed else None
-            layer_paths = a.layers if a else anatomy(model).layers
             for m in self.modules:
-                _shard(m, layer_paths, mesh, pcfg)
+                _shard(m, a or anatomy(model), mesh, pcfg)
         if weights is not None:  # before anything holds on to a parameter: to_empty may replace them
             materialize(self.modules, weights, "cpu" if pcfg.cpu_offload else layout.device)
         self.tied = tied.TiedEmbeddings(self.modules, a, layout) if layout.pp > 1 and a.tied else None
