@@ -109,15 +109,17 @@ def run(
             check_host(c.config, file=file)
     mdir = runs_dir / spec.name
     mdir.mkdir(parents=True, exist_ok=True)
-    write_text(mdir / "matrix.yaml", file.read_text())
-    runner.write_index(mdir, cells)
+    if how.node_rank == 0:  # node 0 writes the run's folders; the other nodes only join its cells' processes
+        write_text(mdir / "matrix.yaml", file.read_text())
+        runner.write_index(mdir, cells)
     outcomes = runner.run_cells(chosen, spec.name, runs_dir, rerun_failed=rerun_failed, fail_fast=fail_fast,
                                 console=err, how=how)
     if how.launcher == "slurm":
         return
-    rows = leaderboard.write(mdir)
-    _print_wide(leaderboard.to_rich(rows, f"{spec.name} leaderboard"))
-    out.print(f"wrote {mdir / 'leaderboard.md'} and {mdir / 'leaderboard.csv'}")
+    if how.node_rank == 0:
+        rows = leaderboard.write(mdir)
+        _print_wide(leaderboard.to_rich(rows, f"{spec.name} leaderboard"))
+        out.print(f"wrote {mdir / 'leaderboard.md'} and {mdir / 'leaderboard.csv'}")
     failed = [o for o in outcomes if o.state in ("failed", "skipped-failed")]
     for o in failed:
         err.print(f"[red]{o.cell.dirname} failed:[/] {o.error} (log: {mdir / o.cell.dirname / 'cell.log'})")

@@ -59,10 +59,20 @@ def world_size(cell: Cell) -> int:
     return processes(cell.config.parallel)
 
 
-def launch(run_dir: Path, on_event, command: list[str]) -> int:
+def node_log(run_dir: Path, node_rank: int) -> Path:
+    """Where a node's share of a cell logs: cell.log on node 0; the other nodes write nothing into the cell's
+    folder (it may be shared), theirs go to <matrix>/nodes/node-R/<cell>.log."""
+    if node_rank == 0:
+        return run_dir / "cell.log"
+    path = run_dir.parent / "nodes" / f"node-{node_rank}" / f"{run_dir.name}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def launch(run_dir: Path, on_event, command: list[str], log_path: Path | None = None) -> int:
     """Run the cell process; its stdout carries events (tunelab.events), its stderr goes to cell.log."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with (run_dir / "cell.log").open("a") as log:
+    with (log_path or run_dir / "cell.log").open("a") as log:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -116,7 +126,7 @@ def _run_here(run_dir: Path, cell: Cell, how: Launch, progress: Progress) -> Out
         progress.update(current, **_shown(ev))
 
     command = cell_command(run_dir, 1, Launch()) if evaluate_only else cell_command(run_dir, world_size(cell), how)
-    rc = launch(run_dir, on_event, command)
+    rc = launch(run_dir, on_event, command, node_log(run_dir, how.node_rank))
     if how.node_rank > 0:  # global rank 0 lives on node 0 and owns the cell's status
         return Outcome(cell, "done" if rc == 0 else "failed", None if rc == 0 else f"exit code {rc}")
     status = read_status(run_dir)
