@@ -22,7 +22,7 @@ import yaml
 from tunelab import events, folders
 from tunelab.config import CellConfig
 from tunelab.events import Emit, Stage
-from tunelab.runtime import Layout, Runtime
+from tunelab.runtime import Layout, Preempted, Runtime
 from tunelab.store import read_json, read_status, write_json, write_status
 
 
@@ -210,6 +210,19 @@ def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None =
             run.tracker.finish()
             write_status(run_dir, "done", finished_at=time.time(), timings=run.timings)
         _barrier()
+    except Preempted as e:  # a scheduler's stop signal: checkpoint written (when training), run again later
+        _stopping()
+        if main:
+            run.tracker.finish(failed=True)
+            job = _requeue_target()
+            write_status(run_dir, "pending", finished_at=time.time(), timings=run.timings,
+                         note=f"{e}; " + (f"requeued (SLURM job {job})" if job else "run it again to resume"))
+        if e.step is not None:  # every rank stopped at the same step: leave together, then requeue
+            _barrier()
+        if main:
+            _requeue()
+        e.handled = True  # for main(): the requeue is done
+        raise
     except KeyboardInterrupt:
         if main:  # interrupted, not broken: the next `exp run` picks it up (from its last checkpoint)
             run.tracker.finish(failed=True)
@@ -221,6 +234,32 @@ def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None =
             write_status(run_dir, "failed", finished_at=time.time(), timings=run.timings,
                          error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
         raise
+
+
+def _stopping() -> None:
+    """Once stopping, further stop signals (SLURM repeats them; requeueing sends SIGTERM) change nothing."""
+    import signal
+
+    from tunelab.runtime import STOP_SIGNALS
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
+def _requeue_target() -> str | None:
+    """This process's SLURM job (an array task has its own id), or None outside SLURM."""
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def _requeue() -> None:
+    """Put the SLURM job back in the queue: it runs the same batch script again, which resumes the cell from
+    its checkpoint. SLURM ends this run of the job when it requeues it."""
+    import subprocess
+
+    job = _requeue_target()
+    if job:
+        out = subprocess.run(["scontrol", "requeue", job], check=False, capture_output=True, text=True)
+        print(f"scontrol requeue {job}: exit {out.returncode} {out.stderr.strip()}", file=sys.stderr)
 
 
 def _has_checkpoint(run_dir: Path, cfg: CellConfig) -> bool:
@@ -249,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
 
     run_dir = Path(argv[0]).resolve()
     emit = _event_stream()
+    from tunelab.runtime import catch_stop_signals
+
+    catch_stop_signals()  # SIGUSR1 / SIGTERM: checkpoint at the next step boundary, mark pending, requeue
     try:
         cfg = read_config(run_dir)
         # A trained cell only evaluates, on one process; training joins torchrun's process group.
@@ -260,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     except Locked:
         print(f"{run_dir} is locked by another process", file=sys.stderr)
         return 3
+    except Preempted as e:  # not a failure: status.json says pending, the checkpoint is in place
+        print(f"stopped: {e}", file=sys.stderr)
+        if not getattr(e, "handled", False) and int(os.environ.get("RANK", "0")) == 0:
+            _requeue()  # stopped before run_cell could (while joining the process group)
+        return 0
     except Exception:  # noqa: BLE001 - the traceback goes to cell.log, the exit code says failed
         traceback.print_exc()
         return 1

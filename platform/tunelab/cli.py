@@ -84,20 +84,30 @@ def run(
     nnodes: Annotated[int, typer.Option(help="nodes a multi-process cell spans (torchrun rendezvous)")] = 1,
     node_rank: Annotated[int, typer.Option(help="this node's rank, 0..nnodes-1")] = 0,
     rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT of the rendezvous, for --nnodes > 1")] = None,
-    launcher: Annotated[str, typer.Option(help="local: run here; slurm: one sbatch job per cell")] = "local",
-    gpus_per_node: Annotated[int | None, typer.Option(help="slurm: --gpus-per-node")] = None,
+    launcher: Annotated[str, typer.Option(help="local: run here; slurm: one sbatch job per cell (or job arrays)")
+                        ] = "local",
+    partition: Annotated[str | None, typer.Option(help="slurm: --partition (overrides launcher.partition)")] = None,
+    time: Annotated[str | None, typer.Option(help="slurm: --time limit, e.g. 04:00:00 (overrides launcher.time)")
+                    ] = None,
+    account: Annotated[str | None, typer.Option(help="slurm: --account (overrides launcher.account)")] = None,
+    qos: Annotated[str | None, typer.Option(help="slurm: --qos (overrides launcher.qos)")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(help="slurm: --gpus-per-node (overrides the file's)")] = None,
     dry_run: Annotated[bool, typer.Option(help="slurm: write the sbatch scripts, do not submit")] = False,
 ) -> None:
     """Run every cell of a matrix (skipping done ones), then print and write the leaderboard."""
+    from dataclasses import replace
+
     from tunelab import matrix, runner
     from tunelab.launch import Launch, procs_per_node
     from tunelab.report import leaderboard
     from tunelab.store import write_text
 
     how = Launch(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, launcher=launcher,
-                 dry_run=dry_run, gpus_per_node=gpus_per_node)
+                 dry_run=dry_run)
     how.check()
     spec, cells = matrix.load(file)
+    flags = {"partition": partition, "time": time, "account": account, "qos": qos, "gpus_per_node": gpus_per_node}
+    how = replace(how, slurm=matrix.with_overrides(spec.launcher, {k: v for k, v in flags.items() if v is not None}))
     chosen = runner.select(cells, only)
     if not chosen:
         raise UserError(f"--only {only!r} matches none of the cells: {', '.join(c.slug for c in cells)}")
@@ -115,7 +125,8 @@ def run(
     outcomes = runner.run_cells(chosen, spec.name, runs_dir, rerun_failed=rerun_failed, fail_fast=fail_fast,
                                 console=err, how=how)
     if how.launcher == "slurm":
-        return
+        failed = [o for o in outcomes if o.state == "failed"]
+        raise typer.Exit(1 if failed else 0)
     if how.node_rank == 0:
         rows = leaderboard.write(mdir)
         _print_wide(leaderboard.to_rich(rows, f"{spec.name} leaderboard"))
@@ -137,7 +148,8 @@ def _status_rows(matrix_dir: Path) -> list[dict]:
         st, meta = read_status(d), read_json(d / "cell.json") or {}
         rows.append({"cell": meta.get("slug", d.name), "id": meta.get("id"), "dir": str(d),
                      "state": st.get("state", "?"), "timings": st.get("timings") or {},
-                     "disk_bytes": disk_usage(d), "error": st.get("error"), "slurm_job": st.get("slurm_job")})
+                     "disk_bytes": disk_usage(d), "error": st.get("error"), "slurm_job": st.get("slurm_job"),
+                     "note": st.get("note")})
     return rows
 
 
@@ -152,15 +164,17 @@ def status(matrix_dir: Annotated[Path, typer.Argument(help="runs/<matrix> folder
     if as_json:
         return _print_json(rows)
     table = Table(title=str(matrix_dir))
-    for col in ("cell", "state", "train s", "eval s", "disk", "error"):
+    slurm = any(r["slurm_job"] for r in rows)  # the job id column when the cells went to SLURM
+    for col in ("cell", "state", *(["slurm job"] if slurm else []), "train s", "eval s", "disk", "error / note"):
         table.add_column(col)
     colors = {"done": "green", "failed": "red", "running": "yellow", "pending": "dim"}
     for r in rows:
         t = r["timings"]
         table.add_row(r["cell"], f"[{colors.get(r['state'], 'white')}]{r['state']}",
+                      *([r["slurm_job"] or "-"] if slurm else []),
                       f"{t['train_s']:.0f}" if "train_s" in t else "-",
                       f"{t['eval_s']:.0f}" if "eval_s" in t else "-", human_bytes(r["disk_bytes"]),
-                      (r["error"] or "")[:100])
+                      (r["error"] or r["note"] or "")[:100])
     out.print(table)
 
 

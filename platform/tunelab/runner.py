@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass, replace
@@ -25,7 +26,7 @@ from tunelab.store import is_locked, read_status, write_json, write_status, writ
 @dataclass
 class Outcome:
     cell: Cell
-    state: str  # done | failed | skipped-done | skipped-failed | skipped-locked | submitted | written
+    state: str  # done | failed | pending | skipped-(done|failed|locked|queued) | submitted | written
     error: str | None = None
 
 
@@ -89,28 +90,70 @@ def _progress(console: Console) -> Progress:
                     TextColumn("{task.fields[info]}"), console=console, transient=False)
 
 
-def submit(run_dir: Path, cell: Cell, how: Launch) -> Outcome:
-    """SLURM: write the cell's batch script, and submit it unless this is a dry run."""
-    script = run_dir / "slurm.sbatch"
-    # A trained cell only evaluates, on one process of one node.
-    world, how = (1, replace(how, nnodes=1)) if folders.is_trained(run_dir) else (world_size(cell), how)
-    write_text(script, sbatch_script(run_dir, world, how, job_name=cell.dirname))
-    if how.dry_run:
-        return Outcome(cell, "written", f"wrote {script}")
+def _job_shape(run_dir: Path, cell: Cell, how: Launch) -> tuple[int, Launch]:
+    """(processes, launch) of a cell's job: a trained cell only evaluates, on one process of one node."""
+    if folders.is_trained(run_dir):
+        return 1, replace(how, nnodes=1)
+    return world_size(cell), how
+
+
+def submit(jobs: list[tuple[Path, Cell]], how: Launch, matrix_dir: Path) -> list[Outcome]:
+    """SLURM: write each cell's batch script (or one job array per process count, launcher.array) and submit
+    it with sbatch unless this is a dry run; each cell's status keeps its job id (`exp status` shows it)."""
+    groups: dict[tuple[int, ...], list[tuple[Path, Cell]]] = {}
+    for i, (run_dir, cell) in enumerate(jobs):
+        world, shape = _job_shape(run_dir, cell, how)
+        key = (world, shape.nnodes) if how.slurm.array else (i,)
+        groups.setdefault(key, []).append((run_dir, cell))
+    outcomes = []
+    for members in groups.values():
+        world, shape = _job_shape(*members[0], how)
+        if how.slurm.array:
+            script = matrix_dir / f"slurm-array-{world}x{shape.nnodes}.sbatch"
+            name = f"{matrix_dir.name}-{world}x{shape.nnodes}"
+        else:
+            script, name = members[0][0] / "slurm.sbatch", members[0][1].dirname
+        write_text(script, sbatch_script([d for d, _ in members], world, shape, job_name=name))
+        outcomes += _sbatch(script, members, how.dry_run, array=how.slurm.array)
+    return outcomes
+
+
+def _sbatch(script: Path, members: list[tuple[Path, Cell]], dry_run: bool, array: bool) -> list[Outcome]:
+    if dry_run:
+        return [Outcome(cell, "written", f"wrote {script}") for _, cell in members]
     out = subprocess.run(["sbatch", "--parsable", str(script)], check=False, capture_output=True, text=True)
     if out.returncode != 0:
-        write_status(run_dir, "failed", error=f"sbatch failed: {out.stderr.strip()}")
-        return Outcome(cell, "failed", out.stderr.strip())
-    write_status(run_dir, "pending", slurm_job=out.stdout.strip())
-    return Outcome(cell, "submitted", f"slurm job {out.stdout.strip()}")
+        for run_dir, _ in members:
+            write_status(run_dir, "failed", error=f"sbatch failed: {out.stderr.strip()}")
+        return [Outcome(cell, "failed", out.stderr.strip()) for _, cell in members]
+    job = out.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
+    outcomes = []
+    for i, (run_dir, cell) in enumerate(members):
+        task = f"{job}_{i}" if array else job
+        write_status(run_dir, "pending", slurm_job=task)
+        outcomes.append(Outcome(cell, "submitted", f"slurm job {task}"))
+    return outcomes
 
 
-def _skip_reason(run_dir: Path, cell: Cell, rerun_failed: bool) -> str | None:
-    state = read_status(run_dir).get("state")
+def _queued(job: str | None) -> bool:
+    """Whether SLURM still holds the job (pending, running, requeued): submitting the cell again would run it
+    twice. Without squeue on PATH nothing is known: False."""
+    if not job or shutil.which("squeue") is None:
+        return False
+    out = subprocess.run(["squeue", "--noheader", "--jobs", job, "--format=%T"], check=False, capture_output=True,
+                         text=True)
+    return out.returncode == 0 and bool(out.stdout.strip())
+
+
+def _skip_reason(run_dir: Path, cell: Cell, rerun_failed: bool, how: Launch) -> str | None:
+    status = read_status(run_dir)
+    state = status.get("state")
     if state == "done" and folders.eval_done(run_dir, cell.eval_id):
         return "skipped-done"
     if state == "failed" and not rerun_failed:
         return "skipped-failed"
+    if how.launcher == "slurm" and state in ("pending", "running") and _queued(status.get("slurm_job")):
+        return "skipped-queued"
     return "skipped-locked" if is_locked(run_dir) else None
 
 
@@ -133,6 +176,9 @@ def _run_here(run_dir: Path, cell: Cell, how: Launch, progress: Progress) -> Out
     if rc == 0 and status.get("state") == "done":
         progress.update(current, info="[green]done")
         return Outcome(cell, "done")
+    if rc == 0 and status.get("state") == "pending":  # stopped by a signal, checkpoint written: run it again
+        progress.update(current, info=f"[yellow]{status.get('note', 'stopped')}")
+        return Outcome(cell, "pending", status.get("note"))
     if status.get("state") != "failed":  # died before it could say why (killed, out of memory)
         status = write_status(run_dir, "failed", error=f"cell process exited with code {rc}")
     progress.update(current, info=f"[red]failed: {status.get('error', '')[:80]}")
@@ -157,24 +203,28 @@ def run_cells(cells: list[Cell], matrix: str, runs_dir: Path, *, rerun_failed: b
     console = console or Console(stderr=True)
     how = how or Launch()
     outcomes: list[Outcome] = []
+    to_submit: list[tuple[Path, Cell]] = []
     with _progress(console) as progress:
         overall = progress.add_task(f"[bold]{matrix}", total=len(cells), info="")
         for cell in cells:
             run_dir = cell_dir(runs_dir / matrix, cell)
-            skip = _skip_reason(run_dir, cell, rerun_failed)
+            skip = _skip_reason(run_dir, cell, rerun_failed, how)
             if skip:
                 outcome = Outcome(cell, skip, read_status(run_dir).get("error"))
                 progress.console.print(f"[dim]{cell.dirname}: {skip.removeprefix('skipped-')}, skipped")
             else:
                 if how.node_rank == 0:
                     prepare(run_dir, cell, matrix)
-                if how.launcher == "slurm":
-                    outcome = submit(run_dir, cell, how)
-                    progress.console.print(f"{cell.dirname}: {outcome.error}")
-                else:
-                    outcome = _run_here(run_dir, cell, how, progress)
+                if how.launcher == "slurm":  # submitted together below (job arrays group cells)
+                    to_submit.append((run_dir, cell))
+                    continue
+                outcome = _run_here(run_dir, cell, how, progress)
             outcomes.append(outcome)
             progress.advance(overall)
             if fail_fast and outcome.state == "failed":
                 break
+        for outcome in submit(to_submit, how, runs_dir / matrix) if to_submit else []:
+            progress.console.print(f"{outcome.cell.dirname}: {outcome.error}")
+            outcomes.append(outcome)
+            progress.advance(overall)
     return outcomes
