@@ -112,6 +112,7 @@ class Setup:
     pp_schedule: str = "1f1b"
     activation_checkpointing: bool = False
     backend: str = "native"  # native | deepspeed
+    whole_init: bool = False  # built whole on every process even where tunelab shards at construction (DoRA)
 
     @property
     def world(self) -> int:
@@ -120,7 +121,7 @@ class Setup:
     @property
     def sharded_init(self) -> bool:
         """Built sharded (parallel.init_mode "meta" or "zero3"), not whole on every process."""
-        return self.world > 1 and (self.backend == "native" or self.zero == 3)
+        return not self.whole_init and self.world > 1 and (self.backend == "native" or self.zero == 3)
 
 
 @dataclass(frozen=True)
