@@ -20,7 +20,6 @@ from tunelab import plan
 from tunelab.config import CellConfig
 from tunelab.errors import UserError, explain, load_yaml
 
-
 _TIME = re.compile(r"^(?:(\d+)-(\d+)(?::(\d+))?(?::(\d+))?|(\d+)(?::(\d+))?(?::(\d+))?)$")
 
 

@@ -10,10 +10,11 @@ the one block it is reading. peak = max(load, train).
 Engine buffers: FSDP2 gathers one unit (a decoder layer; an untied embedding or head) at a time; around
 a unit's backward it holds the unit's gathered weights, their unsharded gradients, the copy that is
 reduce-scattered, and the next unit prefetched: 4 units (zero 2 keeps every unit gathered from forward to
-backward, counted as whole parameters, and the gradients' 2). DeepSpeed keeps an fp32 copy of each partition even of fp32 weights (counted with the
-optimizer state); under ZeRO-3 its gathered parameters are capped by the sizes tunelab sets (ds_fused.py
-zero3_buckets: 11.9 h^2 values) and a layer's unsharded gradients wait in its reduce bucket; under ZeRO-1/2
-the reduce bucket (5e8 values by default) holds up to every gradient.
+backward, counted as whole parameters, plus the gradients' 2). DeepSpeed keeps an fp32 copy of each
+partition even of fp32 weights (counted with the optimizer state); under ZeRO-3 its gathered parameters
+are capped by the sizes tunelab sets (ds_fused.py zero3_buckets: 11.9 h^2 values) and a layer's unsharded
+gradients wait in its reduce bucket; under ZeRO-1/2 the reduce bucket (5e8 values by default) holds up to
+every gradient.
 
 Activations are counted as transformers' Llama-family modules keep them for backward (SDPA
 attention: nothing quadratic in the sequence):
