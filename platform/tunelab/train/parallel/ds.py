@@ -158,6 +158,8 @@ class DeepSpeedStepper(Stepper):
 
         module = self.engine.module
         zero3 = self.cell.parallel.zero == 3
+        if zero3:  # weights a forward prefetched for a module that never ran are still in flight
+            self.engine.empty_partition_cache()
         shared: dict[int, tuple[torch.Tensor, list[str]]] = {}  # a tied weight has several names
         for name, p in module.named_parameters(remove_duplicate=False):
             shared.setdefault(id(p), (p, []))[1].append(name)

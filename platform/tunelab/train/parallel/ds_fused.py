@@ -151,6 +151,8 @@ class FusedEngine:
 
         path = Path(path)
         weights = {}
+        if self.zero3:  # weights a forward prefetched for a module that never ran are still in flight
+            self.engine.empty_partition_cache()
         for name, p in self._params():  # one parameter gathered at a time
             with deepspeed.zero.GatheredParameters([p], enabled=self.zero3):
                 if self.layout.is_main:
