@@ -180,3 +180,10 @@ def test_stop_signal_waits_for_the_step_boundary_inside_training_and_stops_at_on
         for s, handler in saved.items():
             signal.signal(s, handler)
         runtime.STOP.installed, runtime.STOP.signal, runtime.STOP.armed = False, None, False
+
+
+def test_bad_command_line_override_is_refused_before_anything_is_written(cli, tmp_path):
+    code, _, err = cli("run", matrix(tmp_path, "m"), "--runs-dir", tmp_path / "runs", "--launcher", "slurm",
+                       "--dry-run", "--time", "4 hours")
+    assert code == 2 and "--time" in err and "no SLURM time limit" in err.replace("\n", " "), err
+    assert not (tmp_path / "runs").exists()
