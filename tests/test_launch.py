@@ -11,6 +11,7 @@ from conftest import write
 
 from tunelab.errors import UserError
 from tunelab.launch import Launch, cell_command, sbatch_script
+from tunelab.matrix import SlurmCfg
 
 RUN = Path("/runs/m/cell-abc")
 
@@ -47,11 +48,20 @@ def test_bad_launch_options(launch, needle):
 
 
 def test_sbatch_script_is_valid_bash(tmp_path):
-    text = sbatch_script(tmp_path / "cell", 8, Launch(nnodes=2, launcher="slurm", gpus_per_node=4), "cell")
+    how = Launch(nnodes=2, launcher="slurm", slurm=SlurmCfg(gpus_per_node=4))
+    text = sbatch_script([tmp_path / "cell"], 8, how, "cell")
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=4" in text
-    assert "--nproc-per-node=4" in text and "--node-rank=$SLURM_NODEID" in text
+    assert "--nproc-per-node=4" in text
+    # The node rank must expand on each node, not in the batch shell: the srun command is single-quoted.
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert "bash -c '" in srun and "--node-rank=$SLURM_NODEID" in srun.split("bash -c '", 1)[1]
     script = write(tmp_path / "job.sbatch", text)
     assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+
+
+def test_one_node_job_lets_torchrun_pick_its_port(tmp_path):
+    text = sbatch_script([tmp_path / "cell"], 4, Launch(launcher="slurm"), "cell")
+    assert "--standalone --nproc-per-node=4" in text and "--rdzv-endpoint" not in text
 
 
 def test_slurm_dry_run_writes_one_script_per_cell(cli, tmp_path):

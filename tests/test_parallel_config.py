@@ -158,3 +158,27 @@ def test_memory_cli_bad_input(cli):
 def test_parallel_section_unknown_key_is_refused():
     with pytest.raises(ValidationError):
         ParallelCfg(sharding=2)
+
+
+@pytest.mark.parametrize("parallel, peft, safetensors, mode", [
+    ({"dp": 2}, "lora", True, "meta"),
+    ({"tp": 2, "pp": 2}, "none", True, "meta"),
+    ({"dp": 2, "backend": "deepspeed", "zero": 3}, "lora", True, "zero3"),
+    ({"dp": 2, "backend": "deepspeed", "zero": 2}, "none", True, "whole"),
+    ({"dp": 2}, "dora", True, "whole"),
+    ({"dp": 2}, "none", False, "whole"),
+    ({}, "none", True, "whole"),
+])
+def test_init_mode_builds_sharded_wherever_it_can(parallel, peft, safetensors, mode):
+    """Every multi-process native layout and ZeRO-3 build the model sharded; the rest say why not."""
+    from tunelab.config import CellConfig
+    from tunelab.runtime import Layout
+    from tunelab.train.parallel import init_mode
+
+    cell = CellConfig.model_validate({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"},
+                                      "peft": {"method": peft}, "parallel": parallel})
+    world = cell.parallel.dp * cell.parallel.tp * cell.parallel.pp
+    layout = Layout(device=torch.device("cpu"), mesh=object() if world > 1 else None, dp=cell.parallel.dp,
+                    tp=cell.parallel.tp, pp=cell.parallel.pp)
+    got, why = init_mode(cell, layout, safetensors)
+    assert got == mode and why

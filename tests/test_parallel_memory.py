@@ -105,3 +105,21 @@ def test_sharding_divides_what_it_shards():
 def test_catalog_alias_reads_config_only():
     shape = load_shape("tiny-random-llama")
     assert (shape.hidden, shape.layers) == (64, 2)
+
+
+def test_load_phase_counts_where_the_model_is_built_whole():
+    """LoRA on a 7B model over 8 FSDP2 ranks: sharded at construction, a rank never holds more than its
+    training step; built whole (as DoRA is), every rank first holds all 13.5 GB of bf16 weights."""
+    shape = SHAPES["llama-7b"]
+    sharded = estimate(shape, Setup(peft="lora", dp=8))
+    whole = estimate(shape, Setup(peft="lora", dp=8, whole_init=True))
+    assert sharded.load == pytest.approx((shape.total() + 32000 * 4096) * 2 / 8)  # shards + the embedding's block
+    assert sharded.peak == sharded.train < whole.load
+    assert whole.load == pytest.approx(shape.total() * 2) and whole.peak == whole.load
+
+
+def test_deepspeed_keeps_an_fp32_copy_of_its_partitions_even_of_fp32_weights():
+    shape = SHAPES["llama-7b"]
+    native = estimate(shape, Setup(dtype="float32", dp=8))
+    ds = estimate(shape, Setup(dtype="float32", dp=8, backend="deepspeed"))
+    assert ds.optimizer - native.optimizer == pytest.approx(shape.total() * 4 / 8)

@@ -22,7 +22,7 @@ import yaml
 from tunelab import events, folders
 from tunelab.config import CellConfig
 from tunelab.events import Emit, Stage
-from tunelab.runtime import Layout, Runtime
+from tunelab.runtime import Layout, Preempted, Runtime
 from tunelab.store import read_json, read_status, write_json, write_status
 
 
@@ -75,20 +75,40 @@ def _tracker(run: _Run, resuming: bool):
                    tags=[f"{k}={v}" for k, v in meta.get("varying", {}).items()], resuming=resuming)
 
 
+def _load(run: _Run):
+    """The model as the layout builds it (train.parallel.init_mode) and the tokenizer -> (model, tokenizer,
+    checkpoint files when the model is on the meta device). The model is built from the same files either way."""
+    from tunelab import models
+    from tunelab.train import parallel, peft
+
+    cfg, rt = run.cfg, run.rt
+    safetensors = rt.layout.distributed and any(models.folder(cfg.model).glob("*.safetensors"))
+    mode, why = parallel.init_mode(cfg, rt.layout, safetensors)
+    if rt.layout.distributed:
+        print(f"model init: {mode} ({why})", file=sys.stderr)
+    if mode == "meta":
+        return models.empty(cfg.model, rt.dtype, rt.attn), models.tokenizer(cfg.model), \
+            models.Weights(models.folder(cfg.model))
+    if mode == "zero3":
+        return parallel.load_partitioned(cfg.model, rt, cfg), models.tokenizer(cfg.model), None
+    return (*models.load(cfg.model, rt, **peft.load_kwargs(cfg.peft, rt.device)), None)
+
+
 def _train(run: _Run):
     """Load, build data, wrap, train on every process. -> (trained model, tokenizer, datasets, val loss)."""
     from transformers import set_seed
 
-    from tunelab import models, train
+    from tunelab import train
     from tunelab.data.build import build as build_data
     from tunelab.paths import cache_dir
-    from tunelab.train import peft
+    from tunelab.train import parallel, peft
     from tunelab.train.validation import Validation
 
     cfg, rt, t0 = run.cfg, run.rt, time.perf_counter()
+    rss_before = _rss_mb()
     run.emit(Stage("load"))
     set_seed(cfg.train.seed)  # weights a model may create on load
-    model, tokenizer = models.load(cfg.model, rt, **peft.load_kwargs(cfg.peft, rt.device))
+    model, tokenizer, files = _load(run)
     run.emit(Stage("data"))
     if not rt.is_main:  # the main process builds the cache once; the others read it
         _barrier()
@@ -99,16 +119,40 @@ def _train(run: _Run):
     # Again: building data draws from the global RNGs on a cache miss only, and adapter init must not
     # depend on whether the data was cached.
     set_seed(cfg.train.seed)
-    model = peft.apply(model, cfg.peft)
+    weights = None
+    if files is None:
+        model = peft.apply(model, cfg.peft)
+    else:  # adapters initialised for real, the base weights read per shard by the engine
+        model, weights = parallel.with_adapters(model, lambda m: peft.apply(m, cfg.peft), files)
     run.timings["setup_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     result = train.run(model, tokenizer, datasets, cfg, run.run_dir, run.emit, runtime=rt,
-                       validation=Validation.of(cfg.eval))
+                       validation=Validation.of(cfg.eval), weights=weights)
     run.timings["train_s"] = time.perf_counter() - t0
+    before = _gather(rss_before)
     if rt.is_main:
+        write_json(run.run_dir / "train" / "memory.json", {
+            "kind": result.peak_mem_kind, "peak_mb": result.peak_mem_mb_ranks, "rss_before_load_mb": before})
         write_status(run.run_dir, "running", timings=run.timings, trained=cfg.train.save_final)
         run.tracker.summary({f"train/{k}": v for k, v in result.summary().items()})
     return result.model, tokenizer, datasets, result.val_loss
+
+
+def _rss_mb() -> float:
+    """This process's resident memory now (the baseline its load and training add to)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def _gather(value: float) -> list[float]:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [value]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def _load_trained(run: _Run):
@@ -176,6 +220,19 @@ def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None =
             run.tracker.finish()
             write_status(run_dir, "done", finished_at=time.time(), timings=run.timings)
         _barrier()
+    except Preempted as e:  # a scheduler's stop signal: checkpoint written (when training), run again later
+        _stopping()
+        if main:
+            run.tracker.finish(failed=True)
+            job = _requeue_target()
+            write_status(run_dir, "pending", finished_at=time.time(), timings=run.timings,
+                         note=f"{e}; " + (f"requeued (SLURM job {job})" if job else "run it again to resume"))
+        if e.step is not None:  # every rank stopped at the same step: leave together, then requeue
+            _barrier()
+        if main:
+            _requeue()
+        e.handled = True  # for main(): the requeue is done
+        raise
     except KeyboardInterrupt:
         if main:  # interrupted, not broken: the next `exp run` picks it up (from its last checkpoint)
             run.tracker.finish(failed=True)
@@ -187,6 +244,32 @@ def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None =
             write_status(run_dir, "failed", finished_at=time.time(), timings=run.timings,
                          error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
         raise
+
+
+def _stopping() -> None:
+    """Once stopping, further stop signals (SLURM repeats them; requeueing sends SIGTERM) change nothing."""
+    import signal
+
+    from tunelab.runtime import STOP_SIGNALS
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
+def _requeue_target() -> str | None:
+    """This process's SLURM job (an array task has its own id), or None outside SLURM."""
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def _requeue() -> None:
+    """Put the SLURM job back in the queue: it runs the same batch script again, which resumes the cell from
+    its checkpoint. SLURM ends this run of the job when it requeues it."""
+    import subprocess
+
+    job = _requeue_target()
+    if job:
+        out = subprocess.run(["scontrol", "requeue", job], check=False, capture_output=True, text=True)
+        print(f"scontrol requeue {job}: exit {out.returncode} {out.stderr.strip()}", file=sys.stderr)
 
 
 def _has_checkpoint(run_dir: Path, cfg: CellConfig) -> bool:
@@ -218,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
 
     run_dir = Path(argv[0]).resolve()
     emit = _event_stream()
+    from tunelab.runtime import catch_stop_signals
+
+    catch_stop_signals()  # SIGUSR1 / SIGTERM: checkpoint at the next step boundary, mark pending, requeue
     try:
         cfg = read_config(run_dir)
         # A trained cell only evaluates, on one process; training joins torchrun's process group.
@@ -232,6 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     except Locked:
         print(f"{run_dir} is locked by {lock_holder(run_dir)}", file=sys.stderr)
         return LOCKED_EXIT
+    except Preempted as e:  # not a failure: status.json says pending, the checkpoint is in place
+        print(f"stopped: {e}", file=sys.stderr)
+        if not getattr(e, "handled", False) and int(os.environ.get("RANK", "0")) == 0:
+            _requeue()  # stopped before run_cell could (while joining the process group)
+        return 0
     except Exception:  # noqa: BLE001 - the traceback goes to cell.log, the exit code says failed
         traceback.print_exc()
         return 1

@@ -86,22 +86,32 @@ def run(
     nnodes: Annotated[int, typer.Option(help="nodes a multi-process cell spans (torchrun rendezvous)")] = 1,
     node_rank: Annotated[int, typer.Option(help="this node's rank, 0..nnodes-1")] = 0,
     rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT of the rendezvous, for --nnodes > 1")] = None,
-    launcher: Annotated[str, typer.Option(help="local: run here; slurm: one sbatch job per cell")] = "local",
-    gpus_per_node: Annotated[int | None, typer.Option(help="slurm: --gpus-per-node")] = None,
+    launcher: Annotated[str, typer.Option(help="local: run here; slurm: one sbatch job per cell (or job arrays)")
+                        ] = "local",
+    partition: Annotated[str | None, typer.Option(help="slurm: --partition (overrides launcher.partition)")] = None,
+    time: Annotated[str | None, typer.Option(help="slurm: --time limit, e.g. 04:00:00 (overrides launcher.time)")
+                    ] = None,
+    account: Annotated[str | None, typer.Option(help="slurm: --account (overrides launcher.account)")] = None,
+    qos: Annotated[str | None, typer.Option(help="slurm: --qos (overrides launcher.qos)")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(help="slurm: --gpus-per-node (overrides the file's)")] = None,
     dry_run: Annotated[bool, typer.Option(help="slurm: write the sbatch scripts, do not submit")] = False,
     sets: Sets = None,
 ) -> None:
     """Run every cell of a matrix (skipping done ones), then print and write the leaderboard."""
+    from dataclasses import replace
+
     from tunelab import matrix, runner
     from tunelab.launch import Launch, procs_per_node
     from tunelab.report import leaderboard
     from tunelab.store import make_dir, write_text
 
     how = Launch(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, launcher=launcher,
-                 dry_run=dry_run, gpus_per_node=gpus_per_node)
+                 dry_run=dry_run)
     how.check()
     overrides = matrix.parse_sets(sets or [])
     spec, cells = matrix.load(file, overrides)
+    flags = {"partition": partition, "time": time, "account": account, "qos": qos, "gpus_per_node": gpus_per_node}
+    how = replace(how, slurm=matrix.with_overrides(spec.launcher, {k: v for k, v in flags.items() if v is not None}))
     chosen = runner.select(cells, only)
     if not chosen:
         raise UserError(f"--only {only!r} matches none of the cells: {', '.join(c.slug for c in cells)}")
@@ -119,21 +129,23 @@ def run(
     make_dir(cache_dir(), "the cache: $TUNELAB_CACHE, else ~/.cache/tunelab")
     mdir = runs_dir / spec.name
     make_dir(mdir, "--runs-dir")
-    # The file as run; --set overrides are written on top, so the folder says how its cells were made.
-    header = "".join(f"# exp run --set {k}={v}\n" for k, v in overrides.items())
-    write_text(mdir / "matrix.yaml", header + file.read_text())
-    runner.write_index(mdir, cells)
+    if how.node_rank == 0:  # node 0 writes the run's folders; the other nodes only join its cells' processes
+        # The file as run; --set overrides are written on top, so the folder says how its cells were made.
+        header = "".join(f"# exp run --set {k}={v}\n" for k, v in overrides.items())
+        write_text(mdir / "matrix.yaml", header + file.read_text())
+        runner.write_index(mdir, cells)
     outcomes = runner.run_cells(chosen, spec.name, runs_dir, rerun_failed=rerun_failed, fail_fast=fail_fast,
                                 console=err, how=how)
     if how.launcher == "slurm":
-        return
-    board = leaderboard.write(mdir)
-    _print_wide(leaderboard.to_rich(board, f"{spec.name} leaderboard"))
-    from tunelab.report.html import page
-    from tunelab.report.records import collect as records
+        raise typer.Exit(1 if any(o.state == "failed" for o in outcomes) else 0)
+    if how.node_rank == 0:
+        board = leaderboard.write(mdir)
+        _print_wide(leaderboard.to_rich(board, f"{spec.name} leaderboard"))
+        from tunelab.report.html import page
+        from tunelab.report.records import collect as records
 
-    write_text(mdir / "report.html", page(mdir, records(mdir)))
-    out.print(f"wrote {mdir / 'leaderboard.md'} (and .csv, .tex, .json) and the report {mdir / 'report.html'}")
+        write_text(mdir / "report.html", page(mdir, records(mdir)))
+        out.print(f"wrote {mdir / 'leaderboard.md'} (and .csv, .tex, .json) and the report {mdir / 'report.html'}")
     failed = [o for o in outcomes if o.state in ("failed", "skipped-failed")]
     for o in failed:
         log = runner.cell_dir(mdir, o.cell) / "cell.log"
@@ -158,7 +170,7 @@ def _status_rows(matrix_dir: Path) -> list[dict]:
         rows.append({"cell": meta.get("slug", d.name), "id": meta.get("id"), "dir": str(d),
                      "state": live_state(d, st), "timings": st.get("timings") or {},
                      "disk_bytes": disk_usage(d), "error": st.get("error"), "exit": st.get("exit"),
-                     "log_tail": st.get("log_tail") or [], "slurm_job": st.get("slurm_job")})
+                     "log_tail": st.get("log_tail") or [], "slurm_job": st.get("slurm_job"), "note": st.get("note")})
     return rows
 
 
@@ -180,13 +192,15 @@ def status(matrix_dir: Annotated[Path, typer.Argument(help="runs/<matrix> folder
     if as_json:
         return _print_json(rows)
     table = Table(title=str(matrix_dir))
-    for col in ("cell", "state", "train s", "eval s", "disk", "cause"):
+    slurm = any(r["slurm_job"] for r in rows)  # the job id column when the cells went to SLURM
+    for col in ("cell", "state", *(["slurm job"] if slurm else []), "train s", "eval s", "disk", "cause / note"):
         table.add_column(col)
     colors = {"done": "green", "failed": "red", "running": "yellow", "interrupted": "yellow", "pending": "dim"}
     for r in rows:
         t = r["timings"]
-        cause = "; ".join(dict.fromkeys(c for c in (r["error"], r["exit"]) if c))
+        cause = "; ".join(dict.fromkeys(c for c in (r["error"], r["exit"], r["note"]) if c))
         table.add_row(r["cell"], f"[{colors.get(r['state'], 'white')}]{r['state']}",
+                      *([r["slurm_job"] or "-"] if slurm else []),
                       f"{t['train_s']:.0f}" if "train_s" in t else "-",
                       f"{t['eval_s']:.0f}" if "eval_s" in t else "-", human_bytes(r["disk_bytes"]),
                       escape(cause[:160]))

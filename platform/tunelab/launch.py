@@ -8,10 +8,11 @@ from __future__ import annotations
 import shlex
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tunelab.errors import UserError
+from tunelab.matrix import SlurmCfg
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class Launch:
     rdzv_endpoint: str | None = None  # HOST:PORT of the rendezvous; required when nnodes > 1
     launcher: str = "local"  # local | slurm
     dry_run: bool = False  # slurm: write the script, do not submit
-    gpus_per_node: int | None = None  # slurm: --gpus-per-node
+    slurm: SlurmCfg = field(default_factory=SlurmCfg)  # the matrix file's launcher section (+ command line)
 
     def check(self) -> None:
         if self.launcher not in ("local", "slurm"):
@@ -55,24 +56,52 @@ def cell_command(run_dir: Path, world_size: int, launch: Launch | None = None) -
     return [*torchrun, *entry]
 
 
-def sbatch_script(run_dir: Path, world_size: int, launch: Launch, job_name: str) -> str:
-    """One SLURM job per cell: one task per node, each running torchrun; node 0 hosts the rendezvous."""
+def _sbatch_lines(launch: Launch, job_name: str, output: str, array: int | None) -> list[str]:
+    s = launch.slurm
+    opts = [f"--job-name={job_name}", f"--nodes={launch.nnodes}", "--ntasks-per-node=1", f"--output={output}",
+            "--open-mode=append",  # a requeued job appends to its log
+            "--requeue", f"--signal=USR1@{s.signal_grace_s}"]
+    opts += [f"--{k.replace('_', '-')}={v}" for k, v in (("partition", s.partition), ("time", s.time),
+             ("account", s.account), ("qos", s.qos), ("gpus_per_node", s.gpus_per_node),
+             ("cpus_per_task", s.cpus_per_task), ("mem", s.mem)) if v is not None]
+    if array is not None:
+        opts.append(f"--array=0-{array - 1}")
+    return [f"#SBATCH {o}" for o in [*opts, *s.sbatch]]
+
+
+def sbatch_script(run_dirs: list[Path], world_size: int, launch: Launch, job_name: str) -> str:
+    """One SLURM job for one cell, or a job array over several cells of the same process count: one task per
+    node, each running torchrun (node 0 hosts the rendezvous) or, for one process, the cell itself.
+
+    Preemption: SLURM sends SIGUSR1 `signal_grace_s` before the time limit to every process of the job (and
+    SIGTERM when it preempts). The cell's processes checkpoint at the next step boundary, mark the cell
+    pending and requeue the job (`scontrol requeue`), which runs this script again and resumes from that
+    checkpoint. The batch shell and torchrun's agent ignore SIGUSR1 (its default action would kill them);
+    the cell's processes install their own handler (tunelab.runtime.catch_stop_signals)."""
+    dirs = [shlex.quote(str(d.resolve())) for d in run_dirs]
+    array = len(dirs) if len(dirs) > 1 or launch.slurm.array else None
+    output = (f"{run_dirs[0].resolve().parent}/slurm-%A_%a.log" if array else f"{run_dirs[0].resolve()}/slurm-%j.log")
     per_node = procs_per_node(world_size, launch)
-    gpus = f"#SBATCH --gpus-per-node={launch.gpus_per_node}\n" if launch.gpus_per_node else ""
-    torchrun = " ".join([
-        shlex.quote(sys.executable), "-m", "torch.distributed.run", f"--nproc-per-node={per_node}",
-        f"--nnodes={launch.nnodes}", "--node-rank=$SLURM_NODEID", "--rdzv-backend=c10d",
-        '--rdzv-endpoint="$MASTER_ADDR:29500"', f"--rdzv-id={shlex.quote(run_dir.name)}",
-        "-m", "tunelab.cell", shlex.quote(str(run_dir.resolve())),
-    ])
-    return (
-        "#!/bin/bash\n"
-        f"#SBATCH --job-name={job_name}\n"
-        f"#SBATCH --nodes={launch.nnodes}\n"
-        "#SBATCH --ntasks-per-node=1\n"
-        f"{gpus}"
-        f"#SBATCH --output={run_dir.resolve()}/slurm-%j.log\n"
-        "set -euo pipefail\n"
-        'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
-        f"srun --kill-on-bad-exit=1 bash -c '{torchrun}'\n"
-    )
+    # Run by each node's task inside single quotes, so the variables expand there (SLURM_NODEID differs).
+    python = f'"{sys.executable}"'
+    if world_size == 1 and launch.nnodes == 1:
+        run = f'{python} -m tunelab.cell "$RUN_DIR"'
+    elif launch.nnodes == 1:  # torchrun finds a free port itself
+        run = f'{python} -m torch.distributed.run --standalone --nproc-per-node={per_node} -m tunelab.cell "$RUN_DIR"'
+    else:
+        run = " ".join([
+            python, "-m", "torch.distributed.run", f"--nproc-per-node={per_node}",
+            f"--nnodes={launch.nnodes}", "--node-rank=$SLURM_NODEID", "--rdzv-backend=c10d",
+            '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"', '--rdzv-id="$SLURM_JOB_ID"',
+            "-m", "tunelab.cell", '"$RUN_DIR"'])
+    lines = ["#!/bin/bash", *_sbatch_lines(launch, job_name, output, array), "set -euo pipefail",
+             "trap '' USR1  # for the cell's processes: they checkpoint and requeue", *launch.slurm.setup]
+    if array:
+        lines += [f"RUN_DIRS=({' '.join(dirs)})", 'RUN_DIR="${RUN_DIRS[$SLURM_ARRAY_TASK_ID]}"']
+    else:
+        lines.append(f"RUN_DIR={dirs[0]}")
+    lines += ["export RUN_DIR",
+              'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+              "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))  # jobs sharing a node do not collide",
+              f"srun --kill-on-bad-exit=1 bash -c 'trap \"\" USR1; exec {run}'"]
+    return "\n".join(lines) + "\n"

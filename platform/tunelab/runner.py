@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,7 +51,7 @@ LOG_TAIL_LINES = 20  # of cell.log, kept in status.json when a cell fails
 class Outcome:
     cell: Cell
     # done | done-elsewhere (another runner finished it) | failed | interrupted (it will resume) |
-    # skipped-done | skipped-failed | skipped-locked | submitted | written
+    # skipped-done | skipped-failed | skipped-locked | skipped-queued (SLURM holds its job) | submitted | written
     state: str
     error: str | None = None
 
@@ -85,14 +86,25 @@ def world_size(cell: Cell) -> int:
     return processes(cell.config.parallel)
 
 
-def launch(run_dir: Path, on_event, command: list[str], held: CellLock | None = None) -> int:
-    """Run the cell process; its stdout carries events (tunelab.events), its stderr goes to cell.log.
-    `held`: the folder's lock, which the cell process inherits (it outlives this process if it must)."""
+def node_log(run_dir: Path, node_rank: int) -> Path:
+    """Where a node's share of a cell logs: cell.log on node 0; the other nodes write nothing into the cell's
+    folder (it may be shared), theirs go to <matrix>/nodes/node-R/<cell>.log."""
+    if node_rank == 0:
+        return run_dir / "cell.log"
+    path = run_dir.parent / "nodes" / f"node-{node_rank}" / f"{run_dir.name}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def launch(run_dir: Path, on_event, command: list[str], held: CellLock | None = None,
+           log_path: Path | None = None) -> int:
+    """Run the cell process; its stdout carries events (tunelab.events), its stderr goes to cell.log (or
+    `log_path`). `held`: the folder's lock, which the cell process inherits (it outlives this process if it must)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     fds: tuple[int, ...] = ()
     if held is not None:
         env[LOCK_HELD_ENV], fds = str(run_dir.resolve()), (held.fileno(),)
-    with (run_dir / "cell.log").open("a") as log:
+    with (log_path or run_dir / "cell.log").open("a") as log:
         # Each attempt begins with a line of its own: the log of a resumed cell reads as its history.
         log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} runner pid {os.getpid()} on {socket.gethostname()} "
                   f"starts: {' '.join(command)}\n")
@@ -116,28 +128,70 @@ def _progress(console: Console) -> Progress:
                     TextColumn("{task.fields[info]}"), console=console, transient=False)
 
 
-def submit(run_dir: Path, cell: Cell, how: Launch) -> Outcome:
-    """SLURM: write the cell's batch script, and submit it unless this is a dry run."""
-    script = run_dir / "slurm.sbatch"
-    # A trained cell only evaluates, on one process of one node.
-    world, how = (1, replace(how, nnodes=1)) if folders.is_trained(run_dir) else (world_size(cell), how)
-    write_text(script, sbatch_script(run_dir, world, how, job_name=cell.dirname))
-    if how.dry_run:
-        return Outcome(cell, "written", f"wrote {script}")
+def _job_shape(run_dir: Path, cell: Cell, how: Launch) -> tuple[int, Launch]:
+    """(processes, launch) of a cell's job: a trained cell only evaluates, on one process of one node."""
+    if folders.is_trained(run_dir):
+        return 1, replace(how, nnodes=1)
+    return world_size(cell), how
+
+
+def submit(jobs: list[tuple[Path, Cell]], how: Launch, matrix_dir: Path) -> list[Outcome]:
+    """SLURM: write each cell's batch script (or one job array per process count, launcher.array) and submit
+    it with sbatch unless this is a dry run; each cell's status keeps its job id (`exp status` shows it)."""
+    groups: dict[tuple[int, ...], list[tuple[Path, Cell]]] = {}
+    for i, (run_dir, cell) in enumerate(jobs):
+        world, shape = _job_shape(run_dir, cell, how)
+        key = (world, shape.nnodes) if how.slurm.array else (i,)
+        groups.setdefault(key, []).append((run_dir, cell))
+    outcomes = []
+    for members in groups.values():
+        world, shape = _job_shape(*members[0], how)
+        if how.slurm.array:
+            script = matrix_dir / f"slurm-array-{world}x{shape.nnodes}.sbatch"
+            name = f"{matrix_dir.name}-{world}x{shape.nnodes}"
+        else:
+            script, name = members[0][0] / "slurm.sbatch", members[0][1].dirname
+        write_text(script, sbatch_script([d for d, _ in members], world, shape, job_name=name))
+        outcomes += _sbatch(script, members, how.dry_run, array=how.slurm.array)
+    return outcomes
+
+
+def _sbatch(script: Path, members: list[tuple[Path, Cell]], dry_run: bool, array: bool) -> list[Outcome]:
+    if dry_run:
+        return [Outcome(cell, "written", f"wrote {script}") for _, cell in members]
     out = subprocess.run(["sbatch", "--parsable", str(script)], check=False, capture_output=True, text=True)
     if out.returncode != 0:
-        write_status(run_dir, "failed", error=f"sbatch failed: {out.stderr.strip()}")
-        return Outcome(cell, "failed", out.stderr.strip())
-    write_status(run_dir, "pending", slurm_job=out.stdout.strip())
-    return Outcome(cell, "submitted", f"slurm job {out.stdout.strip()}")
+        for run_dir, _ in members:
+            write_status(run_dir, "failed", error=f"sbatch failed: {out.stderr.strip()}")
+        return [Outcome(cell, "failed", out.stderr.strip()) for _, cell in members]
+    job = out.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
+    outcomes = []
+    for i, (run_dir, cell) in enumerate(members):
+        task = f"{job}_{i}" if array else job
+        write_status(run_dir, "pending", slurm_job=task)
+        outcomes.append(Outcome(cell, "submitted", f"slurm job {task}"))
+    return outcomes
 
 
-def _skip_reason(run_dir: Path, cell: Cell, rerun_failed: bool, probe_lock: bool = True) -> str | None:
-    state = read_status(run_dir).get("state")
+def _queued(job: str | None) -> bool:
+    """Whether SLURM still holds the job (pending, running, requeued): submitting the cell again would run it
+    twice. Without squeue on PATH nothing is known: False."""
+    if not job or shutil.which("squeue") is None:
+        return False
+    out = subprocess.run(["squeue", "--noheader", "--jobs", job, "--format=%T"], check=False, capture_output=True,
+                         text=True)
+    return out.returncode == 0 and bool(out.stdout.strip())
+
+
+def _skip_reason(run_dir: Path, cell: Cell, rerun_failed: bool, how: Launch, probe_lock: bool = True) -> str | None:
+    status = read_status(run_dir)
+    state = status.get("state")
     if state == "done" and folders.eval_done(run_dir, cell.eval_id):
         return "skipped-done"
     if state == "failed" and not rerun_failed:
         return "skipped-failed"
+    if how.launcher == "slurm" and state in ("pending", "running") and _queued(status.get("slurm_job")):
+        return "skipped-queued"
     return "skipped-locked" if probe_lock and is_locked(run_dir) else None
 
 
@@ -204,7 +258,7 @@ def _run_here(run_dir: Path, cell: Cell, how: Launch, progress: Progress, held: 
         progress.update(current, **_shown(ev))
 
     command = cell_command(run_dir, 1, Launch()) if evaluate_only else cell_command(run_dir, world_size(cell), how)
-    rc = launch(run_dir, on_event, command, held)
+    rc = launch(run_dir, on_event, command, held, node_log(run_dir, how.node_rank))
     if how.node_rank > 0:  # global rank 0 lives on node 0 and owns the cell's status
         return Outcome(cell, "done" if rc == 0 else "failed", None if rc == 0 else exit_cause(rc))
     if rc == LOCKED_EXIT and held is None and read_status(run_dir).get("state") != "failed":
@@ -224,7 +278,7 @@ def _run_here(run_dir: Path, cell: Cell, how: Launch, progress: Progress, held: 
 def _claimed(run_dir: Path, cell: Cell, matrix: str, how: Launch, progress: Progress, held: CellLock,
              rerun_failed: bool, waited: bool) -> Outcome:
     """Run a cell whose lock this runner holds, unless it turned done or failed before the lock was ours."""
-    skip = _skip_reason(run_dir, cell, rerun_failed, probe_lock=False)
+    skip = _skip_reason(run_dir, cell, rerun_failed, how, probe_lock=False)
     if skip == "skipped-done":  # it was not when this runner looked first: another process finished it
         _say(progress, f"{cell.dirname}: done by another process")
         return Outcome(cell, "done-elsewhere")
@@ -274,11 +328,12 @@ def run_cells(cells: list[Cell], matrix: str, runs_dir: Path, *, rerun_failed: b
     # Local cells run under the lock this runner takes (node 0: the other nodes follow its torchrun).
     claims = how.launcher == "local" and how.node_rank == 0
     locked_elsewhere: list[tuple[Cell, Path]] = []  # come back to them once the others are done
+    to_submit: list[tuple[Path, Cell]] = []
     with _progress(console) as progress:
         overall = progress.add_task(f"[bold]{matrix}", total=len(cells), info="")
         for cell in cells:
             run_dir = cell_dir(runs_dir / matrix, cell)
-            skip = _skip_reason(run_dir, cell, rerun_failed, probe_lock=not claims)
+            skip = _skip_reason(run_dir, cell, rerun_failed, how, probe_lock=not claims)
             if skip:
                 outcome = Outcome(cell, skip, read_status(run_dir).get("error"))
                 progress.console.print(f"[dim]{cell.dirname}: {skip.removeprefix('skipped-')}, skipped")
@@ -294,11 +349,10 @@ def run_cells(cells: list[Cell], matrix: str, runs_dir: Path, *, rerun_failed: b
             else:
                 if how.node_rank == 0:
                     prepare(run_dir, cell, matrix)
-                if how.launcher == "slurm":
-                    outcome = submit(run_dir, cell, how)
-                    progress.console.print(f"{cell.dirname}: {outcome.error}")
-                else:
-                    outcome = _run_here(run_dir, cell, how, progress)
+                if how.launcher == "slurm":  # submitted together below (job arrays group cells)
+                    to_submit.append((run_dir, cell))
+                    continue
+                outcome = _run_here(run_dir, cell, how, progress)
             outcomes.append(outcome)
             progress.advance(overall)
             if fail_fast and outcome.state == "failed":
@@ -310,4 +364,8 @@ def run_cells(cells: list[Cell], matrix: str, runs_dir: Path, *, rerun_failed: b
             progress.advance(overall)
             if fail_fast and outcome.state == "failed":
                 break
+        for outcome in submit(to_submit, how, runs_dir / matrix) if to_submit else []:
+            progress.console.print(f"{outcome.cell.dirname}: {outcome.error}")
+            outcomes.append(outcome)
+            progress.advance(overall)
     return outcomes

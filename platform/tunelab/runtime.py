@@ -5,12 +5,17 @@
     check_host(cfg)                       # what the plan could not know: CUDA, flash-attn, local folders
 
 Stages take what they need from `rt` (models.load, train.run, the engines) and never resolve "auto" again.
+
+The machine can also ask a cell to stop: a scheduler sends SIGUSR1 (SLURM's `--signal`, before the time
+limit) or SIGTERM (preemption). `catch_stop_signals` turns them into a request the training loop honours at
+the next step boundary, on every rank at once (`stop_agreed`): it writes a checkpoint and raises `Preempted`.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,3 +184,49 @@ def check_host(cfg: CellConfig, file: str | Path | None = None) -> None:
     problems = host_problems(cfg)
     if problems:
         raise UserError("this machine cannot run the cell: " + "; ".join(problems), file=file)
+
+
+# -- stop requests (preemption) ---------------------------------------------------------------------------------
+
+
+class Preempted(Exception):  # noqa: N818 - a request, not an error
+    """A stop signal ended the cell; `step` is the step whose checkpoint was written (None: before training or
+    after it, nothing new to save)."""
+
+    def __init__(self, signal_name: str, step: int | None = None):
+        super().__init__(f"stopped by {signal_name}" + (f" after step {step} (checkpoint written)" if step else ""))
+        self.signal_name, self.step = signal_name, step
+
+
+@dataclass
+class _Stop:
+    installed: bool = False
+    signal: str | None = None  # the name of the signal received
+    armed: bool = False  # the training loop runs: stop at its next step boundary (elsewhere: at once)
+
+
+STOP = _Stop()
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+def catch_stop_signals() -> None:
+    """Every process of a cell calls this (the same way), so that `stop_agreed` is a collective they all run."""
+    def handler(signum, frame) -> None:
+        STOP.signal = signal.Signals(signum).name
+        if not STOP.armed:
+            raise Preempted(STOP.signal)
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, handler)
+    STOP.installed = True
+
+
+def stop_agreed(layout: Layout) -> bool:
+    """Whether any process of the layout got a stop signal; the same answer on all of them (one all-reduce).
+    Without catch_stop_signals (library use, tests) always False and no collective."""
+    if not STOP.installed:
+        return False
+    flag = torch.tensor([1.0 if STOP.signal else 0.0], device=layout.device)
+    if layout.distributed:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())

@@ -9,7 +9,7 @@ STEPS, GRAD_ACCUM, BATCH, MAX_NORM, LR = 3, 2, 4, 1.0, 1e-2
 METHODS = ("full", "lora", "adalomo", "tied")
 
 
-def tiny_model(method: str, layers: int = 4):
+def tiny_base(method: str, layers: int = 4):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
@@ -18,6 +18,17 @@ def tiny_model(method: str, layers: int = 4):
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     model.config._attn_implementation = "sdpa"
+    return model
+
+
+def tiny_model(method: str, layers: int = 4):
+    return with_peft(tiny_base(method, layers), method)
+
+
+def with_peft(model, method: str):
+    """The method's adapters on `model`, drawn from their own seed (as a cell seeds before PEFT), so that a
+    model built on the meta device gets the same ones (train/parallel/deferred.py)."""
+    torch.manual_seed(1)
     if method == "lora":
         from peft import LoraConfig, get_peft_model
 

@@ -6,6 +6,10 @@ Every layout whose process count is N runs the first steps of `common` with each
 pytest side compares the numbers with a single-process reference. With CKPT_DIR, the runs named in
 CKPT_RUNS also save a distributed checkpoint after step 2 in CKPT_DIR/<layout>-<method> (the resume
 test loads them on one process).
+
+The model is built as a cell builds it (train.parallel.init_mode): on the meta device and filled per shard
+from a saved copy (native engine), partitioned at construction (DeepSpeed ZeRO-3), or whole on every rank
+(ZeRO-1/2, and the layouts named *-whole, which keep that path covered for the engines that shard).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from parallel import common  # noqa: E402
 LAYOUTS = {  # name -> parallel section; grouped by world size through dp * tp * pp
     "dp2": {"dp": 2},
     "dp2-zero2": {"dp": 2, "zero": 2},
+    "dp2-whole": {"dp": 2},
     "tp2": {"tp": 2},
     "pp2-gpipe": {"pp": 2, "pp_schedule": "gpipe", "microbatches": 2},
     "pp2-1f1b": {"pp": 2, "pp_schedule": "1f1b", "microbatches": 2},
@@ -32,6 +37,7 @@ LAYOUTS = {  # name -> parallel section; grouped by world size through dp * tp *
     "ds-zero1": {"dp": 2, "backend": "deepspeed", "zero": 1},
     "ds-zero2": {"dp": 2, "backend": "deepspeed", "zero": 2},
     "ds-zero3": {"dp": 2, "backend": "deepspeed", "zero": 3},
+    "ds-zero3-whole": {"dp": 2, "backend": "deepspeed", "zero": 3},
     "ds-zero2-offload": {"dp": 2, "backend": "deepspeed", "zero": 2, "cpu_offload": True},
     "ds-zero3-offload": {"dp": 2, "backend": "deepspeed", "zero": 3, "cpu_offload": True},
     "dp2xtp2": {"dp": 2, "tp": 2},
@@ -59,12 +65,39 @@ def size(p: dict) -> int:
     return p.get("dp", 1) * p.get("tp", 1) * p.get("pp", 1)
 
 
-def run(name: str, parallel: dict, method: str, ckpt: Path | None) -> dict:
+def bases(folder: Path) -> None:
+    """The base model of each method saved once (safetensors, as a cell's model folder has it)."""
+    if dist.get_rank() == 0:
+        for method in common.METHODS:
+            if not (folder / method).is_dir():
+                common.tiny_base(method).save_pretrained(folder / method)
+    dist.barrier()
+
+
+def build(name: str, cell, layout, method: str, folder: Path):
+    """(model, deferred weights or None), built the way a cell builds it on this layout."""
+    from tunelab import models, runtime
+    from tunelab.train import parallel as par
+
+    mode = "whole" if name.endswith("-whole") else par.init_mode(cell, layout)[0]
+    src = folder / method
+    if mode == "meta":
+        model = models.empty(cell.model.model_copy(update={"name": str(src)}), torch.float32, "sdpa")
+        return par.with_adapters(model, lambda m: common.with_peft(m, method), models.Weights(src))
+    if mode == "zero3":
+        cell = cell.model_copy(update={"model": cell.model.model_copy(update={"name": str(src), "attn": "sdpa"})})
+        model = par.load_partitioned(cell.model, runtime.resolve(cell, layout), cell)
+        return common.with_peft(model, method), None
+    return common.tiny_model(method), None
+
+
+def run(name: str, parallel: dict, method: str, ckpt: Path | None, folder: Path) -> dict:
     from tunelab.train import parallel as par
 
     cell = common.cell(parallel, method)
     layout = par.setup(cell.parallel)
-    stepper = par.prepare(common.tiny_model(method), common.optimizer(method), cell, layout)
+    model, weights = build(name, cell, layout, method, folder)
+    stepper = par.prepare(model, common.optimizer(method), cell, layout, weights=weights)
     losses, norms = [], []
     for i, step in enumerate(common.batches(), start=1):
         loss, norm = stepper.train_step(step, common.n_items(step))
@@ -96,6 +129,8 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
+    folder = out.parent / "bases"
+    bases(folder)
     results = {}
     for name, parallel in LAYOUTS.items():
         only = os.environ.get("TUNELAB_LAYOUTS")  # comma-separated names, for debugging one layout
@@ -104,7 +139,7 @@ def main() -> None:
         for method in methods(name):
             t0 = time.perf_counter()
             try:
-                results[f"{name}/{method}"] = run(name, parallel, method, ckpt)
+                results[f"{name}/{method}"] = run(name, parallel, method, ckpt, folder)
             except Exception as e:  # recorded, so one broken layout does not hide the others
                 import traceback
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tunelab.events import Emit, Resumed, Step, ignore
-from tunelab.runtime import Layout, Runtime, precision_of
+from tunelab.runtime import STOP, Layout, Preempted, Runtime, precision_of, stop_agreed
 from tunelab.store import append_jsonl, read_jsonl, write_json, write_text
 from tunelab.train import checkpoint, optim, parallel
 from tunelab.train.data import batch_tokens, label_tokens, loader
@@ -43,6 +43,7 @@ class TrainResult:
     resumed_from: int | None
     world_size: int = 1
     predicted_peak_mb: float | None = None  # `exp memory`'s prediction for this cell (tensors only)
+    peak_mem_mb_ranks: list[float] | None = None  # every process's peak (the same kind), by rank
     validation: dict | None = None  # how val_loss was measured: {batch_size, max_batches}
     model: object = field(default=None, repr=False)  # the trained model with full weights (main process)
 
@@ -143,11 +144,11 @@ def _local_runtime(model, cfg) -> Runtime:
     return Runtime(Layout(device=p.device), p.dtype, attn, precision_of(cfg, p.device, engine, p.dtype))
 
 
-def _setup(model, tokenizer, datasets, cfg, run_dir, emit, runtime, validation) -> _Loop:
+def _setup(model, tokenizer, datasets, cfg, run_dir, emit, runtime, validation, weights) -> _Loop:
     t = cfg.train
     n_params = sum(p.numel() for p in model.parameters())  # before an engine shards them
     stepper = parallel.prepare(model, lambda ps: optim.build(ps, cfg.optim, max_grad_norm=t.max_grad_norm),
-                               cfg, runtime.layout, runtime.precision)
+                               cfg, runtime.layout, runtime.precision, weights=weights)
     sched = torch.optim.lr_scheduler.LambdaLR(stepper.optimizer, lr_lambda(t.schedule, t.warmup_steps, t.steps))
     attn = getattr(model.config, "_attn_implementation", "sdpa")
     pad = tokenizer.pad_token_id
@@ -198,32 +199,64 @@ def _step(loop: _Loop, step: int, peak: float | None) -> None:
         append_jsonl(loop.metrics_path, record)
     loop.emit(Step(step, t.steps, loss, record))
     if t.save_every and (step % t.save_every == 0 or step == t.steps):
-        checkpoint.save(loop.run_dir, step, stepper=loop.stepper, sched=loop.sched, keep=t.keep_checkpoints,
-                        loop_state={"data": loop.stream.state(), "loop": asdict(st)}, main=loop.runtime.is_main)
+        _checkpoint(loop, step)
+
+
+def _checkpoint(loop: _Loop, step: int) -> None:
+    checkpoint.save(loop.run_dir, step, stepper=loop.stepper, sched=loop.sched, keep=loop.cfg.train.keep_checkpoints,
+                    loop_state={"data": loop.stream.state(), "loop": asdict(loop.state)}, main=loop.runtime.is_main)
+
+
+def _steps(loop: _Loop, start: int, peak: float | None) -> None:
+    """The optimizer steps; a stop signal (runtime.catch_stop_signals) ends them at a step boundary, all ranks
+    at the same one, after a checkpoint of that step."""
+    t = loop.cfg.train
+    STOP.armed = True
+    try:
+        for step in range(start, t.steps + 1):
+            _step(loop, step, peak)
+            if stop_agreed(loop.runtime.layout):
+                if not (t.save_every and (step % t.save_every == 0 or step == t.steps)):
+                    _checkpoint(loop, step)
+                raise Preempted(STOP.signal or "a stop signal to another process", step)
+    finally:
+        STOP.armed = False
+
+
+def _gather(value: float, layout: Layout) -> list[float]:
+    """A per-process number from every process, by rank."""
+    if not layout.distributed:
+        return [value]
+    import torch.distributed as dist
+
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def run(model, tokenizer, datasets, cfg, run_dir: Path, emit: Emit = ignore, *, runtime: Runtime | None = None,
-        validation: Validation = Validation()) -> TrainResult:
-    """Every process of a layout calls this with the same model and data; only the main one writes files."""
+        validation: Validation = Validation(), weights=None) -> TrainResult:
+    """Every process of a layout calls this with the same model and data; only the main one writes files.
+    `weights`: the model is on the meta device and the engine fills each process's shards from these
+    (train/parallel/deferred.py)."""
     t = cfg.train
     torch.manual_seed(t.seed)
     runtime = runtime or _local_runtime(model, cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    loop = _setup(model, tokenizer, datasets, cfg, run_dir, emit, runtime, validation)
+    loop = _setup(model, tokenizer, datasets, cfg, run_dir, emit, runtime, validation, weights)
     peak = peak_flops(runtime.device)  # before the RNG states a checkpoint restores (a CPU may measure here)
     start, resumed_from = _resume(loop)
     model.train()
-    for step in range(start, t.steps + 1):
-        _step(loop, step, peak)
+    _steps(loop, start, peak)
     val = loop.validate() if validation.final and loop.validate else None
-    mem, kind = peak_memory_mb(runtime.device)
+    mem, kind = peak_memory_mb(runtime.device)  # before the weights are gathered for saving
     st = loop.state
     result = TrainResult(
         steps=t.steps, final_loss=st.loss, val_loss=val,
         tokens_per_s=st.tokens_total / st.seconds if st.seconds else 0.0,
         peak_mem_mb=mem, peak_mem_kind=kind, train_seconds=st.seconds, trainable_params=trainable,
         total_params=loop.n_params, precision=runtime.precision, resumed_from=resumed_from,
-        world_size=runtime.world_size,
+        world_size=runtime.world_size, peak_mem_mb_ranks=_gather(mem, runtime.layout),
         predicted_peak_mb=predicted_peak_mb(model.config, cfg, str(runtime.dtype).removeprefix("torch.")),
         validation=None if val is None else validation.settings(),
         model=loop.stepper.unwrap(),  # every rank takes part in gathering the weights

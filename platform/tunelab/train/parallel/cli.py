@@ -24,6 +24,7 @@ def memory(
     tp: Annotated[int, typer.Option(help="tensor-parallel degree")] = 1,
     pp: Annotated[int, typer.Option(help="pipeline-parallel degree")] = 1,
     zero: Annotated[int, typer.Option(help="what dp shards: 1 optimizer, 2 + gradients, 3 + parameters")] = 3,
+    backend: Annotated[str, typer.Option(help="native (FSDP2, TP, pipelines) or deepspeed (ZeRO)")] = "native",
     microbatches: Annotated[int, typer.Option(help="pipeline chunks per batch")] = 1,
     pp_schedule: Annotated[str, typer.Option(help="gpipe, 1f1b or interleaved_1f1b")] = "1f1b",
     seq: Annotated[int, typer.Option(help="tokens per row")] = 2048,
@@ -36,7 +37,8 @@ def memory(
     from tunelab.train.parallel.memory import load_shape
 
     checks = {"--optim": (optim, OPTIMIZERS), "--peft": (peft, ("none", "lora")), "--dtype": (dtype, DTYPE_BYTES),
-              "--pp-schedule": (pp_schedule, ("gpipe", "1f1b", "interleaved_1f1b")), "--zero": (zero, (1, 2, 3))}
+              "--pp-schedule": (pp_schedule, ("gpipe", "1f1b", "interleaved_1f1b")), "--zero": (zero, (1, 2, 3)),
+              "--backend": (backend, ("native", "deepspeed"))}
     for flag, (value, allowed) in checks.items():
         if value not in allowed:
             raise UserError(f"{flag} {value!r} is not one of {', '.join(map(str, allowed))}")
@@ -48,14 +50,17 @@ def memory(
         raise UserError(f"cannot read the config of {model!r}: {e}", key="--model") from None
     s = Setup(optim=optim, peft=peft, lora_r=lora_r, dtype=dtype, dp=dp, tp=tp, pp=pp, zero=zero, seq=seq,
               batch=batch, microbatches=microbatches, pp_schedule=pp_schedule,
-              activation_checkpointing=activation_checkpointing)
+              activation_checkpointing=activation_checkpointing, backend=backend)
     e = estimate(shape, s)
     table = Table(title=f"{model}: {e.total_params / 1e9:.3f} B parameters ({e.trainable / 1e9:.4f} B trainable), "
-                        f"{optim}, peft {peft}, dp {dp} x tp {tp} x pp {pp}, zero {zero}, {dtype}")
+                        f"{optim}, peft {peft}, dp {dp} x tp {tp} x pp {pp}, zero {zero}, {backend}, {dtype}")
     table.add_column("per device")
     table.add_column("GB", justify="right")
-    for name in ("params", "grads", "optimizer", "activations", "peak"):
-        table.add_row(name, f"{getattr(e, name) / GB:.2f}")
+    built = "sharded" if s.sharded_init else "whole"
+    for name, label in (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
+                        ("activations", "activations"), ("buffers", "engine buffers"), ("train", "training step"),
+                        ("load", f"load (built {built})"), ("peak", "peak")):
+        table.add_row(label, f"{getattr(e, name) / GB:.2f}")
     out.print(table)
     fits = "fits" if e.peak <= device_gb * GB else "does NOT fit"
     out.print(f"this layout ({dp * tp * pp} devices) {fits} on {device_gb:g} GB devices")

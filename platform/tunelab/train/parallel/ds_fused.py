@@ -74,12 +74,34 @@ class ZeroHooks(EngineHooks):
             self.zero3.release_backward_leftovers()
 
 
-def fused_config(cell, layout: Layout) -> dict:
+def zero3_buckets(hidden: int) -> dict:
+    """ZeRO-3's buffers sized by the model (h = hidden size), so that a rank holds its partitions and little
+    else. DeepSpeed's defaults suit a GPU next to a large host: a 5e8-element reduce bucket and optimizer
+    sub-group (every gradient and an fp32 temporary of every partition at once, for models up to 500M
+    parameters), and gathered parameters kept for reuse within 1e9 parameters (the whole model between
+    forward and backward). Buckets as the transformers integration sizes its "auto" values (h^2); gathered
+    parameters released after use; the optimizer steps over sub-groups of 10 h^2 values."""
+    return {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden, "stage3_max_reuse_distance": 0,
+            "stage3_max_live_parameters": 10 * hidden * hidden, "sub_group_size": 10 * hidden * hidden}
+
+
+def half_of(cell, dtype: torch.dtype | None) -> str | None:
+    """"bf16", "fp16" or None: the weights' dtype when known (an "auto" dtype resolves to bf16 on a GPU), else
+    the cell's."""
+    if dtype is not None:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(cell.model.dtype)
+
+
+def fused_config(cell, layout: Layout, hidden: int | None = None, dtype: torch.dtype | None = None) -> dict:
     p = cell.parallel
     zero: dict = {"stage": 3 if p.zero == 3 else 0}
     if p.zero == 3 and p.cpu_offload:
         zero["offload_param"] = {"device": "cpu"}
-    half = {"bfloat16": "bf16", "float16": "fp16"}.get(cell.model.dtype)
+    if p.zero == 3 and hidden:
+        zero.update(zero3_buckets(hidden))
+    half = half_of(cell, dtype)
     return {
         "train_micro_batch_size_per_gpu": max(1, cell.train.batch_size // layout.dp),
         "gradient_accumulation_steps": 1,
@@ -97,11 +119,12 @@ def fused_config(cell, layout: Layout) -> dict:
 class FusedEngine:
     """The DeepSpeed engine around `model` and the fused optimizer's step over it."""
 
-    def __init__(self, model, optimizer, cell, layout: Layout):
+    def __init__(self, model, optimizer, cell, layout: Layout, hidden: int | None = None,
+                 dtype: torch.dtype | None = None):
         import deepspeed
 
         self.layout, self.zero3 = layout, cell.parallel.zero == 3
-        self.engine, *_ = deepspeed.initialize(model=model, config=fused_config(cell, layout))
+        self.engine, *_ = deepspeed.initialize(model=model, config=fused_config(cell, layout, hidden, dtype))
         group = layout.group("dp") if layout.dp > 1 else None
         optimizer.engine_hooks = ZeroHooks(group, self.engine.optimizer if self.zero3 else None)
         self.optimizer = optimizer
@@ -128,6 +151,8 @@ class FusedEngine:
 
         path = Path(path)
         weights = {}
+        if self.zero3:  # weights a forward prefetched for a module that never ran are still in flight
+            self.engine.empty_partition_cache()
         for name, p in self._params():  # one parameter gathered at a time
             with deepspeed.zero.GatheredParameters([p], enabled=self.zero3):
                 if self.layout.is_main:

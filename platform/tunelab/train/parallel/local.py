@@ -4,7 +4,8 @@ What only a single process can do lives here: bf16 autocast (engines run the mod
 output head and loss at labelled positions only (train/loss.py; FSDP2 and DeepSpeed hook the root forward),
 LOMO/AdaLomo running forward and backward themselves with one gradient buffer for a tied embedding
 (optimizers/tied.py), and Sophia's Hessian refresh between steps. Checkpoints are the trainable parameters
-(model.pt) and the optimizer's state (optimizer.pt), in the checkpoint folder itself.
+(model.pt) and the optimizer's state (optimizer.pt), in the checkpoint folder itself; `load` also reads an
+engine's distributed checkpoint, saved under any layout.
 """
 
 from __future__ import annotations
@@ -98,23 +99,10 @@ class LocalStepper(Stepper):
         if callable(getattr(self.optimizer, "state_dict", None)):
             torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
 
-    # A distributed checkpoint (an engine's engine/ folder) loads here too: the same trainable weights and
-    # optimizer state, keyed by parameter names, whatever layout wrote them.
-    def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        msd, osd = get_state_dict(self._model, self.optimizer)
-        return {"model": msd, "optim": osd}
-
-    def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(self._model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
     def load(self, path) -> None:
         path = Path(path)
-        if not (path / "model.pt").is_file() and (path / ".metadata").is_file():
-            return super().load(path)
+        if (path / ".metadata").is_file():  # an engine's distributed checkpoint, saved under any layout
+            return self._load_distributed(path)
         saved = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
         params = dict(self._model.named_parameters())
         expected = {n for n, p in params.items() if p.requires_grad}
@@ -127,6 +115,24 @@ class LocalStepper(Stepper):
                 params[name].copy_(tensor)
         if (path / "optimizer.pt").is_file() and callable(getattr(self.optimizer, "load_state_dict", None)):
             self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+
+    def _load_distributed(self, path: Path) -> None:
+        """Reshard an engine's torch distributed checkpoint (its model and optimizer, `{"train": ...}` as the
+        engines save it) onto this one process."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self._model, self.optimizer)
+        # This optimizer was given names (Muon tells matrices by them); an engine's was not, so its groups hold
+        # no `param_names`: those stay this optimizer's own, everything else must be in the checkpoint.
+        names = [g.pop("param_names", None) for g in optim_sd["param_groups"]]
+        state = {"train": {"model": model_sd, "optim": optim_sd}}
+        dcp.load(state, checkpoint_id=str(path))
+        for group, n in zip(state["train"]["optim"]["param_groups"], names):
+            if n is not None:
+                group["param_names"] = n
+        set_state_dict(self._model, self.optimizer, model_state_dict=state["train"]["model"],
+                       optim_state_dict=state["train"]["optim"])
 
     def unwrap(self):
         return self._model

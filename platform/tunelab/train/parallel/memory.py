@@ -1,8 +1,22 @@
 """A per-device memory model of training a decoder under a layout, from the model's config alone.
 
-bytes = parameters + optimizer state + max(gradients, activations): the peak of a step comes either
-at the start of backward (all activations alive, no gradients yet) or at its end (all gradients,
-activations freed). Counted as transformers' Llama-family modules keep them for backward (SDPA
+train = parameters + optimizer state + engine buffers + max(gradients, activations): the peak of a step
+comes either at the start of backward (all activations alive, no gradients yet) or at its end (all
+gradients, activations freed). The load comes before it: a process that builds the model whole holds all
+of its stage's weights before the engine shards them; one that builds it sharded (tunelab's own init for
+every multi-process native layout and DeepSpeed ZeRO-3, train/parallel/deferred.py) holds its shards and
+the one block it is reading. peak = max(load, train).
+
+Engine buffers: FSDP2 gathers one unit (a decoder layer; an untied embedding or head) at a time; around
+a unit's backward it holds the unit's gathered weights, their unsharded gradients, the copy that is
+reduce-scattered, and the next unit prefetched: 4 units (zero 2 keeps every unit gathered from forward to
+backward, counted as whole parameters, plus the gradients' 2). DeepSpeed keeps an fp32 copy of each
+partition even of fp32 weights (counted with the optimizer state); under ZeRO-3 its gathered parameters
+are capped by the sizes tunelab sets (ds_fused.py zero3_buckets: 11.9 h^2 values) and a layer's unsharded
+gradients wait in its reduce bucket; under ZeRO-1/2 the reduce bucket (5e8 values by default) holds up to
+every gradient.
+
+Activations are counted as transformers' Llama-family modules keep them for backward (SDPA
 attention: nothing quadratic in the sequence):
   per layer and token: 6h replicated under tp (two RMSNorms' input and output, the two blocks'
   inputs) + 3h + 2kv + 4i split under tp (query, attention output and its copy, key, value;
@@ -98,6 +112,17 @@ class Setup:
     microbatches: int = 1
     pp_schedule: str = "1f1b"
     activation_checkpointing: bool = False
+    backend: str = "native"  # native | deepspeed
+    whole_init: bool = False  # built whole on every process even where tunelab shards at construction (DoRA)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def sharded_init(self) -> bool:
+        """Built sharded (parallel.init_mode "meta" or "zero3"), not whole on every process."""
+        return not self.whole_init and self.world > 1 and (self.backend == "native" or self.zero == 3)
 
 
 @dataclass(frozen=True)
@@ -108,13 +133,19 @@ class Estimate:
     activations: float
     trainable: int
     total_params: int
+    buffers: float = 0.0  # the engine's gathered weights and communication buckets
+    load: float = 0.0  # what a process holds while the model loads, before the engine shards it
+
+    @property
+    def train(self) -> float:
+        return self.params + self.optimizer + self.buffers + max(self.grads, self.activations)
 
     @property
     def peak(self) -> float:
-        return self.params + self.optimizer + max(self.grads, self.activations)
+        return max(self.load, self.train)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "peak": self.peak}
+        return {**asdict(self), "train": self.train, "peak": self.peak}
 
 
 def _lora_params(shape: Shape, s: Setup) -> tuple[int, list[tuple[int, int]]]:
@@ -152,11 +183,46 @@ def estimate(shape: Shape, s: Setup) -> Estimate:
     else:  # (under pipelines a fused optimizer updates after the schedule: the stage's gradients exist)
         grads = trainable_here * b / (s.dp if s.zero >= 2 else 1)
     opt_values = _state_values(shape, s, opt, matrices, trainable_here)
-    # Mixed precision keeps an fp32 master copy of the trainable weights (fused optimizers update in place).
-    master = trainable_here if s.dtype != "float32" and not opt.fused else 0
+    # Mixed precision keeps an fp32 master copy of the trainable weights (fused optimizers update in place);
+    # DeepSpeed's ZeRO optimizer keeps one of its partitions whatever the weights' dtype.
+    master = trainable_here if not opt.fused and (s.dtype != "float32" or s.backend == "deepspeed") else 0
     optimizer = (opt_values + master) * 4 / s.dp  # FSDP2 and every ZeRO stage shard optimizer state
     return Estimate(params=params, grads=grads, optimizer=optimizer, activations=_activations(shape, s) * b,
-                    trainable=int(trainable), total_params=shape.total())
+                    trainable=int(trainable), total_params=shape.total(), buffers=_buffers(shape, s, opt, stage),
+                    load=_load(shape, s, stage))
+
+
+def _layer_values(shape: Shape, s: Setup) -> float:
+    """Values of one decoder layer on one tensor-parallel rank."""
+    return (shape.layer_params() - 2 * shape.hidden) / s.tp + 2 * shape.hidden
+
+
+def _buffers(shape: Shape, s: Setup, opt, stage: float) -> float:
+    b = DTYPE_BYTES[s.dtype]
+    if s.backend == "deepspeed":
+        if s.dp == 1 or opt.fused:  # no ZeRO optimizer: nothing is bucketed (ds_fused.py)
+            return 0.0
+        if s.zero == 3:
+            h = shape.hidden
+            return (11.9 * h * h + _layer_values(shape, s)) * b
+        return min(5e8, stage) * b
+    if s.dp == 1:
+        return 0.0
+    units = [_layer_values(shape, s)] + ([] if shape.tied else [shape.embed_params()])
+    if s.zero == 2:  # every unit stays gathered from forward to backward: counted as whole parameters
+        return 2 * max(units) * b
+    return 4 * max(units) * b
+
+
+def _load(shape: Shape, s: Setup, stage: float) -> float:
+    """Built whole: every weight of the stage (LoRA's adapters are small). Built sharded: this process's
+    shards plus the block of the largest weight being read."""
+    b = DTYPE_BYTES[s.dtype]
+    if not s.sharded_init:
+        return stage * b
+    largest = max([shape.embed_params(), *(x * y for x, y in shape.layer_matrices())])
+    share = s.dp if s.zero >= 3 or s.backend == "native" else 1
+    return (stage / share + largest / share) * b
 
 
 def _state_values(shape: Shape, s: Setup, opt, matrices, trainable_here: float) -> float:

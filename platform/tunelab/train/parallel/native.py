@@ -6,31 +6,29 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from tunelab.runtime import Layout
 from tunelab.train.data import label_tokens
 from tunelab.train.parallel import grads, stages, tied, tp
 from tunelab.train.parallel.anatomy import anatomy, causal_lm
+from tunelab.train.parallel.deferred import Deferred, materialize
 from tunelab.train.parallel.pipeline import Pipeline
 from tunelab.train.parallel.stepper import Stepper, rows_for, skeleton
 
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
 
 
-def _shard(module: nn.Module, layer_paths: list[str], mesh, pcfg) -> None:
-    """FSDP2: each decoder layer its own unit (gathered one at a time), then the rest at the root."""
+def _shard(module: nn.Module, a, mesh, pcfg) -> None:
+    """FSDP2: each decoder layer its own unit (gathered one at a time); an untied embedding and output head
+    their own units too (each as large as several layers), the rest (final norm) at the root."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     kw = {"mesh": mesh, "reshard_after_forward": pcfg.zero == 3,
           "offload_policy": CPUOffloadPolicy() if pcfg.cpu_offload else OffloadPolicy()}
-    units = [module.get_submodule(p) for p in layer_paths if _has(module, p)]
-    for unit in units:
+    paths = list(a.layers) + ([] if a.tied else [a.embed, a.lm_head])
+    for unit in [module.get_submodule(p) for p in paths if _has(module, p)]:
         fully_shard(unit, **kw)
     fully_shard(module, **kw)
 
@@ -44,7 +42,9 @@ def _has(module: nn.Module, path: str) -> bool:
 
 
 class NativeStepper(Stepper):
-    def __init__(self, model: nn.Module, optim_builder, cell, layout: Layout):
+    def __init__(self, model: nn.Module, optim_builder, cell, layout: Layout, weights: Deferred | None = None):
+        """`weights`: the model is on the meta device; each process fills its own shards once they are cut
+        (deferred.py). Without it, every process holds the whole model until it is sharded."""
         self.layout, self.cell = layout, cell
         pcfg = cell.parallel
         self.max_norm = cell.train.max_grad_norm
@@ -71,9 +71,10 @@ class NativeStepper(Stepper):
         if layout.dp > 1 or pcfg.cpu_offload:
             self.grad_scale = layout.dp
             mesh = layout.mesh["dp"] if layout.distributed else None
-            layer_paths = a.layers if a else anatomy(model).layers
             for m in self.modules:
-                _shard(m, layer_paths, mesh, pcfg)
+                _shard(m, a or anatomy(model), mesh, pcfg)
+        if weights is not None:  # before anything holds on to a parameter: to_empty may replace them
+            materialize(self.modules, weights, "cpu" if pcfg.cpu_offload else layout.device)
         self.tied = tied.TiedEmbeddings(self.modules, a, layout) if layout.pp > 1 and a.tied else None
         if layout.pp > 1:
             lm = causal_lm(model)
@@ -169,12 +170,17 @@ class NativeStepper(Stepper):
     def unwrap(self):
         if not self.layout.distributed:
             return self._model
+        # One tensor made whole at a time, kept by one process per pipeline stage (the main process's
+        # stage, or the one that sends it there): no other process ever holds more than one whole tensor.
+        keep = self.layout.coord("dp") == 0 and self.layout.coord("tp") == 0
         full = {}
         for m in self.modules:
-            sd = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
-            full.update({k: v.detach().cpu() for k, v in sd.items()})
+            for k, v in m.state_dict().items():
+                whole = v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()
+                if keep:
+                    full[k] = whole.detach().cpu()
+                del whole
         if self.layout.pp > 1:
-            keep = self.layout.coord("dp") == 0 and self.layout.coord("tp") == 0
             parts = [None] * self.layout.pp if self.layout.coord("pp") == 0 else None
             dist.gather_object(full if keep else None, parts, group=self.layout.group("pp"), group_dst=0)
             full = {k: v for part in (parts or []) if part for k, v in part.items()}

@@ -21,8 +21,10 @@ def rows_for(batch: dict, layout: Layout) -> dict:
 def skeleton(model: nn.Module) -> nn.Module:
     """A copy of `model` whose parameters live on the meta device (no memory), to be filled with
     the gathered full weights by `unwrap`. Buffers are copied for real: non-persistent ones
-    (rotary frequencies) are in no state dict."""
-    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    (rotary frequencies) are in no state dict. A parameter DeepSpeed's ZeRO-3 partitioned at construction
+    keeps its real shape in `ds_shape`."""
+    memo = {id(p): nn.Parameter(torch.empty(getattr(p, "ds_shape", p.shape), dtype=p.dtype, device="meta"),
+                                requires_grad=p.requires_grad)
             for p in model.parameters()}
     return copy.deepcopy(model, memo)
 

@@ -6,6 +6,7 @@ from tunelab.errors import UserError
 from tunelab.plan.parallel import check_layout, uses_engine
 from tunelab.registries import ENGINES
 from tunelab.runtime import Layout
+from tunelab.train.parallel.deferred import Deferred, needs_whole
 from tunelab.train.parallel.stepper import Stepper
 
 
@@ -19,11 +20,33 @@ def enable_gradient_checkpointing(model) -> None:
     model.config.use_cache = False
 
 
-def prepare(model, optim_builder, cell, layout: Layout, precision: str = "fp32") -> Stepper:
+def init_mode(cell, layout: Layout, safetensors: bool = True) -> tuple[str, str]:
+    """How a cell's model is built on this layout, and why:
+    "meta"  the native engine's layouts: every parameter on the meta device, each process fills only its own
+            shards once they are cut (deferred.py);
+    "zero3" DeepSpeed ZeRO-3: partitioned at construction (ds.load_partitioned);
+    "whole" one process, DeepSpeed ZeRO-1/2 (every rank keeps whole weights anyway), a PEFT method that needs
+            the whole base weights, or a checkpoint without safetensors files (nothing to read a slice of)."""
+    if not layout.distributed:
+        return "whole", "one process"
+    p = cell.parallel
+    if p.backend == "deepspeed" and p.zero < 3:
+        return "whole", f"ZeRO-{p.zero} keeps whole weights on every rank"
+    reason = needs_whole(cell.peft.method)
+    if reason:
+        return "whole", reason
+    if not safetensors:
+        return "whole", "the checkpoint has no safetensors files to read per shard"
+    return ("zero3" if p.backend == "deepspeed" else "meta"), "sharded at construction"
+
+
+def prepare(model, optim_builder, cell, layout: Layout, precision: str = "fp32",
+            weights: Deferred | None = None) -> Stepper:
     """Wrap `model` for the layout and build its optimizer with optim_builder(trainable parameters), given as
     (name, parameter) pairs to the one-process stepper and as parameters to the engines.
 
-    `model` must be the same (same weights) on every rank: build it from the same seed or checkpoint.
+    `model` must be the same (same weights) on every rank: build it from the same seed or checkpoint, or on
+    the meta device with `weights` saying where each parameter's values are (init_mode "meta").
     `precision` is the one-process step's autocast; engines run the model in its own dtype.
     """
     try:
@@ -36,4 +59,6 @@ def prepare(model, optim_builder, cell, layout: Layout, precision: str = "fp32")
         from tunelab.train.parallel.local import LocalStepper
 
         return LocalStepper(model, optim_builder, cell, layout, precision)
-    return ENGINES[cell.parallel.backend].stepper.load()(model, optim_builder, cell, layout)
+    stepper = ENGINES[cell.parallel.backend].stepper.load()
+    return stepper(model, optim_builder, cell, layout, weights) if weights else stepper(model, optim_builder, cell,
+                                                                                        layout)
