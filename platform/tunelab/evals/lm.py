@@ -1,11 +1,18 @@
-"""lm-eval's HFLM around a model already in memory, with log-likelihoods that share few-shot prefixes.
+"""lm-eval's HFLM around a model already in memory, with few-shot prefixes computed once.
 
 Every question of an MMLU subject starts with the same description and five solved dev questions:
-about 90% of its tokens. HFLM runs them all again for every question. `SharedPrefixLM` runs each
-shared prefix once, keeps its key/value cache, and runs only the rest of each question against it
-(batched, right-padded, sorted by length); inputs whose continuation logits can be read off one
-forward pass (the one-token answers " A".." D") are computed once. The log-probabilities are those
-of HFLM up to float rounding; generation is HFLM's own.
+about 90% of its tokens; every GSM8K question with the same 8 solved exemplars, every question of a
+BBH task with its 3. HFLM runs them all again for every question.
+
+Log-likelihoods: `SharedPrefixLM` runs each shared prefix once, keeps its key/value cache, and runs
+only the rest of each question against it (batched, right-padded, sorted by length); inputs whose
+continuation logits can be read off one forward pass (the one-token answers " A".." D") are computed
+once. The log-probabilities are those of HFLM up to float rounding.
+
+Generation (`generate_until`): the requests go to tunelab's decoding engine (`evals/generate.py`:
+each prefix once, continuous batching, every row stopping at its own stop string), encoded, stopped,
+decoded and cut exactly as HFLM does; greedy outputs are HFLM's up to float rounding. Requests the
+engine does not serve (sampling, other generation arguments, a model it cannot drive) go to HFLM.
 """
 
 from __future__ import annotations
@@ -18,32 +25,12 @@ import torch
 import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 
-MIN_SHARED = 32  # tokens: below this a shared prefix is not worth a separate forward pass
+from tunelab.evals.generate import MIN_SHARED, Decoder, Request, generation_config_issue, groups_by_prefix
 
+__all__ = ["MIN_SHARED", "SharedPrefixLM", "groups_by_prefix"]
 
-def _lcp(a: tuple, b: tuple) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def groups_by_prefix(seqs: list[tuple], min_shared: int = MIN_SHARED) -> list[tuple[int, list[int]]]:
-    """Partition sequence indices into groups that share a prefix of at least `min_shared` tokens:
-    [(prefix length, [index ...])]. Lexicographic order puts sequences with long common prefixes
-    next to each other, and a group's common prefix is the minimum over its neighbours."""
-    order = sorted(range(len(seqs)), key=lambda i: seqs[i])
-    out: list[tuple[int, list[int]]] = []
-    for i in order:
-        if out:
-            shared, members = out[-1]
-            common = min(shared, _lcp(seqs[members[-1]], seqs[i]))
-            if common >= min_shared:
-                out[-1] = (common, [*members, i])
-                continue
-        out.append((len(seqs[i]), [i]))
-    return out
+# generate_until arguments the engine honours; with do_sample false HFLM ignores the sampling ones too
+_ENGINE_GEN_KWARGS = {"do_sample", "temperature", "top_p", "top_k"}
 
 
 class SharedPrefixLM(HFLM):
@@ -59,6 +46,50 @@ class SharedPrefixLM(HFLM):
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._keeps_logits = "logits_to_keep" in params
+        self._decoder: Decoder | None = None
+
+    def decoder(self) -> Decoder | None:
+        """The decoding engine for this model, or None where generation must stay HFLM's."""
+        if not self.share_prefixes or getattr(self, "think_end_token", None) is not None or generation_config_issue(self.model):
+            return None
+        if self._decoder is None:
+            bs = self.batch_size if isinstance(self.batch_size, int) and self.batch_size > 0 else 8
+            self._decoder = Decoder(self.model, self.tokenizer, batch_size=bs)
+        return self._decoder if self._decoder.supported() else None
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+
+        decoder = self.decoder()
+        if decoder is None:
+            return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+        mine, stops, theirs = {}, {}, []
+        for i, inst in enumerate(requests):
+            context, gen_kwargs = inst.args
+            kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_gen = kwargs.pop("max_gen_toks")
+            if kwargs.get("do_sample") or set(kwargs) - _ENGINE_GEN_KWARGS:
+                theirs.append(i)
+                continue
+            # HFLM's encoding of a generation context: its own tok_batch_encode, left-truncated so that the
+            # context and the new tokens fit in max_length.
+            assert self.max_length - max_gen > 0, f"max_gen_toks {max_gen} leaves no room in {self.max_length}"
+            ids, _ = self.tok_batch_encode([context], left_truncate_len=self.max_length - max_gen,
+                                           truncation=self.truncation)
+            mine[i] = Request(tuple(ids[0].tolist()), max_gen, tuple(until))
+            stops[i] = until
+        out: list[str | None] = [None] * len(requests)
+        if theirs:
+            for i, text in zip(theirs, super().generate_until([requests[i] for i in theirs], disable_tqdm)):
+                out[i] = text
+        order = list(mine)
+        for i, result in zip(order, decoder.generate([mine[i] for i in order])):
+            text = postprocess_generated_text(self.tok_decode(result.tokens), stops[i], None)
+            self.cache_hook.add_partial("generate_until", requests[i].args, text)
+            out[i] = text
+        return out  # type: ignore[return-value]
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         if not self.share_prefixes:
