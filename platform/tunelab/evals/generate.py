@@ -30,7 +30,9 @@ self-check on first use (`Decoder.supported`) and callers fall back to `model.ge
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import inspect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -109,6 +111,21 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Segment:
+    """A run of consecutive tokens of one sequence inside a packed forward pass.
+
+    `start` is the position of its first token. With a `slot`, its keys and values are written into that
+    slot at [start, start + length) and it attends to the slot's first start + length positions (the slot
+    already holds the earlier ones). Without one, it attends to `prefix` (layer -> (keys, values) of the
+    positions before `start`, or None when start is 0) and to itself, and nothing is kept."""
+
+    start: int
+    length: int
+    slot: int | None = None
+    prefix: dict | None = None
+
+
 class _Slots:
     """Keys and values of every layer for `n` slots, each `cap` positions long, allocated on first use
     (their shapes come from the model's own key states) and grown when a row outgrows them."""
@@ -137,15 +154,20 @@ class _Slots:
                 store[idx] = new
         self.cap = cap
 
+    def put_prefix(self, slot: int, prefix: dict, p: int) -> None:
+        for layer, (k, v) in prefix.items():
+            ks, vs = self.layer(layer, k)
+            ks[slot, :, :p] = k[0, :, :p]
+            vs[slot, :, :p] = v[0, :, :p]
+
 
 class _Pass:
-    """What the attention function does during one forward pass; passed to it as a keyword argument."""
+    """The segments of one packed forward pass (batch 1, the segments' tokens one after the other, then
+    padding); passed to the attention function as a keyword argument. `collect`, when given, receives
+    every layer's keys and values of the whole pass (a prefix run)."""
 
-    def __init__(self, slots: _Slots, mode: str, *, slot: int = 0, start: int = 0,
-                 rows: list[tuple[int, int]] | None = None, prefix: dict | None = None):
-        self.slots, self.mode, self.slot, self.start = slots, mode, slot, start
-        self.rows = rows or []  # decode: (slot, position of the new token) per real row
-        self.prefix = prefix  # prefix mode: layer -> (keys, values) collected here
+    def __init__(self, slots: _Slots | None, segments: list[Segment], collect: dict | None = None):
+        self.slots, self.segments, self.collect = slots, segments, collect
         self.calls = 0  # attention calls seen: the self-check counts them
 
     def attend(self, module, query, key, value, scaling) -> torch.Tensor:
@@ -153,40 +175,41 @@ class _Pass:
 
         self.calls += 1
         layer = module.layer_idx
-        if self.mode == "prefix":
-            self.prefix[layer] = (key, value)
-            out, _ = sdpa_attention_forward(module, query, key, value, None, scaling=scaling, is_causal=True)
-            return out
-        ks, vs = self.slots.layer(layer, key)
-        if self.mode == "prefill":
-            m, end = key.shape[2], self.start + key.shape[2]
-            ks[self.slot, :, self.start:end] = key[0]
-            vs[self.slot, :, self.start:end] = value[0]
-            k, v = ks[self.slot:self.slot + 1, :, :end], vs[self.slot:self.slot + 1, :, :end]
-            if self.start == 0:
-                out, _ = sdpa_attention_forward(module, query, k, v, None, scaling=scaling, is_causal=True)
-                return out
-            # The new tokens see the whole prefix and, causally, each other (bottom-right aligned).
-            mask = torch.ones(m, end, dtype=torch.bool, device=query.device).tril(self.start)
-            out, _ = sdpa_attention_forward(module, query, k, v, mask[None, None], scaling=scaling)
-            return out
-        # decode: one new token per row; rows past len(self.rows) are padding
-        n = len(self.rows)
-        slot_ids = torch.tensor([s for s, _ in self.rows], device=key.device)
-        pos_ids = torch.tensor([p for _, p in self.rows], device=key.device)
-        ks[slot_ids, :, pos_ids] = key[:n, :, 0]
-        vs[slot_ids, :, pos_ids] = value[:n, :, 0]
-        batch, heads, _, dim = query.shape
+        if self.collect is not None:
+            self.collect[layer] = (key, value)
+        _, heads, total, dim = query.shape
         kv_heads = key.shape[1]
-        group = heads // kv_heads
-        outs = []
-        for i, (s, p) in enumerate(self.rows):
-            # grouped-query attention as one small matrix per key head: (1, kv_heads, group, dim)
-            q = query[i].reshape(1, kv_heads, group, dim)
-            o = F.scaled_dot_product_attention(q, ks[s:s + 1, :, :p + 1], vs[s:s + 1, :, :p + 1], scale=scaling)
-            outs.append(o.reshape(heads, dim))
-        outs.extend([query.new_zeros(heads, dim)] * (batch - n))
-        return torch.stack(outs)[:, None]  # (batch, 1, heads, dim), the layout attention modules expect
+        outs, a = [], 0
+        for seg in self.segments:
+            b = a + seg.length
+            q, k_new, v_new = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]
+            if seg.slot is not None:
+                ks, vs = self.slots.layer(layer, key)
+                end = seg.start + seg.length
+                ks[seg.slot, :, seg.start:end] = k_new[0]
+                vs[seg.slot, :, seg.start:end] = v_new[0]
+                k, v = ks[seg.slot:seg.slot + 1, :, :end], vs[seg.slot:seg.slot + 1, :, :end]
+            elif seg.prefix is not None:
+                pk, pv = seg.prefix[layer]
+                k, v = torch.cat([pk, k_new], dim=2), torch.cat([pv, v_new], dim=2)
+            else:
+                k, v = k_new, v_new
+            if seg.length == 1:
+                # one query: grouped-query attention as one small matrix per key head, no mask
+                o = F.scaled_dot_product_attention(q.reshape(1, kv_heads, heads // kv_heads, dim), k, v,
+                                                   scale=scaling)
+                outs.append(o.reshape(1, 1, heads, dim))
+            elif k.shape[2] == seg.length:
+                outs.append(sdpa_attention_forward(module, q, k, v, None, scaling=scaling, is_causal=True)[0])
+            else:
+                # the segment sees everything before it and, causally, itself (bottom-right aligned)
+                mask = torch.ones(seg.length, k.shape[2], dtype=torch.bool, device=q.device)
+                mask = mask.tril(k.shape[2] - seg.length)[None, None]
+                outs.append(sdpa_attention_forward(module, q, k, v, mask, scaling=scaling)[0])
+            a = b
+        if total > a:
+            outs.append(query.new_zeros(1, total - a, heads, dim))
+        return torch.cat(outs, dim=1)  # (1, tokens, heads, dim), the layout attention modules expect
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -224,6 +247,10 @@ def eos_ids(model, tokenizer) -> set[int]:
     return {int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])}
 
 
+def _padded(n: int) -> int:
+    return -(-n // ROW_QUANTUM) * ROW_QUANTUM
+
+
 # Generation-config settings that change greedy decoding, with their neutral values: a model whose
 # config sets any of them is left to `model.generate`, which applies them.
 _GREEDY_CHANGERS = {"min_length": 0, "min_new_tokens": 0, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
@@ -243,10 +270,11 @@ def generation_config_issue(model) -> str | None:
 
 
 class Decoder:
-    """Generates completions for many requests with a model in memory; see the module docstring.
+    """Generates completions (and scores continuations, see `logits`) for many requests with a model in
+    memory; see the module docstring.
 
-    `batch_size` is the number of rows decoded together (slots). The model is put in eval mode and
-    its attention implementation switched to the engine's only inside `generate`."""
+    `batch_size` is the number of rows decoded together (slots). The model is put in eval mode and its
+    attention implementation switched to the engine's only while the engine runs it."""
 
     def __init__(self, model, tokenizer, *, batch_size: int = 8, min_shared: int = MIN_SHARED,
                  stop_eos: set[int] | None = None):
@@ -255,12 +283,13 @@ class Decoder:
         self.min_shared = min_shared
         self.eos = eos_ids(model, tokenizer) if stop_eos is None else set(stop_eos)
         self._checked: bool | None = None
-        self._stop_lengths: dict[str, int] = {}
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     # -- model plumbing -----------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _engine_attention(self) -> Iterator[None]:
+    def running(self) -> Iterator[None]:
+        """The engine's attention selected, eval mode, no autograd; everything restored on exit."""
         _register()
         config = self.model.config
         saved_impl, saved_mode = config._attn_implementation, self.model.training
@@ -273,19 +302,41 @@ class Decoder:
             config._attn_implementation = saved_impl
             self.model.train(saved_mode)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, state: _Pass, last_only: bool) -> torch.Tensor:
-        kwargs = {"logits_to_keep": 1} if last_only else {}
-        out = self.model(input_ids=ids, position_ids=positions, use_cache=False, **{STATE_KWARG: state}, **kwargs)
-        return out.logits
-
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def forward(self, tokens: list[int], positions: list[int], segments: list[Segment], keep: list[int],
+                slots: _Slots | None = None, collect: dict | None = None) -> torch.Tensor:
+        """One packed pass (inside `running`): `tokens` at `positions`, cut into `segments`; the logits
+        at the indices `keep`, in order. Tokens and kept rows are padded to a multiple of ROW_QUANTUM
+        (see the module docstring); the padding's results are dropped."""
+        n = len(tokens)
+        pad = _padded(n) - n
+        dev = self.device
+        ids = torch.tensor([tokens + tokens[-1:] * pad], device=dev)
+        pos = torch.tensor([positions + [0] * pad], device=dev)
+        rows = keep + keep[-1:] * (_padded(len(keep)) - len(keep)) if keep else [n - 1]
+        state = _Pass(slots, segments, collect)
+        if self._keeps_logits:
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=torch.tensor(rows,
+                             device=dev), **{STATE_KWARG: state}).logits[0]
+        else:
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, **{STATE_KWARG: state}).logits[0, rows]
+        self._last_pass = state
+        return out[: len(keep)]
+
+    def run_prefix(self, ids: Sequence[int]) -> dict:
+        """Keys and values (layer -> (k, v), batch 1) of `ids` at positions 0.. (inside `running`)."""
+        collected: dict = {}
+        self.forward(list(ids), list(range(len(ids))), [Segment(0, len(ids))], [], collect=collected)
+        n = len(ids)
+        return {layer: (k[:, :, :n], v[:, :, :n]) for layer, (k, v) in collected.items()}
+
     def supported(self) -> bool:
         """Whether the engine's passes give the model's own logits (checked once, on a short made-up
-        prompt split into a prefix and a rest): False for a model whose attention does not go through
-        transformers' attention interface, or that is not a plain causal LM."""
+        prompt split into a prefix, a rest and a decoding step): False for a model whose attention does
+        not go through transformers' attention interface, or that is not a plain causal LM."""
         if self._checked is None:
             self._checked = self._self_check()
         return self._checked
@@ -301,41 +352,30 @@ class Decoder:
         try:
             gen = torch.Generator().manual_seed(0)
             vocab = min(int(model.config.vocab_size), 1000)
-            ids = torch.randint(3, vocab, (1, 12), generator=gen).to(self.device)
+            ids = torch.randint(3, vocab, (12,), generator=gen).tolist()
             saved = model.training
             model.eval()
             try:
                 with torch.inference_mode():
-                    want = model(ids).logits[0, -3:].float()
+                    want = model(torch.tensor([ids], device=self.device)).logits[0, 8:].float()
             finally:
                 model.train(saved)
-            slots = _Slots(1, 16)
-            with self._engine_attention():
-                prefix: dict = {}
-                pos = torch.arange(12, device=self.device)[None]
-                first = _Pass(slots, "prefix", prefix=prefix)
-                self._forward(ids[:, :8], pos[:, :8], first, last_only=True)
-                self._copy_prefix(slots, prefix, 0, 8)
-                rest = _Pass(slots, "prefill", slot=0, start=8)
-                got_prefill = self._forward(ids[:, 8:11], pos[:, 8:11], rest, last_only=False)[0, -2:].float()
-                step = _Pass(slots, "decode", rows=[(0, 11)])
-                ids_step = ids[:, 11:12].expand(ROW_QUANTUM, 1)
-                got_step = self._forward(ids_step, pos[:, 11:12].expand(ROW_QUANTUM, 1), step, last_only=False)[0]
-            n_layers = len(prefix)
-            if not (first.calls == rest.calls == step.calls == n_layers > 0):
+            slots = _Slots(2, 16)
+            with self.running():
+                prefix = self.run_prefix(ids[:8])
+                slots.put_prefix(1, prefix, 8)
+                rest = self.forward(ids[8:11], [8, 9, 10], [Segment(8, 3, slot=1)], [0, 1, 2], slots)
+                calls = self._last_pass.calls
+                step = self.forward(ids[11:], [11], [Segment(11, 1, slot=1)], [0], slots)
+                scored = self.forward(ids[8:], [8, 9, 10, 11], [Segment(8, 4, prefix=prefix)], [3])
+            if not (len(prefix) == calls == self._last_pass.calls > 0):
                 return False
-            got = torch.cat([got_prefill, got_step.float()])
+            got = torch.cat([rest, step, scored]).float()
+            want = torch.cat([want, want[-1:]])
             scale = want.abs().max().clamp_min(1.0)
             return bool(((got - want).abs().max() / scale) < 1e-3)
         except Exception:  # noqa: BLE001 - any failure means: not an architecture the engine can drive
             return False
-
-    @staticmethod
-    def _copy_prefix(slots: _Slots, prefix: dict, slot: int, p: int) -> None:
-        for layer, (k, v) in prefix.items():
-            ks, vs = slots.layer(layer, k)
-            ks[slot, :, :p] = k[0, :, :p]
-            vs[slot, :, :p] = v[0, :, :p]
 
     # -- decoding -----------------------------------------------------------------------------------
 
@@ -373,6 +413,16 @@ class Decoder:
         text = decode([*context, *row.tokens[-row.window:]], skip_special_tokens=False)
         return any(s and text.find(s, max(0, skip - len(s) + 1)) >= 0 for s in row.req.stop)
 
+    def plan(self, seqs: list[tuple], own: list[int] | None = None) -> list[tuple[int, list[int]]]:
+        """[(prefix length, member indices in order)]: groups of sequences that share a prefix worth
+        running once (0: none). A prefix leaves each sequence at least `own[i]` tokens (default 1) of its
+        own: the positions whose logits are wanted come from its own pass."""
+        out = []
+        for shared, members in groups_by_prefix(seqs, self.min_shared):
+            p = min([shared] + [len(seqs[m]) - (own[m] if own else 1) for m in members])
+            out.append((p if len(members) > 1 and p >= self.min_shared else 0, sorted(members)))
+        return out
+
     def generate(self, requests: Sequence[Request]) -> list[Output]:
         """One Output per request, in order."""
         results: list[Output | None] = [None] * len(requests)
@@ -381,90 +431,74 @@ class Decoder:
             results[i] = Output([], "length")
         if not todo:
             return results  # type: ignore[return-value]
-        seqs = [tuple(requests[i].ids) for i in todo]
-        # A prefix must leave each member at least one token of its own: the logits of its last prompt
-        # token come from its own pass.
-        queue: list[tuple[int, int]] = []  # (group number, request index) in admission order
-        prefix_len: list[int] = []
-        for g, (shared, members) in enumerate(groups_by_prefix(seqs, self.min_shared)):
-            p = min([shared] + [len(seqs[m]) - 1 for m in members])
-            prefix_len.append(p if len(members) > 1 and p >= self.min_shared else 0)
-            queue.extend((g, todo[m]) for m in sorted(members))
-        remaining = {g: 0 for g in range(len(prefix_len))}
-        for g, _ in queue:
-            remaining[g] += 1
+        queue: list[tuple[int, int, int]] = []  # (group, prefix length, request index) in admission order
+        for g, (p, members) in enumerate(self.plan([tuple(requests[i].ids) for i in todo])):
+            queue.extend((g, p, todo[m]) for m in members)
+        remaining = collections.Counter(g for g, _, _ in queue)
         longest = max(len(requests[i].ids) for i in todo) + 1
-        slots = _Slots(self.batch_size, min(longest + max(requests[i].max_new_tokens for i in todo), longest + 256))
+        slots = _Slots(self.batch_size, longest + min(max(requests[i].max_new_tokens for i in todo), 256))
         free = list(range(self.batch_size))
         active: list[_Row] = []
         prefixes: dict[int, dict] = {}
-        with self._engine_attention():
+        with self.running():
             pos = 0
             while pos < len(queue) or active:
+                admit = []
                 while free and pos < len(queue):
-                    g, i = queue[pos]
+                    admit.append((*queue[pos], free.pop(0)))
                     pos += 1
-                    row = self._admit(requests[i], i, g, prefix_len[g], free.pop(0), slots, prefixes)
-                    remaining[g] -= 1
-                    if remaining[g] == 0:
-                        prefixes.pop(g, None)  # every member has its copy
-                    if (reason := self._finished(row)) is not None:
-                        results[i] = Output(row.tokens, reason)
-                        free.append(row.slot)
-                    else:
-                        active.append(row)
-                if not active:
-                    continue
-                self._step(active, slots)
-                still = []
-                for row in active:
+                rows = self._step(active, slots) + self._admit(requests, admit, slots, prefixes, remaining)
+                active = []
+                for row in rows:
                     if (reason := self._finished(row)) is not None:
                         results[row.index] = Output(row.tokens, reason)
                         free.append(row.slot)
                     else:
-                        still.append(row)
-                active = still
+                        active.append(row)
                 free.sort()
         return results  # type: ignore[return-value]
 
-    def _admit(self, req: Request, index: int, group: int, p: int, slot: int, slots: _Slots,
-               prefixes: dict[int, dict]) -> _Row:
-        """Put a request in a slot: the group's prefix (run once, on its first member) is copied in,
-        the request's own tokens run alone, and its first token is chosen."""
-        dev = self.device
-        ids = torch.tensor(req.ids, device=dev)[None]
-        slots.ensure(len(req.ids) + 1)
-        if p and group not in prefixes:
-            collected: dict = {}
-            self._forward(ids[:, :p], torch.arange(p, device=dev)[None], _Pass(slots, "prefix", prefix=collected),
-                          last_only=True)
-            prefixes[group] = collected
-        if p:
-            self._copy_prefix(slots, prefixes[group], slot, p)
-        n = len(req.ids)
-        logits = self._forward(ids[:, p:], torch.arange(p, n, device=dev)[None],
-                               _Pass(slots, "prefill", slot=slot, start=p), last_only=True)[0, -1]
-        gen = None
-        if req.temperature > 0:
-            gen = torch.Generator().manual_seed(int(req.seed) & 0xFFFF_FFFF_FFFF_FFFF)
-        row = _Row(index, req, slot, n, self._window(req.stop), gen)
-        row.tokens.append(self._choose(logits, row))
-        return row
+    def _admit(self, requests, admit: list[tuple[int, int, int, int]], slots: _Slots, prefixes: dict,
+               remaining: collections.Counter) -> list[_Row]:
+        """Put requests in free slots: a group's prefix runs once (on its first member) and is copied into
+        each member's slot; the members' own tokens run in one packed pass, which gives their first
+        tokens."""
+        if not admit:
+            return []
+        rows, tokens, positions, segments, keep = [], [], [], [], []
+        for g, p, i, slot in admit:
+            req = requests[i]
+            if p and g not in prefixes:
+                prefixes[g] = self.run_prefix(req.ids[:p])
+            slots.ensure(len(req.ids) + 1)
+            if p:
+                slots.put_prefix(slot, prefixes[g], p)
+            remaining[g] -= 1
+            if remaining[g] == 0:
+                prefixes.pop(g, None)  # every member has its copy
+            own = list(req.ids[p:])
+            segments.append(Segment(p, len(own), slot=slot))
+            tokens += own
+            positions += range(p, len(req.ids))
+            keep.append(len(tokens) - 1)
+            gen = torch.Generator().manual_seed(int(req.seed) & 0xFFFF_FFFF_FFFF_FFFF) if req.temperature > 0 else None
+            rows.append(_Row(i, req, slot, len(req.ids), self._window(req.stop), gen))
+        logits = self.forward(tokens, positions, segments, keep, slots)
+        for row, row_logits in zip(rows, logits):
+            row.tokens.append(self._choose(row_logits, row))
+        return rows
 
-    def _step(self, active: list[_Row], slots: _Slots) -> None:
-        """One decoding step for every active row (padded to a multiple of ROW_QUANTUM rows)."""
-        dev = self.device
+    def _step(self, active: list[_Row], slots: _Slots) -> list[_Row]:
+        """One decoding step for every active row: one token each, packed into one pass."""
+        if not active:
+            return []
         slots.ensure(max(r.length for r in active) + 1)
-        n = len(active)
-        padded = -(-n // ROW_QUANTUM) * ROW_QUANTUM
-        toks = [r.tokens[-1] for r in active] + [active[0].tokens[-1]] * (padded - n)
-        pos = [r.length for r in active] + [active[0].length] * (padded - n)
-        state = _Pass(slots, "decode", rows=[(r.slot, r.length) for r in active])
-        logits = self._forward(torch.tensor(toks, device=dev)[:, None], torch.tensor(pos, device=dev)[:, None],
-                               state, last_only=False)[:, -1]
-        for i, row in enumerate(active):
+        logits = self.forward([r.tokens[-1] for r in active], [r.length for r in active],
+                              [Segment(r.length, 1, slot=r.slot) for r in active], list(range(len(active))), slots)
+        for row, row_logits in zip(active, logits):
             row.length += 1
-            row.tokens.append(self._choose(logits[i], row))
+            row.tokens.append(self._choose(row_logits, row))
+        return active
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,13 @@ engine does not serve (sampling, other generation arguments, a model it cannot d
 
 from __future__ import annotations
 
-import copy
-import inspect
 from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 
-from tunelab.evals.generate import MIN_SHARED, Decoder, Request, generation_config_issue, groups_by_prefix
+from tunelab.evals.generate import MIN_SHARED, Decoder, Request, Segment, generation_config_issue, groups_by_prefix
 
 __all__ = ["MIN_SHARED", "SharedPrefixLM", "groups_by_prefix"]
 
@@ -38,19 +36,13 @@ class SharedPrefixLM(HFLM):
 
     def __init__(self, model, tokenizer, batch_size: int = 8, share_prefixes: bool = True, **kwargs):
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **kwargs)
-        # Prefix caches need a plain transformers causal LM (a PEFT wrapper may own the cache).
-        from transformers import PreTrainedModel
-
-        self.share_prefixes = share_prefixes and isinstance(model, PreTrainedModel) and self.backend == "causal"
-        # transformers 5 renamed forward's past_key_values to cache; older models keep the old name
-        params = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        self._keeps_logits = "logits_to_keep" in params
+        self.share_prefixes = share_prefixes and self.backend == "causal"
         self._decoder: Decoder | None = None
 
-    def decoder(self) -> Decoder | None:
-        """The decoding engine for this model, or None where generation must stay HFLM's."""
-        if not self.share_prefixes or getattr(self, "think_end_token", None) is not None or generation_config_issue(self.model):
+    def engine(self) -> Decoder | None:
+        """tunelab's engine for this model, or None where HFLM's own code must run (share_prefixes off, a
+        model the engine cannot drive: see `Decoder.supported`)."""
+        if not self.share_prefixes:
             return None
         if self._decoder is None:
             bs = self.batch_size if isinstance(self.batch_size, int) and self.batch_size > 0 else 8
@@ -60,8 +52,8 @@ class SharedPrefixLM(HFLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
-        decoder = self.decoder()
-        if decoder is None:
+        decoder = self.engine()
+        if decoder is None or getattr(self, "think_end_token", None) is not None or generation_config_issue(self.model):
             return super().generate_until(requests, disable_tqdm=disable_tqdm)
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         mine, stops, theirs = {}, {}, []
@@ -92,7 +84,8 @@ class SharedPrefixLM(HFLM):
         return out  # type: ignore[return-value]
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
-        if not self.share_prefixes:
+        decoder = self.engine()
+        if decoder is None:
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
         # The model input of a request, exactly as HFLM builds it (left-truncated to max_length).
         inputs, contlens = [], []
@@ -105,13 +98,10 @@ class SharedPrefixLM(HFLM):
             need[inp] = max(need[inp], n)
         unique = list(need)
         logprobs: dict[tuple, torch.Tensor] = {}  # input -> log-softmax over its last `need` positions
-        for shared, members in groups_by_prefix(unique):
-            seqs = [unique[i] for i in members]
+        with decoder.running():
             # The prefix may not reach into any position whose logits are scored.
-            p = min([shared] + [len(s) - need[s] for s in seqs])
-            if len(members) == 1 or p < MIN_SHARED:
-                p = 0
-            logprobs.update(self._score_group(seqs, p, need))
+            for p, members in decoder.plan(unique, own=[need[s] for s in unique]):
+                logprobs.update(self._score_group(decoder, [unique[i] for i in members], p, need))
         out = []
         for (req_str, _, cont), inp, n in zip(requests, inputs, contlens):
             lp = logprobs[inp][-n:]
@@ -122,31 +112,24 @@ class SharedPrefixLM(HFLM):
                 self.cache_hook.add_partial("loglikelihood", req_str, answer)
         return out
 
-    @torch.no_grad()
-    def _score_group(self, seqs: list[tuple], p: int, need: dict) -> dict[tuple, torch.Tensor]:
-        cache = None
-        if p:
-            prefix = torch.tensor([seqs[0][:p]], device=self.device)
-            # Only the cache is wanted: skip the vocabulary projection of every prefix position.
-            keep = {"logits_to_keep": 1} if self._keeps_logits else {}
-            cache = getattr(self.model(prefix, use_cache=True, **keep), self._cache_arg)
-        bs = self.batch_size if isinstance(self.batch_size, int) and self.batch_size > 0 else 8
-        order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))  # batch by length
+    def _score_group(self, decoder: Decoder, seqs: list[tuple], p: int, need: dict) -> dict[tuple, torch.Tensor]:
+        """Log-softmax over the last need[s] positions of each sequence: the shared prefix runs once, the
+        sequences' own tokens `batch_size` at a time in packed passes against it, each attending to the
+        prefix and to itself only (no padding: a sequence's numbers do not depend on its neighbours), and
+        the output head runs at the scored positions only."""
+        prefix = decoder.run_prefix(seqs[0][:p]) if p else None
         out = {}
-        for start in range(0, len(order), bs):
-            batch = [seqs[i] for i in order[start:start + bs]]
-            width = max(len(s) for s in batch) - p
-            ids = torch.full((len(batch), width), self.tokenizer.pad_token_id or 0, device=self.device)
-            for row, s in enumerate(batch):
-                ids[row, : len(s) - p] = torch.tensor(s[p:], device=self.device)
-            kwargs = {}
-            if cache is not None:
-                batch_cache = copy.deepcopy(cache)  # the forward pass appends to it
-                batch_cache.batch_repeat_interleave(len(batch))
-                kwargs = {self._cache_arg: batch_cache, "use_cache": True}
-            # Right padding under a causal mask: real tokens never see the pads, as in HFLM.
-            logits = self.model(ids, **kwargs).logits
-            for row, s in enumerate(batch):
-                end = len(s) - p
-                out[s] = F.log_softmax(logits[row, end - need[s]: end], dim=-1, dtype=self.softmax_dtype)
+        for start in range(0, len(seqs), decoder.batch_size):
+            batch = seqs[start:start + decoder.batch_size]
+            tokens, positions, segments, keep = [], [], [], []
+            for s in batch:
+                tokens += s[p:]
+                positions += range(p, len(s))
+                segments.append(Segment(p, len(s) - p, prefix=prefix))
+                keep += range(len(tokens) - need[s], len(tokens))
+            logits = decoder.forward(tokens, positions, segments, keep)
+            at = 0
+            for s in batch:
+                out[s] = F.log_softmax(logits[at:at + need[s]], dim=-1, dtype=self.softmax_dtype)
+                at += need[s]
         return out
