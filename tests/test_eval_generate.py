@@ -150,3 +150,18 @@ def test_sampling_is_seeded_per_request(tiny):
     assert a[2].tokens == b[0].tokens
     c = engine.generate([Request(ids[0], 12, temperature=1.0, seed=9)])
     assert c[0].tokens != a[0].tokens
+
+
+def test_batched_decoding_attention_agrees(tiny):
+    """The GPU layout of a decoding step (all rows in one masked attention call), run here on CPU: the
+    same tokens as row-by-row attention, up to near-ties."""
+    model, tokenizer = tiny
+    ids = prompts(tokenizer)[::2]
+    reqs = [Request(x, 12) for x in ids]
+    per_row = Decoder(model, tokenizer, batch_size=4).generate(reqs)
+    batched = Decoder(model, tokenizer, batch_size=4, per_row=False)
+    assert batched.supported()
+    for x, a, b in zip(ids, per_row, batched.generate(reqs)):
+        if a.tokens != b.tokens:
+            div = first_divergence(model, x, b.tokens, 12)
+            assert div is None or div.gap < NEAR_TIE, div

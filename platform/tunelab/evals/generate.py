@@ -166,8 +166,13 @@ class _Pass:
     padding); passed to the attention function as a keyword argument. `collect`, when given, receives
     every layer's keys and values of the whole pass (a prefix run)."""
 
-    def __init__(self, slots: _Slots | None, segments: list[Segment], collect: dict | None = None):
+    def __init__(self, slots: _Slots | None, segments: list[Segment], collect: dict | None = None,
+                 per_row: bool = True):
         self.slots, self.segments, self.collect = slots, segments, collect
+        # A decoding step (one token per slot) on a GPU: one masked attention call for all rows, as
+        # launching a few kernels per row and layer would cost more than the arithmetic.
+        self.batched = not per_row and slots is not None and all(
+            s.length == 1 and s.slot is not None for s in segments)
         self.calls = 0  # attention calls seen: the self-check counts them
 
     def attend(self, module, query, key, value, scaling) -> torch.Tensor:
@@ -177,6 +182,8 @@ class _Pass:
         layer = module.layer_idx
         if self.collect is not None:
             self.collect[layer] = (key, value)
+        if self.batched:
+            return self._attend_batched(module, query, key, value, scaling)
         _, heads, total, dim = query.shape
         kv_heads = key.shape[1]
         outs, a = [], 0
@@ -210,6 +217,26 @@ class _Pass:
         if total > a:
             outs.append(query.new_zeros(1, total - a, heads, dim))
         return torch.cat(outs, dim=1)  # (1, tokens, heads, dim), the layout attention modules expect
+
+    def _attend_batched(self, module, query, key, value, scaling) -> torch.Tensor:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        _, heads, total, dim = query.shape
+        n = len(self.segments)
+        ks, vs = self.slots.layer(module.layer_idx, key)
+        slot_ids = torch.tensor([s.slot for s in self.segments], device=key.device)
+        pos = torch.tensor([s.start for s in self.segments], device=key.device)
+        ks[slot_ids, :, pos] = key[0, :, :n].transpose(0, 1)
+        vs[slot_ids, :, pos] = value[0, :, :n].transpose(0, 1)
+        width = max(s.start for s in self.segments) + 1
+        k, v = ks.index_select(0, slot_ids)[:, :, :width], vs.index_select(0, slot_ids)[:, :, :width]
+        mask = (torch.arange(width, device=key.device)[None] <= pos[:, None])[:, None, None]
+        out = sdpa_attention_forward(module, query[0, :, :n].transpose(0, 1)[:, :, None], k, v, mask,
+                                     scaling=scaling)[0]  # (rows, 1, heads, dim)
+        out = out.reshape(1, n, heads, dim)
+        if total > n:
+            out = torch.cat([out, query.new_zeros(1, total - n, heads, dim)], dim=1)
+        return out
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -277,8 +304,12 @@ class Decoder:
     attention implementation switched to the engine's only while the engine runs it."""
 
     def __init__(self, model, tokenizer, *, batch_size: int = 8, min_shared: int = MIN_SHARED,
-                 stop_eos: set[int] | None = None):
+                 stop_eos: set[int] | None = None, per_row: bool | None = None):
         self.model, self.tokenizer = model, tokenizer
+        # Row-by-row attention in decoding steps (outputs independent of the batch) on CPU; one batched
+        # call on a GPU, where per-row kernel launches would dominate (and GPU kernels' rounding depends
+        # on shapes anyway). None: by the model's device.
+        self.per_row = self.device.type == "cpu" if per_row is None else per_row
         self.batch_size = max(1, int(batch_size))
         self.min_shared = min_shared
         self.eos = eos_ids(model, tokenizer) if stop_eos is None else set(stop_eos)
@@ -317,7 +348,7 @@ class Decoder:
         ids = torch.tensor([tokens + tokens[-1:] * pad], device=dev)
         pos = torch.tensor([positions + [0] * pad], device=dev)
         rows = keep + keep[-1:] * (_padded(len(keep)) - len(keep)) if keep else [n - 1]
-        state = _Pass(slots, segments, collect)
+        state = _Pass(slots, segments, collect, per_row=self.per_row)
         if self._keeps_logits:
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=torch.tensor(rows,
                              device=dev), **{STATE_KWARG: state}).logits[0]
