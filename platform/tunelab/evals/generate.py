@@ -1,48 +1,31 @@
-"""The decoding engine behind tunelab's generation tasks (GSM8K, BBH through lm-eval; HumanEval).
+"""tunelab's decoding engine: generation for GSM8K and BBH (through lm-eval, `evals/lm.py`) and
+HumanEval (`evals/humaneval.py`), on packed passes of the model in memory (`evals/packed.py`).
 
-What it saves over `model.generate` on a padded batch:
+What it saves over `model.generate` on padded batches:
 
 - **Shared prefixes run once.** Requests are grouped by a common token prefix (GSM8K's 8 exemplars,
-  a BBH task's 3, the same HumanEval prompt sampled n times). A group's prefix runs through the model
-  once; each request's own tokens then run against the prefix's keys and values.
-- **Every row stops on its own.** Decoding is continuous: a row leaves the batch at its stop string,
-  end-of-sequence token or length limit, and the next waiting request takes its slot. Nothing waits
-  for the longest row of a batch, and no row is left-padded.
+  a BBH task's 3, the n samples of one HumanEval prompt). A group's prefix runs once and is copied into
+  each member's slot; each request's own tokens then run against it, several requests in one pass.
+- **Every row stops on its own.** Decoding is continuous batching over `batch_size` slots: a row
+  leaves at its stop string, end-of-sequence token or length limit, and the next waiting request takes
+  its slot. Nothing waits for the longest row of a batch, and no row is left-padded.
 - **Keys and values are written in place** into a per-slot buffer, not concatenated at every step.
 
-Outputs do not depend on the batch size, by construction where possible and by measurement where
-not (tests/test_eval_generate.py checks batch sizes 1, 4 and 16):
-
-- a request's own tokens run through the model alone (no padding, shapes set by the request);
-- attention is computed row by row over exactly that row's keys (no padded key positions, whose
-  masked zeros would change how the softmax and the weighted sum are blocked and rounded);
-- the matrix products of a decoding step see every row in the batch, and on CPU MKL's sgemm rounds a
-  row differently when a thread gets fewer than 4 rows (measured: 1, 2 and 3 rows differ from 4 or
-  more, at any position in the batch). So a step always runs a multiple of `ROW_QUANTUM` rows,
-  padding with idle rows whose results are dropped;
-- sampling draws from one generator per request, seeded from the request, never from the batch.
-
-The model's own modules do the work: the engine registers an attention function with transformers
-(`AttentionInterface`) and selects it for its own forward passes only; that function reads and
-writes the slot buffers. A model whose attention does not go through that interface is detected by a
-self-check on first use (`Decoder.supported`) and callers fall back to `model.generate`.
+Outputs do not depend on the batch size (see `evals/packed.py` for the passes); sampling draws from one
+generator per request, seeded from the request, never from the batch.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+
+from tunelab.evals.packed import PackedModel, Segment, Slots
 
 MIN_SHARED = 32  # tokens: below this a shared prefix is not worth a separate forward pass
-ROW_QUANTUM = 8  # a decoding step runs a multiple of this many rows; see the module docstring
-ATTN_NAME = "tunelab_slots"
-STATE_KWARG = "tunelab_slots"
 
 
 def _lcp(a: Sequence, b: Sequence) -> int:
@@ -83,7 +66,7 @@ class Request:
 
     A stop string is looked for in the generated text; with `stop_in_prompt`, also across the end of
     the prompt (a stop string that starts in the prompt and ends in the completion, as transformers'
-    `stop_strings` does: HumanEval's "\n#" after a prompt that ends in a newline). lm-eval's HFLM looks
+    `stop_strings` does: HumanEval's "\\n#" after a prompt that ends in a newline). lm-eval's HFLM looks
     at generated tokens only."""
 
     ids: tuple[int, ...]
@@ -111,158 +94,6 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Segment:
-    """A run of consecutive tokens of one sequence inside a packed forward pass.
-
-    `start` is the position of its first token. With a `slot`, its keys and values are written into that
-    slot at [start, start + length) and it attends to the slot's first start + length positions (the slot
-    already holds the earlier ones). Without one, it attends to `prefix` (layer -> (keys, values) of the
-    positions before `start`, or None when start is 0) and to itself, and nothing is kept."""
-
-    start: int
-    length: int
-    slot: int | None = None
-    prefix: dict | None = None
-
-
-class _Slots:
-    """Keys and values of every layer for `n` slots, each `cap` positions long, allocated on first use
-    (their shapes come from the model's own key states) and grown when a row outgrows them."""
-
-    def __init__(self, n: int, cap: int):
-        self.n, self.cap = n, cap
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-
-    def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if idx not in self.k:
-            shape = (self.n, like.shape[1], self.cap, like.shape[3])
-            # zeros, not empty: positions beyond a row's length are never read, but stay finite anyway
-            self.k[idx] = like.new_zeros(shape)
-            self.v[idx] = like.new_zeros(shape)
-        return self.k[idx], self.v[idx]
-
-    def ensure(self, needed: int) -> None:
-        if needed <= self.cap:
-            return
-        cap = max(needed, 2 * self.cap)
-        for store in (self.k, self.v):
-            for idx, old in store.items():
-                new = old.new_zeros((*old.shape[:2], cap, old.shape[3]))
-                new[:, :, : self.cap] = old
-                store[idx] = new
-        self.cap = cap
-
-    def put_prefix(self, slot: int, prefix: dict, p: int) -> None:
-        for layer, (k, v) in prefix.items():
-            ks, vs = self.layer(layer, k)
-            ks[slot, :, :p] = k[0, :, :p]
-            vs[slot, :, :p] = v[0, :, :p]
-
-
-class _Pass:
-    """The segments of one packed forward pass (batch 1, the segments' tokens one after the other, then
-    padding); passed to the attention function as a keyword argument. `collect`, when given, receives
-    every layer's keys and values of the whole pass (a prefix run)."""
-
-    def __init__(self, slots: _Slots | None, segments: list[Segment], collect: dict | None = None,
-                 per_row: bool = True):
-        self.slots, self.segments, self.collect = slots, segments, collect
-        # A decoding step (one token per slot) on a GPU: one masked attention call for all rows, as
-        # launching a few kernels per row and layer would cost more than the arithmetic.
-        self.batched = not per_row and slots is not None and all(
-            s.length == 1 and s.slot is not None for s in segments)
-        self.calls = 0  # attention calls seen: the self-check counts them
-
-    def attend(self, module, query, key, value, scaling) -> torch.Tensor:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        self.calls += 1
-        layer = module.layer_idx
-        if self.collect is not None:
-            self.collect[layer] = (key, value)
-        if self.batched:
-            return self._attend_batched(module, query, key, value, scaling)
-        _, heads, total, dim = query.shape
-        kv_heads = key.shape[1]
-        outs, a = [], 0
-        for seg in self.segments:
-            b = a + seg.length
-            q, k_new, v_new = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]
-            if seg.slot is not None:
-                ks, vs = self.slots.layer(layer, key)
-                end = seg.start + seg.length
-                ks[seg.slot, :, seg.start:end] = k_new[0]
-                vs[seg.slot, :, seg.start:end] = v_new[0]
-                k, v = ks[seg.slot:seg.slot + 1, :, :end], vs[seg.slot:seg.slot + 1, :, :end]
-            elif seg.prefix is not None:
-                pk, pv = seg.prefix[layer]
-                k, v = torch.cat([pk, k_new], dim=2), torch.cat([pv, v_new], dim=2)
-            else:
-                k, v = k_new, v_new
-            if seg.length == 1:
-                # one query: grouped-query attention as one small matrix per key head, no mask
-                o = F.scaled_dot_product_attention(q.reshape(1, kv_heads, heads // kv_heads, dim), k, v,
-                                                   scale=scaling)
-                outs.append(o.reshape(1, 1, heads, dim))
-            elif k.shape[2] == seg.length:
-                outs.append(sdpa_attention_forward(module, q, k, v, None, scaling=scaling, is_causal=True)[0])
-            else:
-                # the segment sees everything before it and, causally, itself (bottom-right aligned)
-                mask = torch.ones(seg.length, k.shape[2], dtype=torch.bool, device=q.device)
-                mask = mask.tril(k.shape[2] - seg.length)[None, None]
-                outs.append(sdpa_attention_forward(module, q, k, v, mask, scaling=scaling)[0])
-            a = b
-        if total > a:
-            outs.append(query.new_zeros(1, total - a, heads, dim))
-        return torch.cat(outs, dim=1)  # (1, tokens, heads, dim), the layout attention modules expect
-
-    def _attend_batched(self, module, query, key, value, scaling) -> torch.Tensor:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        _, heads, total, dim = query.shape
-        n = len(self.segments)
-        ks, vs = self.slots.layer(module.layer_idx, key)
-        slot_ids = torch.tensor([s.slot for s in self.segments], device=key.device)
-        pos = torch.tensor([s.start for s in self.segments], device=key.device)
-        ks[slot_ids, :, pos] = key[0, :, :n].transpose(0, 1)
-        vs[slot_ids, :, pos] = value[0, :, :n].transpose(0, 1)
-        width = max(s.start for s in self.segments) + 1
-        k, v = ks.index_select(0, slot_ids)[:, :, :width], vs.index_select(0, slot_ids)[:, :, :width]
-        mask = (torch.arange(width, device=key.device)[None] <= pos[:, None])[:, None, None]
-        out = sdpa_attention_forward(module, query[0, :, :n].transpose(0, 1)[:, :, None], k, v, mask,
-                                     scaling=scaling)[0]  # (rows, 1, heads, dim)
-        out = out.reshape(1, n, heads, dim)
-        if total > n:
-            out = torch.cat([out, query.new_zeros(1, total - n, heads, dim)], dim=1)
-        return out
-
-
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The registered attention function: the engine's own passes carry a `_Pass`; any other call
-    (none is expected while the engine holds the model) is plain SDPA."""
-    state = kwargs.pop(STATE_KWARG, None)
-    if state is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
-    return state.attend(module, query, key, value, scaling), None
-
-
-_registered = False
-
-
-def _register() -> None:
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(ATTN_NAME, _attention)
-        _registered = True
-
-
 def eos_ids(model, tokenizer) -> set[int]:
     """The token ids `model.generate` stops at: the generation config's, else the tokenizer's."""
     config = getattr(model, "generation_config", None)
@@ -272,10 +103,6 @@ def eos_ids(model, tokenizer) -> set[int]:
     if ids is None:
         return set()
     return {int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])}
-
-
-def _padded(n: int) -> int:
-    return -(-n // ROW_QUANTUM) * ROW_QUANTUM
 
 
 # Generation-config settings that change greedy decoding, with their neutral values: a model whose
@@ -296,119 +123,19 @@ def generation_config_issue(model) -> str | None:
     return None
 
 
-class Decoder:
-    """Generates completions (and scores continuations, see `logits`) for many requests with a model in
-    memory; see the module docstring.
+class Decoder(PackedModel):
+    """Generates completions for many requests with a model in memory; see the module docstring.
 
-    `batch_size` is the number of rows decoded together (slots). The model is put in eval mode and its
-    attention implementation switched to the engine's only while the engine runs it."""
+    `batch_size` is the number of rows decoded together (slots), and of requests per packed pass when
+    `evals/lm.py` scores log-likelihoods with `plan`, `run_prefix` and `forward`."""
 
     def __init__(self, model, tokenizer, *, batch_size: int = 8, min_shared: int = MIN_SHARED,
                  stop_eos: set[int] | None = None, per_row: bool | None = None):
-        self.model, self.tokenizer = model, tokenizer
-        # Row-by-row attention in decoding steps (outputs independent of the batch) on CPU; one batched
-        # call on a GPU, where per-row kernel launches would dominate (and GPU kernels' rounding depends
-        # on shapes anyway). None: by the model's device.
-        self.per_row = self.device.type == "cpu" if per_row is None else per_row
+        super().__init__(model, per_row)
+        self.tokenizer = tokenizer
         self.batch_size = max(1, int(batch_size))
         self.min_shared = min_shared
         self.eos = eos_ids(model, tokenizer) if stop_eos is None else set(stop_eos)
-        self._checked: bool | None = None
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-
-    # -- model plumbing -----------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
-        """The engine's attention selected, eval mode, no autograd; everything restored on exit."""
-        _register()
-        config = self.model.config
-        saved_impl, saved_mode = config._attn_implementation, self.model.training
-        config._attn_implementation = ATTN_NAME
-        self.model.eval()
-        try:
-            with torch.inference_mode():
-                yield
-        finally:
-            config._attn_implementation = saved_impl
-            self.model.train(saved_mode)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def forward(self, tokens: list[int], positions: list[int], segments: list[Segment], keep: list[int],
-                slots: _Slots | None = None, collect: dict | None = None) -> torch.Tensor:
-        """One packed pass (inside `running`): `tokens` at `positions`, cut into `segments`; the logits
-        at the indices `keep`, in order. Tokens and kept rows are padded to a multiple of ROW_QUANTUM
-        (see the module docstring); the padding's results are dropped."""
-        n = len(tokens)
-        pad = _padded(n) - n
-        dev = self.device
-        ids = torch.tensor([tokens + tokens[-1:] * pad], device=dev)
-        pos = torch.tensor([positions + [0] * pad], device=dev)
-        rows = keep + keep[-1:] * (_padded(len(keep)) - len(keep)) if keep else [n - 1]
-        state = _Pass(slots, segments, collect, per_row=self.per_row)
-        if self._keeps_logits:
-            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=torch.tensor(rows,
-                             device=dev), **{STATE_KWARG: state}).logits[0]
-        else:
-            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, **{STATE_KWARG: state}).logits[0, rows]
-        self._last_pass = state
-        return out[: len(keep)]
-
-    def run_prefix(self, ids: Sequence[int]) -> dict:
-        """Keys and values (layer -> (k, v), batch 1) of `ids` at positions 0.. (inside `running`)."""
-        collected: dict = {}
-        self.forward(list(ids), list(range(len(ids))), [Segment(0, len(ids))], [], collect=collected)
-        n = len(ids)
-        return {layer: (k[:, :, :n], v[:, :, :n]) for layer, (k, v) in collected.items()}
-
-    def supported(self) -> bool:
-        """Whether the engine's passes give the model's own logits (checked once, on a short made-up
-        prompt split into a prefix, a rest and a decoding step): False for a model whose attention does
-        not go through transformers' attention interface, or that is not a plain causal LM."""
-        if self._checked is None:
-            self._checked = self._self_check()
-        return self._checked
-
-    def _self_check(self) -> bool:
-        from transformers import PreTrainedModel
-
-        model = self.model
-        if not isinstance(model, PreTrainedModel) or not hasattr(model.config, "_attn_implementation"):
-            return False
-        if getattr(model.config, "is_encoder_decoder", False):
-            return False
-        try:
-            gen = torch.Generator().manual_seed(0)
-            vocab = min(int(model.config.vocab_size), 1000)
-            ids = torch.randint(3, vocab, (12,), generator=gen).tolist()
-            saved = model.training
-            model.eval()
-            try:
-                with torch.inference_mode():
-                    want = model(torch.tensor([ids], device=self.device)).logits[0, 8:].float()
-            finally:
-                model.train(saved)
-            slots = _Slots(2, 16)
-            with self.running():
-                prefix = self.run_prefix(ids[:8])
-                slots.put_prefix(1, prefix, 8)
-                rest = self.forward(ids[8:11], [8, 9, 10], [Segment(8, 3, slot=1)], [0, 1, 2], slots)
-                calls = self._last_pass.calls
-                step = self.forward(ids[11:], [11], [Segment(11, 1, slot=1)], [0], slots)
-                scored = self.forward(ids[8:], [8, 9, 10, 11], [Segment(8, 4, prefix=prefix)], [3])
-            if not (len(prefix) == calls == self._last_pass.calls > 0):
-                return False
-            got = torch.cat([rest, step, scored]).float()
-            want = torch.cat([want, want[-1:]])
-            scale = want.abs().max().clamp_min(1.0)
-            return bool(((got - want).abs().max() / scale) < 1e-3)
-        except Exception:  # noqa: BLE001 - any failure means: not an architecture the engine can drive
-            return False
-
-    # -- decoding -----------------------------------------------------------------------------------
 
     def _window(self, stops: Sequence[str]) -> int:
         """Tokens of generated text searched for a stop string after each step: enough to hold the
@@ -467,7 +194,7 @@ class Decoder:
             queue.extend((g, p, todo[m]) for m in members)
         remaining = collections.Counter(g for g, _, _ in queue)
         longest = max(len(requests[i].ids) for i in todo) + 1
-        slots = _Slots(self.batch_size, longest + min(max(requests[i].max_new_tokens for i in todo), 256))
+        slots = Slots(self.batch_size, longest + min(max(requests[i].max_new_tokens for i in todo), 256))
         free = list(range(self.batch_size))
         active: list[_Row] = []
         prefixes: dict[int, dict] = {}
@@ -489,7 +216,7 @@ class Decoder:
                 free.sort()
         return results  # type: ignore[return-value]
 
-    def _admit(self, requests, admit: list[tuple[int, int, int, int]], slots: _Slots, prefixes: dict,
+    def _admit(self, requests, admit: list[tuple[int, int, int, int]], slots: Slots, prefixes: dict,
                remaining: collections.Counter) -> list[_Row]:
         """Put requests in free slots: a group's prefix runs once (on its first member) and is copied into
         each member's slot; the members' own tokens run in one packed pass, which gives their first
@@ -519,7 +246,7 @@ class Decoder:
             row.tokens.append(self._choose(row_logits, row))
         return rows
 
-    def _step(self, active: list[_Row], slots: _Slots) -> list[_Row]:
+    def _step(self, active: list[_Row], slots: Slots) -> list[_Row]:
         """One decoding step for every active row: one token each, packed into one pass."""
         if not active:
             return []

@@ -4,15 +4,18 @@ Every question of an MMLU subject starts with the same description and five solv
 about 90% of its tokens; every GSM8K question with the same 8 solved exemplars, every question of a
 BBH task with its 3. HFLM runs them all again for every question.
 
-Log-likelihoods: `SharedPrefixLM` runs each shared prefix once, keeps its key/value cache, and runs
-only the rest of each question against it (batched, right-padded, sorted by length); inputs whose
-continuation logits can be read off one forward pass (the one-token answers " A".." D") are computed
-once. The log-probabilities are those of HFLM up to float rounding.
+`SharedPrefixLM` runs every forward pass on tunelab's engine (`evals/packed.py`, `evals/generate.py`):
 
-Generation (`generate_until`): the requests go to tunelab's decoding engine (`evals/generate.py`:
-each prefix once, continuous batching, every row stopping at its own stop string), encoded, stopped,
-decoded and cut exactly as HFLM does; greedy outputs are HFLM's up to float rounding. Requests the
-engine does not serve (sampling, other generation arguments, a model it cannot drive) go to HFLM.
+- log-likelihoods: each shared prefix runs once; the rest of each question runs against its keys and
+  values, `batch_size` questions to a packed pass (no padding), the output head only at the scored
+  positions; inputs whose continuation logits can be read off one pass (the one-token answers
+  " A".." D") run once. The log-probabilities are HFLM's up to float rounding.
+- generation (`generate_until`): each prefix once, continuous batching, every row stopping at its own
+  stop string; contexts encoded, stopped, decoded and cut exactly as HFLM does, so greedy outputs are
+  HFLM's up to float rounding (a near-tie can flip).
+
+HFLM's own code runs where the engine does not serve: `share_prefixes=False`, a model that fails the
+engine's self-check, and generation requests with sampling or other generation arguments.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 
-from tunelab.evals.generate import MIN_SHARED, Decoder, Request, Segment, generation_config_issue, groups_by_prefix
+from tunelab.evals.generate import MIN_SHARED, Decoder, Request, generation_config_issue, groups_by_prefix
+from tunelab.evals.packed import Segment
 
 __all__ = ["MIN_SHARED", "SharedPrefixLM", "groups_by_prefix"]
 
