@@ -165,3 +165,43 @@ def test_batched_decoding_attention_agrees(tiny):
         if a.tokens != b.tokens:
             div = first_divergence(model, x, b.tokens, 12)
             assert div is None or div.gap < NEAR_TIE, div
+
+
+class CountingDecoder(Decoder):
+    passes = 0
+
+    def forward(self, *args, **kwargs):
+        self.passes += 1
+        return super().forward(*args, **kwargs)
+
+
+def test_drafted_tokens_change_the_passes_not_the_tokens(tiny):
+    """Prompt-lookup drafts are checked by the model: the same greedy tokens with and without them
+    (up to near-ties), and on a model that repeats itself, far fewer passes."""
+    import copy
+
+    import torch
+
+    model, tokenizer = tiny
+    ids = prompts(tokenizer)[::2]
+    reqs = [Request(x, 20) for x in ids]
+    plain = Decoder(model, tokenizer, batch_size=4, draft=0).generate(reqs)
+    drafted = Decoder(model, tokenizer, batch_size=4, draft=8).generate(reqs)
+    for x, a, b in zip(ids, plain, drafted):
+        if a.tokens != b.tokens:
+            div = first_divergence(model, x, b.tokens, 20)
+            assert div is None or div.gap < NEAR_TIE, div
+    # A head that prefers one token, but not by so much that the prompt does not matter at first.
+    looping = copy.deepcopy(model)
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    head.weight.data.copy_(model.lm_head.weight.data)
+    head.bias.data.zero_()
+    head.bias.data[tokenizer.convert_tokens_to_ids("1")] = 2.0
+    looping.lm_head = head
+    counts, outs = {}, {}
+    for draft in (0, 8):
+        engine = CountingDecoder(looping, tokenizer, batch_size=4, draft=draft, stop_eos=set())
+        outs[draft] = [o.tokens for o in engine.generate(reqs[:4])]
+        counts[draft] = engine.passes
+    assert outs[0] == outs[8]
+    assert counts[8] < counts[0] / 2, counts

@@ -83,6 +83,37 @@ class Output:
     reason: str  # "stop" (a stop string), "eos" or "length"
 
 
+class _Lookup:
+    """Draft tokens for a greedy row by prompt lookup: the tokens that followed the latest earlier
+    occurrence of the row's last three (else two) tokens in its prompt and completion. CoT answers
+    reuse the exemplars' phrasing, and a model that loops repeats itself exactly. A draft is only a
+    guess: the next pass checks it, and a greedy row keeps what the model itself chooses."""
+
+    def __init__(self, ids: Sequence[int]):
+        self.ctx = list(ids)
+        self.index: dict[int, dict[tuple, int]] = {3: {}, 2: {}}
+        self.upto = 0  # n-grams ending before this position are indexed
+
+    def draft(self, k: int) -> list[int]:
+        ctx = self.ctx
+        for end in range(max(self.upto, 2), len(ctx)):  # every n-gram but the last one
+            for n, index in self.index.items():
+                if end >= n:
+                    index[tuple(ctx[end - n:end])] = end
+        self.upto = len(ctx)
+        for n, index in self.index.items():
+            end = index.get(tuple(ctx[-n:]))
+            if end is not None:
+                # Copy what followed, reading on into the copy itself where it runs past the end: after
+                # "a b a b", the match two back drafts "a b a b ..." rather than stopping after "a b".
+                out = ctx[end:end + k]
+                period = len(ctx) - end
+                while len(out) < k:
+                    out.append(out[len(out) - period])
+                return out
+        return []
+
+
 @dataclass
 class _Row:
     index: int  # into the request list
@@ -91,7 +122,10 @@ class _Row:
     length: int  # tokens in the slot's cache
     window: int  # tokens of generated text in which a stop string is looked for
     gen: torch.Generator | None
+    lookup: _Lookup | None  # greedy rows: the source of draft tokens
     tokens: list[int] = field(default_factory=list)
+    reason: str | None = None  # why it finished
+    draft: int = 2  # draft length for the next step, adapted to how many drafted tokens were accepted
 
 
 def eos_ids(model, tokenizer) -> set[int]:
@@ -130,12 +164,13 @@ class Decoder(PackedModel):
     `evals/lm.py` scores log-likelihoods with `plan`, `run_prefix` and `forward`."""
 
     def __init__(self, model, tokenizer, *, batch_size: int = 8, min_shared: int = MIN_SHARED,
-                 stop_eos: set[int] | None = None, per_row: bool | None = None):
+                 stop_eos: set[int] | None = None, per_row: bool | None = None, draft: int = 8):
         super().__init__(model, per_row)
         self.tokenizer = tokenizer
         self.batch_size = max(1, int(batch_size))
         self.min_shared = min_shared
         self.eos = eos_ids(model, tokenizer) if stop_eos is None else set(stop_eos)
+        self.draft = draft  # most tokens drafted per greedy row and step (0: none)
 
     def _window(self, stops: Sequence[str]) -> int:
         """Tokens of generated text searched for a stop string after each step: enough to hold the
@@ -149,6 +184,14 @@ class Decoder(PackedModel):
             return int(torch.argmax(logits))
         probs = torch.softmax(logits.float().cpu() / row.req.temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=row.gen))
+
+    def _append(self, row: _Row, tok: int) -> bool:
+        """Add a generated token; True (and `row.reason` set) when the row is finished."""
+        row.tokens.append(tok)
+        if row.lookup is not None:
+            row.lookup.ctx.append(tok)
+        row.reason = self._finished(row)
+        return row.reason is not None
 
     def _finished(self, row: _Row) -> str | None:
         tok = row.tokens[-1]
@@ -208,8 +251,8 @@ class Decoder(PackedModel):
                 rows = self._step(active, slots) + self._admit(requests, admit, slots, prefixes, remaining)
                 active = []
                 for row in rows:
-                    if (reason := self._finished(row)) is not None:
-                        results[row.index] = Output(row.tokens, reason)
+                    if row.reason is not None:
+                        results[row.index] = Output(row.tokens, row.reason)
                         free.append(row.slot)
                     else:
                         active.append(row)
@@ -239,23 +282,52 @@ class Decoder(PackedModel):
             tokens += own
             positions += range(p, len(req.ids))
             keep.append(len(tokens) - 1)
-            gen = torch.Generator().manual_seed(int(req.seed) & 0xFFFF_FFFF_FFFF_FFFF) if req.temperature > 0 else None
-            rows.append(_Row(i, req, slot, len(req.ids), self._window(req.stop), gen))
+            sampled = req.temperature > 0
+            gen = torch.Generator().manual_seed(int(req.seed) & 0xFFFF_FFFF_FFFF_FFFF) if sampled else None
+            lookup = _Lookup(req.ids) if self.draft and not sampled else None
+            rows.append(_Row(i, req, slot, len(req.ids), self._window(req.stop), gen, lookup))
         logits = self.forward(tokens, positions, segments, keep, slots)
         for row, row_logits in zip(rows, logits):
-            row.tokens.append(self._choose(row_logits, row))
+            self._append(row, self._choose(row_logits, row))
         return rows
 
     def _step(self, active: list[_Row], slots: Slots) -> list[_Row]:
-        """One decoding step for every active row: one token each, packed into one pass."""
+        """One decoding step for every active row, packed into one pass: the row's last token and, for a
+        greedy row, the tokens drafted after it (`_Lookup`), with logits at each. The model's choice after
+        the last token is kept; while it equals the next drafted token, the choice after that is kept too
+        (the drafted token's keys are already in the slot). What is kept is what greedy decoding one token
+        at a time would choose, up to float rounding; a rejected draft costs its rows in the pass."""
         if not active:
             return []
-        slots.ensure(max(r.length for r in active) + 1)
-        logits = self.forward([r.tokens[-1] for r in active], [r.length for r in active],
-                              [Segment(r.length, 1, slot=r.slot) for r in active], list(range(len(active))), slots)
-        for row, row_logits in zip(active, logits):
-            row.length += 1
-            row.tokens.append(self._choose(row_logits, row))
+        tokens, positions, segments, drafts = [], [], [], []
+        for row in active:
+            room = row.req.max_new_tokens - len(row.tokens) - 1
+            draft = row.lookup.draft(min(row.draft, room)) if row.lookup is not None and room > 0 else []
+            run = [row.tokens[-1], *draft]
+            segments.append(Segment(row.length, len(run), slot=row.slot))
+            tokens += run
+            positions += range(row.length, row.length + len(run))
+            drafts.append(draft)
+        slots.ensure(max(s.start + s.length for s in segments))
+        logits = self.forward(tokens, positions, segments, list(range(len(tokens))), slots)
+        at = 0
+        for row, seg, draft in zip(active, segments, drafts):
+            choices = logits[at:at + seg.length]
+            at += seg.length
+            if row.gen is not None:
+                row.length += 1
+                self._append(row, self._choose(choices[0], row))
+                continue
+            picks = choices.argmax(-1).tolist()
+            kept = 0
+            for i, tok in enumerate(picks):
+                row.length += 1  # the key of the token before `tok` is in the slot now
+                kept += 1
+                if self._append(row, tok) or i >= len(draft) or tok != draft[i]:
+                    break
+            if draft:  # longer drafts while they are accepted whole, shorter when the first is wrong
+                row.draft = min(2 * row.draft, self.draft) if kept > len(draft) else (
+                    max(1, row.draft // 2) if kept == 1 else row.draft)
         return active
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-ROW_QUANTUM = 8  # every pass runs a multiple of this many token rows; see the module docstring
+ROW_QUANTUM = 4  # every pass runs a multiple of this many token rows; see the module docstring
 ATTN_NAME = "tunelab_packed"
 STATE_KWARG = "tunelab_packed"
 
