@@ -9,7 +9,7 @@ few-shot prefixes run once; generation on tunelab's decoding engine) or, for Hum
 the model folder at each of `--peer-batch-sizes`, with lm-eval's built-in tasks (mmlu_*, gsm8k_cot,
 bbh_cot_fewshot_*) pointed at the same local files; for HumanEval (lm-eval's task downloads the
 dataset and executes code unsandboxed) HFLM's own `generate_until` on the same prompts and stop
-sequences. Both timings include loading the model; HumanEval's are generation only (the sandboxed
+sequences. Both timings include loading the model; HumanEval's cover loading and generation (the sandboxed
 scoring is the same code for both and runs afterwards).
 
 Prints items, seconds, items/s and the score of every run, the ratio against the fastest lm-eval batch
@@ -212,22 +212,28 @@ def main() -> None:
     ap.add_argument("--data-dir", type=Path, default=None,
                     help="local test files (<dir>/gsm8k/main/test.jsonl, <dir>/bbh/<task>/test.jsonl, "
                          "<dir>/mmlu/<subject>/{test,dev}.jsonl); MMLU defaults to the offline copy of `exp eval pull`")
-    ap.add_argument("--limit", type=int, default=None,
-                    help="items per MMLU subject / BBH task, GSM8K items, HumanEval problems")
-    ap.add_argument("--subsets", type=int, default=None, help="the first N MMLU subjects / BBH tasks (alphabetical)")
+    ap.add_argument("--limit", type=int, default=None, help="items per MMLU subject / BBH task, GSM8K items, "
+                    "HumanEval problems (default: mmlu 7, bbh 2, gsm8k 32, humaneval 16)")
+    ap.add_argument("--subsets", type=int, default=None,
+                    help="the first N MMLU subjects / BBH tasks, alphabetical (default: mmlu 57, bbh 8)")
     ap.add_argument("--batch-size", type=int, default=16, help="tunelab's batch size")
-    ap.add_argument("--peer-batch-sizes", default="1,8,16", help="lm-eval batch sizes to run (1 is the parity run)")
+    ap.add_argument("--peer-batch-sizes", default=None,
+                    help="lm-eval batch sizes to run, comma-separated (default: 8,16,32 for mmlu, else 1,8,16; "
+                         "1 is the parity run of the generation tasks)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: each task's own (HumanEval 256)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for both (default 1: on a shared 2-core machine MKL's threads wait on each "
+                         "other for the small matrices of decoding)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/tunelab-eval-speed"))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     defaults = {"mmlu": 7, "gsm8k": 32, "bbh": 2, "humaneval": 16}
     args.limit = args.limit or defaults[args.task]
+    args.subsets = args.subsets or {"mmlu": 57, "bbh": 8}.get(args.task)
+    args.peer_batch_sizes = args.peer_batch_sizes or ("8,16,32" if args.task == "mmlu" else "1,8,16")
     if args.task == "humaneval":
         args.max_new_tokens = args.max_new_tokens or 256
     if args.task == "mmlu" and args.data_dir is None:

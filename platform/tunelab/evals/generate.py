@@ -10,6 +10,10 @@ What it saves over `model.generate` on padded batches:
   leaves at its stop string, end-of-sequence token or length limit, and the next waiting request takes
   its slot. Nothing waits for the longest row of a batch, and no row is left-padded.
 - **Keys and values are written in place** into a per-slot buffer, not concatenated at every step.
+- **Drafted tokens** (greedy rows): each step also runs the tokens that followed the row's last three
+  (or two) tokens where they occurred before in its prompt or completion (`_Lookup`), and keeps those
+  the model itself would have chosen one at a time. CoT answers reuse their exemplars' phrases, and a
+  model caught in a loop repeats itself exactly: several tokens per pass instead of one.
 
 Outputs do not depend on the batch size (see `evals/packed.py` for the passes); sampling draws from one
 generator per request, seeded from the request, never from the batch.
@@ -26,6 +30,7 @@ import torch
 from tunelab.evals.packed import PackedModel, Segment, Slots
 
 MIN_SHARED = 32  # tokens: below this a shared prefix is not worth a separate forward pass
+REST = 4  # steps without drafts after a row's drafts kept failing
 
 
 def _lcp(a: Sequence, b: Sequence) -> int:
@@ -125,7 +130,11 @@ class _Row:
     lookup: _Lookup | None  # greedy rows: the source of draft tokens
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None  # why it finished
-    draft: int = 2  # draft length for the next step, adapted to how many drafted tokens were accepted
+    # Drafting adapts to the row's own acceptance (never to the batch, so that its passes, and their
+    # rounding, are the same in any batch): the draft length doubles when a draft is accepted whole and
+    # halves when its first token is wrong; at 0 the row rests `REST` steps, then tries 1 token again.
+    draft: int = 2
+    rest: int = 0
 
 
 def eos_ids(model, tokenizer) -> set[int]:
@@ -164,7 +173,7 @@ class Decoder(PackedModel):
     `evals/lm.py` scores log-likelihoods with `plan`, `run_prefix` and `forward`."""
 
     def __init__(self, model, tokenizer, *, batch_size: int = 8, min_shared: int = MIN_SHARED,
-                 stop_eos: set[int] | None = None, per_row: bool | None = None, draft: int = 8):
+                 stop_eos: set[int] | None = None, per_row: bool | None = None, draft: int = 16):
         super().__init__(model, per_row)
         self.tokenizer = tokenizer
         self.batch_size = max(1, int(batch_size))
@@ -301,8 +310,12 @@ class Decoder(PackedModel):
             return []
         tokens, positions, segments, drafts = [], [], [], []
         for row in active:
-            room = row.req.max_new_tokens - len(row.tokens) - 1
-            draft = row.lookup.draft(min(row.draft, room)) if row.lookup is not None and room > 0 else []
+            room = min(row.draft, row.req.max_new_tokens - len(row.tokens) - 1)
+            if row.draft == 0 and row.lookup is not None:
+                row.rest -= 1
+                if row.rest <= 0:
+                    row.draft = 1
+            draft = row.lookup.draft(room) if row.lookup is not None and room > 0 else []
             run = [row.tokens[-1], *draft]
             segments.append(Segment(row.length, len(run), slot=row.slot))
             tokens += run
@@ -325,9 +338,11 @@ class Decoder(PackedModel):
                 kept += 1
                 if self._append(row, tok) or i >= len(draft) or tok != draft[i]:
                     break
-            if draft:  # longer drafts while they are accepted whole, shorter when the first is wrong
-                row.draft = min(2 * row.draft, self.draft) if kept > len(draft) else (
-                    max(1, row.draft // 2) if kept == 1 else row.draft)
+            if draft and kept > len(draft):
+                row.draft = min(2 * row.draft, self.draft)
+            elif draft and kept == 1:
+                row.draft //= 2
+                row.rest = REST
         return active
 
 
