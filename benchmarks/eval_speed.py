@@ -1,90 +1,282 @@
-"""MMLU (5-shot) with tunelab's engine vs lm-eval's CLI path, same model, same data, same prompts.
+"""tunelab's evaluation engine vs lm-eval's `hf` model, same model, same data, same prompts, in one run.
 
-    python benchmarks/eval_speed.py [--model smollm2-135m-instruct] [--limit 7] [--batch-size 8]
+    python benchmarks/eval_speed.py --task mmlu|gsm8k|bbh|humaneval [--data-dir DIR] [--limit L]
+        [--subsets N] [--batch-size B] [--peer-batch-sizes 1,8,16] [--max-new-tokens N] [--threads T]
 
-tunelab: the model loaded once, `evals.run` with tunelab's task definitions (SharedPrefixLM: each
-subject's 5-shot prefix runs once). lm-eval: what `lm_eval --model hf --tasks mmlu_*` does, a fresh
-HFLM loaded from the model folder and lm-eval's built-in mmlu_* tasks, pointed at the same local files.
-Data: the offline MMLU (`exp eval pull`, fetched here if missing). Prints examples/s, the ratio, and
-both accuracies side by side.
+tunelab: the model loaded once, then `evals.run` with tunelab's task definitions (`SharedPrefixLM`:
+few-shot prefixes run once; generation on tunelab's decoding engine) or, for HumanEval,
+`humaneval.generate`. lm-eval: what `lm_eval --model hf --tasks ...` does, a fresh HFLM loaded from
+the model folder at each of `--peer-batch-sizes`, with lm-eval's built-in tasks (mmlu_*, gsm8k_cot,
+bbh_cot_fewshot_*) pointed at the same local files; for HumanEval (lm-eval's task downloads the
+dataset and executes code unsandboxed) HFLM's own `generate_until` on the same prompts and stop
+sequences. Both timings include loading the model; HumanEval's cover loading and generation (the sandboxed
+scoring is the same code for both and runs afterwards).
+
+Prints items, seconds, items/s and the score of every run, the ratio against the fastest lm-eval batch
+size, whether the scores are identical, and for generation tasks the parity of the generated strings
+with lm-eval at batch size 1: how many are identical, and for each one that is not, the logit gap at
+the first diverging token (a near-tie below 1e-4 explains it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
 
-
-def tunelab_run(model_name: str, data: Path, subjects: list[str], limit: int, batch_size: int,
-                out: Path) -> tuple[float, float, int]:
-    from tunelab import evals, models
-    from tunelab.config import EvalCfg, ModelCfg
-
-    t0 = time.perf_counter()
-    model, tok = models.load(ModelCfg(name=model_name, dtype="float32", attn="sdpa"))
-    cfg = EvalCfg(tasks=["mmlu"], limit=limit, data_dir=str(data), batch_size=batch_size, subtasks={"mmlu": subjects})
-    r = evals.run(model, tok, cfg, evals.Context(out_dir=out))["tasks"]["mmlu"]
-    return time.perf_counter() - t0, r["value"], r["n"]
+NEAR_TIE = 1e-4
 
 
-def lm_eval_run(model_name: str, data: Path, subjects: list[str], limit: int,
-                batch_size: int) -> tuple[float, float, int]:
-    import lm_eval
+def load_model(name: str):
+    from tunelab import models
+    from tunelab.config import ModelCfg
+
+    return models.load(ModelCfg(name=name, dtype="float32", attn="sdpa"))
+
+
+# -- tunelab ------------------------------------------------------------------------------------------
+
+def tunelab_run(args, subsets: list[str]) -> dict:
+    """{seconds, n, score, raw: {(subset, doc_id): generated string}}"""
+    from tunelab import evals
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    model, tok = load_model(args.model)
+    if args.task == "humaneval":
+        from tunelab.evals import humaneval
+
+        problems = humaneval.load_problems(args.limit)
+        outs = humaneval.generate(model, tok, [p["prompt"] for p in problems], max_new_tokens=args.max_new_tokens,
+                                  batch_size=args.batch_size)
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return {"seconds": seconds, "cpu": cpu, "n": len(problems), "score": pass_at_1(problems, [o[0] for o in outs]),
+                "raw": {("humaneval", i): o[0] for i, o in enumerate(outs)}, "model": (model, tok)}
+    from tunelab.config import EvalCfg
+
+    cfg = EvalCfg(tasks=[args.task], limit=args.limit, data_dir=str(args.data_dir), batch_size=args.batch_size,
+                  subtasks={args.task: subsets} if args.task != "gsm8k" else {},
+                  max_new_tokens=args.max_new_tokens)
+    result = evals.run(model, tok, cfg, evals.Context(out_dir=args.out))["tasks"][args.task]
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    raw = {}
+    for line in (args.out / "samples.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "raw" in r:
+            raw[(r["subtask"] if args.task == "bbh" else args.task, r["doc_id"])] = r["raw"]
+    # mmlu's headline is weighted by subject size, bbh's the macro average over tasks: as lm-eval's groups
+    return {"seconds": seconds, "cpu": cpu, "n": result["n"], "score": result["value"], "raw": raw,
+            "model": (model, tok)}
+
+
+def pass_at_1(problems: list[dict], completions: list[str]) -> float:
+    from tunelab.evals import humaneval
+
+    records = humaneval.score(problems, [[c] for c in completions], timeout_s=5.0)
+    return sum(r["passed"] for r in records) / len(records)
+
+
+# -- lm-eval ------------------------------------------------------------------------------------------
+
+def peer_tasks(args, subsets: list[str]):
     from lm_eval.tasks import TaskManager
 
-    from tunelab import models
     from tunelab.evals import exemplars
     from tunelab.evals.sources import read_jsonl
 
-    t0 = time.perf_counter()
-    tasks = []
-    for s in subjects:
-        files = {split: str(data / "mmlu" / s / f"{split}.jsonl") for split in ("test", "dev")}
-        shots = min(5, len(read_jsonl(Path(files["dev"]))))  # first_n refuses more shots than the pool
-        tasks.append({"task": f"mmlu_{s}", "num_fewshot": shots, "dataset_path": "json", "dataset_name": None,
-                      "dataset_kwargs": {"data_files": files}})
-    # Only lm-eval's mmlu folder is indexed; the CLI indexes every built-in task first (~18 s here).
-    tm = TaskManager(include_defaults=False, include_path=str(exemplars.lm_eval_tasks_dir() / "mmlu" / "default"))
-    out = lm_eval.simple_evaluate(
-        model="hf", model_args={"pretrained": models.resolve(model_name), "dtype": "float32", "device": "cpu"},
-        tasks=[{"group": "mmlu_speed", "task": tasks}], task_manager=tm, limit=limit, batch_size=batch_size)
-    n = sum(v["effective"] for v in out["n-samples"].values())
-    right = sum(out["results"][f"mmlu_{s}"]["acc,none"] * out["n-samples"][f"mmlu_{s}"]["effective"]
-                for s in subjects)
-    return time.perf_counter() - t0, right / n, n
+    data, lm_tasks = args.data_dir, exemplars.lm_eval_tasks_dir()
+
+    def files(path: Path, splits=("test",)):
+        return {"dataset_path": "json", "dataset_name": None,
+                "dataset_kwargs": {"data_files": {s: str(path / f"{s}.jsonl") for s in splits}}}
+
+    if args.task == "mmlu":
+        tasks = []
+        for s in subsets:
+            dev = data / "mmlu" / s / "dev.jsonl"
+            shots = min(5, len(read_jsonl(dev)))  # first_n refuses more shots than the pool
+            tasks.append({"task": f"mmlu_{s}", "num_fewshot": shots, **files(data / "mmlu" / s, ("test", "dev"))})
+        folder, names = lm_tasks / "mmlu" / "default", {f"mmlu_{s}": s for s in subsets}
+    elif args.task == "gsm8k":
+        tasks = [{"task": "gsm8k_cot", **files(data / "gsm8k" / "main")}]
+        folder, names = lm_tasks / "gsm8k", {"gsm8k_cot": "gsm8k"}
+    else:
+        tasks = [{"task": f"bbh_cot_fewshot_{s}", **files(data / "bbh" / s)} for s in subsets]
+        folder, names = lm_tasks / "bbh" / "cot_fewshot", {f"bbh_cot_fewshot_{s}": s for s in subsets}
+    # A dict naming a registered task replaces its config only as a member of a group. Only the task's
+    # folder is indexed; the CLI indexes every built-in task first (~18 s here), which is not timed.
+    tm = TaskManager(include_defaults=False, include_path=str(folder))
+    return [{"group": "speed", "task": tasks}], tm, names
+
+
+def peer_run(args, subsets: list[str], batch_size: int) -> dict:
+    import lm_eval
+
+    from tunelab import models
+
+    model_args = {"pretrained": models.resolve(args.model), "dtype": "float32", "device": "cpu"}
+    if args.task == "humaneval":
+        return peer_humaneval(args, model_args, batch_size)
+    tasks, tm, names = peer_tasks(args, subsets)
+    gen = {"max_gen_toks": args.max_new_tokens} if args.max_new_tokens else None
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=tasks, task_manager=tm, limit=args.limit,
+                                  batch_size=batch_size, log_samples=True, gen_kwargs=gen)
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    counts = {t: out["n-samples"][t]["effective"] for t in names}
+    metric = {"mmlu": "acc,none", "gsm8k": "exact_match,strict-match", "bbh": "exact_match,get-answer"}[args.task]
+    values = {t: out["results"][t][metric] for t in names}
+    if args.task == "bbh":
+        score = sum(values.values()) / len(values)
+    else:
+        score = sum(values[t] * counts[t] for t in names) / sum(counts.values())
+    raw, contexts = {}, {}
+    for t, subset in names.items():
+        for s in out["samples"][t]:
+            if isinstance(s["resps"][0][0], str):
+                key = (subset, s["doc_id"])
+                raw[key], contexts[key] = s["resps"][0][0], s["arguments"][0]
+    return {"seconds": seconds, "cpu": cpu, "n": sum(counts.values()), "score": score, "raw": raw,
+            "contexts": contexts}
+
+
+def peer_humaneval(args, model_args: dict, batch_size: int) -> dict:
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from tunelab.evals import humaneval
+
+    problems = humaneval.load_problems(args.limit)
+    gen = {"until": list(humaneval.STOP_SEQUENCES), "max_gen_toks": args.max_new_tokens, "do_sample": False}
+    requests = [Instance("generate_until", {}, (p["prompt"], dict(gen)), i) for i, p in enumerate(problems)]
+    t0, c0 = time.perf_counter(), time.process_time()
+    lm = HFLM(batch_size=batch_size, **model_args)
+    texts = lm.generate_until(requests, disable_tqdm=True)
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"seconds": seconds, "cpu": cpu, "n": len(problems), "score": pass_at_1(problems, texts),
+            "raw": {("humaneval", i): t for i, t in enumerate(texts)},
+            "contexts": {("humaneval", i): (p["prompt"], gen) for i, p in enumerate(problems)}}
+
+
+# -- parity -------------------------------------------------------------------------------------------
+
+def explain(model, tok, context: str, gen_kwargs: dict, max_new_tokens: int):
+    """Regenerate one item with tunelab's engine and lm-eval's way (model.generate, batch size 1) and
+    return the first divergence between the two token streams."""
+    from tunelab.evals.generate import Decoder, Request, first_divergence
+
+    ids = tuple(tok(context)["input_ids"])
+    n = gen_kwargs.get("max_gen_toks", max_new_tokens)
+    ours = Decoder(model, tok, batch_size=1).generate([Request(ids, n, tuple(gen_kwargs.get("until", ())))])[0]
+    return first_divergence(model, ids, ours.tokens, n)
+
+
+def parity(ours: dict, ref: dict, args) -> list[str]:
+    lines = []
+    keys = sorted(ref["raw"])
+    same = [k for k in keys if ours["raw"].get(k) == ref["raw"][k]]
+    lines.append(f"generated strings identical to lm-eval at batch size 1: {len(same)}/{len(keys)} "
+                 f"({100 * len(same) / max(1, len(keys)):.1f}%)")
+    model, tok = ours["model"]
+    for k in keys:
+        if k in same:
+            continue
+        context, gen_kwargs = ref["contexts"][k]
+        div = explain(model, tok, context, gen_kwargs, args.max_new_tokens or 256)
+        if div is None:
+            lines.append(f"  {k}: differs only after the stop (token streams agree)")
+        else:
+            verdict = "near-tie" if div.gap < NEAR_TIE else "NOT A NEAR-TIE"
+            lines.append(f"  {k}: first diverging token {div.step}: ours {div.ours} vs theirs {div.theirs}, "
+                         f"logit gap {div.gap:.2e} ({verdict})")
+    return lines
+
+
+# -- main ---------------------------------------------------------------------------------------------
+
+def subsets_for(args) -> list[str]:
+    from tunelab.evals import exemplars
+
+    if args.task == "mmlu":
+        return exemplars.mmlu_subjects()[: args.subsets]
+    if args.task == "bbh":
+        return exemplars.bbh_tasks()[: args.subsets]
+    return []
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", choices=["mmlu", "gsm8k", "bbh", "humaneval"], default="mmlu")
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--limit", type=int, default=7, help="questions per subject")
-    ap.add_argument("--subjects", type=int, default=57, help="the first N subjects (alphabetical)")
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--data-dir", type=Path, default=None,
+                    help="local test files (<dir>/gsm8k/main/test.jsonl, <dir>/bbh/<task>/test.jsonl, "
+                         "<dir>/mmlu/<subject>/{test,dev}.jsonl); MMLU defaults to the offline copy of `exp eval pull`")
+    ap.add_argument("--limit", type=int, default=None, help="items per MMLU subject / BBH task, GSM8K items, "
+                    "HumanEval problems (default: mmlu 7, bbh 2, gsm8k 32, humaneval 16)")
+    ap.add_argument("--subsets", type=int, default=None,
+                    help="the first N MMLU subjects / BBH tasks, alphabetical (default: mmlu 57, bbh 8)")
+    ap.add_argument("--batch-size", type=int, default=16, help="tunelab's batch size")
+    ap.add_argument("--peer-batch-sizes", default=None,
+                    help="lm-eval batch sizes to run, comma-separated (default: 8,16,32 for mmlu, else 1,8,16; "
+                         "1 is the parity run of the generation tasks)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: each task's own (HumanEval 256)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for both (default 1: on a shared 2-core machine MKL's threads wait on each "
+                         "other for the small matrices of decoding)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/tunelab-eval-speed"))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-    from tunelab.evals.pull import pull_mmlu
-    from tunelab.evals.sources import cache_root
-
-    data = cache_root()
-    if not (data / "mmlu" / "anatomy" / "test.jsonl").is_file():
-        pull_mmlu(data)
     import torch
 
-    from tunelab.evals.exemplars import mmlu_subjects
+    torch.set_num_threads(args.threads)
+    defaults = {"mmlu": 7, "gsm8k": 32, "bbh": 2, "humaneval": 16}
+    args.limit = args.limit or defaults[args.task]
+    args.subsets = args.subsets or {"mmlu": 57, "bbh": 8}.get(args.task)
+    args.peer_batch_sizes = args.peer_batch_sizes or ("8,16,32" if args.task == "mmlu" else "1,8,16")
+    if args.task == "humaneval":
+        args.max_new_tokens = args.max_new_tokens or 256
+    if args.task == "mmlu" and args.data_dir is None:
+        from tunelab.evals.pull import pull_mmlu
+        from tunelab.evals.sources import cache_root
 
-    subjects = mmlu_subjects()[: args.subjects]
-    print(f"model {args.model}, MMLU 5-shot, {len(subjects)} subjects x {args.limit} questions, "
-          f"batch {args.batch_size}, {torch.get_num_threads()} threads", flush=True)
-    t_ours, acc_ours, n_ours = tunelab_run(args.model, data, subjects, args.limit, args.batch_size, args.out)
-    t_ref, acc_ref, n_ref = lm_eval_run(args.model, data, subjects, args.limit, args.batch_size)
-    print(f"{'':10s} {'questions':>9s} {'seconds':>8s} {'q/s':>6s} {'accuracy':>9s}")
-    print(f"{'tunelab':10s} {n_ours:9d} {t_ours:8.1f} {n_ours / t_ours:6.2f} {acc_ours:9.6f}")
-    print(f"{'lm-eval':10s} {n_ref:9d} {t_ref:8.1f} {n_ref / t_ref:6.2f} {acc_ref:9.6f}")
-    print(f"speed-up {t_ref / t_ours:.2f}x; accuracy difference {abs(acc_ours - acc_ref):.2e}")
+        args.data_dir = cache_root()
+        if not (args.data_dir / "mmlu" / "anatomy" / "test.jsonl").is_file():
+            pull_mmlu(args.data_dir)
+    if args.task in ("gsm8k", "bbh") and args.data_dir is None:
+        ap.error(f"--task {args.task} needs --data-dir (its test set has no offline source)")
+    subsets = subsets_for(args)
+    peers = [int(b) for b in args.peer_batch_sizes.split(",")]
+    load = os.getloadavg()
+    print(f"model {args.model}, task {args.task}, limit {args.limit}"
+          f"{f', {len(subsets)} subsets' if subsets else ''}, tunelab batch {args.batch_size}, lm-eval batch sizes "
+          f"{peers}, {torch.get_num_threads()} threads, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}",
+          flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = {"tunelab": tunelab_run(args, subsets)}
+    print(f"tunelab done: {runs['tunelab']['seconds']:.1f} s", flush=True)
+    for bs in peers:
+        runs[f"lm-eval bs {bs}"] = peer_run(args, subsets, bs)
+        print(f"lm-eval batch size {bs} done: {runs[f'lm-eval bs {bs}']['seconds']:.1f} s", flush=True)
+    unit = "questions" if args.task == "mmlu" else "items"
+    print(f"\n{'run':16s} {unit:>9s} {'seconds':>8s} {'items/s':>8s} {'cpu s':>8s} {'score':>9s}")
+    for name, r in runs.items():
+        print(f"{name:16s} {r['n']:9d} {r['seconds']:8.1f} {r['n'] / r['seconds']:8.3f} {r['cpu']:8.1f} "
+              f"{r['score']:9.6f}")
+    best = min((n for n in runs if n != "tunelab"), key=lambda n: runs[n]["seconds"] / runs[n]["n"])
+    ours = runs["tunelab"]
+    ratio = (ours["n"] / ours["seconds"]) / (runs[best]["n"] / runs[best]["seconds"])
+    cpu_best = min((n for n in runs if n != "tunelab"), key=lambda n: runs[n]["cpu"] / runs[n]["n"])
+    cpu_ratio = (runs[cpu_best]["cpu"] / runs[cpu_best]["n"]) / (ours["cpu"] / ours["n"])
+    print(f"fastest lm-eval: {best}; speed-up {ratio:.2f}x (items/s, wall clock); in CPU seconds per item "
+          f"against {cpu_best}: {cpu_ratio:.2f}x")
+    diffs = {n: abs(ours["score"] - r["score"]) for n, r in runs.items() if n != "tunelab"}
+    print("score difference: " + ", ".join(f"{n} {d:.2e}" for n, d in diffs.items())
+          + (" (identical)" if not any(diffs.values()) else ""))
+    if args.task != "mmlu" and "lm-eval bs 1" in runs:
+        print("\n".join(parity(ours, runs["lm-eval bs 1"], args)))
+    load = os.getloadavg()
+    print(f"load average at the end {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
 
 
 if __name__ == "__main__":

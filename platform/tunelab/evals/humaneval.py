@@ -55,8 +55,41 @@ def generate(
 ) -> list[list[str]]:
     """`n_samples` completions per prompt, in prompt order, cut at the first stop
     sequence. Greedy when temperature == 0 (then the samples are one completion
-    repeated); otherwise pure temperature sampling seeded with `seed`, whose draws
-    depend on `batch_size`."""
+    repeated); otherwise pure temperature sampling. Sample j of prompt i draws from
+    its own generator, seeded from (`seed`, i, j): the completions depend on the seed,
+    never on `batch_size` or on which other prompts are generated with them.
+
+    Runs on tunelab's decoding engine (`evals/generate.py`): the n samples of a prompt
+    share its forward pass, and every row stops at its own stop sequence. A model the
+    engine cannot drive falls back to `model.generate`."""
+    from tunelab.evals.generate import Decoder, Request
+
+    greedy = temperature == 0
+    per_prompt = 1 if greedy else n_samples
+    decoder = Decoder(model, tokenizer, batch_size=batch_size)
+    if not decoder.supported():
+        return _generate_hf(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                            n_samples=n_samples, temperature=temperature, seed=seed)
+    encoded = tokenizer(prompts)["input_ids"]
+    requests = [
+        Request(tuple(ids), max_new_tokens, STOP_SEQUENCES, temperature, _sample_seed(seed, i, j), stop_in_prompt=True)
+        for i, ids in enumerate(encoded)
+        for j in range(per_prompt)
+    ]
+    texts = [truncate_at_stop(tokenizer.decode(out.tokens, skip_special_tokens=True))
+             for out in decoder.generate(requests)]
+    samples = [texts[i * per_prompt : (i + 1) * per_prompt] for i in range(len(prompts))]
+    return [s * n_samples if greedy else s for s in samples]
+
+
+def _sample_seed(seed: int, prompt: int, sample: int) -> int:
+    digest = hashlib.sha256(f"humaneval:{seed}:{prompt}:{sample}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _generate_hf(model, tokenizer, prompts, *, max_new_tokens, batch_size, n_samples, temperature, seed):
+    """`model.generate` on left-padded batches, for a model the engine cannot drive; sampled
+    draws then depend on `batch_size`."""
     greedy = temperature == 0
     per_prompt = 1 if greedy else n_samples
     options = {
@@ -77,7 +110,6 @@ def generate(
             tokenizer.pad_token = tokenizer.eos_token
         options["pad_token_id"] = tokenizer.pad_token_id
         model.eval()
-        # Batches of similar length waste less compute on padding.
         lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]]
         order = sorted(range(len(prompts)), key=lambda i: lengths[i])
         if not greedy:

@@ -1,49 +1,38 @@
-"""lm-eval's HFLM around a model already in memory, with log-likelihoods that share few-shot prefixes.
+"""lm-eval's HFLM around a model already in memory, with few-shot prefixes computed once.
 
 Every question of an MMLU subject starts with the same description and five solved dev questions:
-about 90% of its tokens. HFLM runs them all again for every question. `SharedPrefixLM` runs each
-shared prefix once, keeps its key/value cache, and runs only the rest of each question against it
-(batched, right-padded, sorted by length); inputs whose continuation logits can be read off one
-forward pass (the one-token answers " A".." D") are computed once. The log-probabilities are those
-of HFLM up to float rounding; generation is HFLM's own.
+about 90% of its tokens; every GSM8K question with the same 8 solved exemplars, every question of a
+BBH task with its 3. HFLM runs them all again for every question.
+
+`SharedPrefixLM` runs every forward pass on tunelab's engine (`evals/packed.py`, `evals/generate.py`):
+
+- log-likelihoods: each shared prefix runs once; the rest of each question runs against its keys and
+  values, `batch_size` questions to a packed pass (no padding), the output head only at the scored
+  positions; inputs whose continuation logits can be read off one pass (the one-token answers
+  " A".." D") run once. The log-probabilities are HFLM's up to float rounding.
+- generation (`generate_until`): each prefix once, continuous batching, every row stopping at its own
+  stop string; contexts encoded, stopped, decoded and cut exactly as HFLM does, so greedy outputs are
+  HFLM's up to float rounding (a near-tie can flip).
+
+HFLM's own code runs where the engine does not serve: `share_prefixes=False`, a model that fails the
+engine's self-check, and generation requests with sampling or other generation arguments.
 """
 
 from __future__ import annotations
 
-import copy
-import inspect
 from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 
-MIN_SHARED = 32  # tokens: below this a shared prefix is not worth a separate forward pass
+from tunelab.evals.generate import MIN_SHARED, Decoder, Request, generation_config_issue, groups_by_prefix
+from tunelab.evals.packed import Segment
 
+__all__ = ["MIN_SHARED", "SharedPrefixLM", "groups_by_prefix"]
 
-def _lcp(a: tuple, b: tuple) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def groups_by_prefix(seqs: list[tuple], min_shared: int = MIN_SHARED) -> list[tuple[int, list[int]]]:
-    """Partition sequence indices into groups that share a prefix of at least `min_shared` tokens:
-    [(prefix length, [index ...])]. Lexicographic order puts sequences with long common prefixes
-    next to each other, and a group's common prefix is the minimum over its neighbours."""
-    order = sorted(range(len(seqs)), key=lambda i: seqs[i])
-    out: list[tuple[int, list[int]]] = []
-    for i in order:
-        if out:
-            shared, members = out[-1]
-            common = min(shared, _lcp(seqs[members[-1]], seqs[i]))
-            if common >= min_shared:
-                out[-1] = (common, [*members, i])
-                continue
-        out.append((len(seqs[i]), [i]))
-    return out
+# generate_until arguments the engine honours; with do_sample false HFLM ignores the sampling ones too
+_ENGINE_GEN_KWARGS = {"do_sample", "temperature", "top_p", "top_k"}
 
 
 class SharedPrefixLM(HFLM):
@@ -51,17 +40,56 @@ class SharedPrefixLM(HFLM):
 
     def __init__(self, model, tokenizer, batch_size: int = 8, share_prefixes: bool = True, **kwargs):
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **kwargs)
-        # Prefix caches need a plain transformers causal LM (a PEFT wrapper may own the cache).
-        from transformers import PreTrainedModel
+        self.share_prefixes = share_prefixes and self.backend == "causal"
+        self._decoder: Decoder | None = None
 
-        self.share_prefixes = share_prefixes and isinstance(model, PreTrainedModel) and self.backend == "causal"
-        # transformers 5 renamed forward's past_key_values to cache; older models keep the old name
-        params = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        self._keeps_logits = "logits_to_keep" in params
+    def engine(self) -> Decoder | None:
+        """tunelab's engine for this model, or None where HFLM's own code must run (share_prefixes off, a
+        model the engine cannot drive: see `Decoder.supported`)."""
+        if not self.share_prefixes:
+            return None
+        if self._decoder is None:
+            bs = self.batch_size if isinstance(self.batch_size, int) and self.batch_size > 0 else 8
+            self._decoder = Decoder(self.model, self.tokenizer, batch_size=bs)
+        return self._decoder if self._decoder.supported() else None
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+
+        decoder = self.engine()
+        if decoder is None or getattr(self, "think_end_token", None) is not None or generation_config_issue(self.model):
+            return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+        mine, stops, theirs = {}, {}, []
+        for i, inst in enumerate(requests):
+            context, gen_kwargs = inst.args
+            kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_gen = kwargs.pop("max_gen_toks")
+            if kwargs.get("do_sample") or set(kwargs) - _ENGINE_GEN_KWARGS:
+                theirs.append(i)
+                continue
+            # HFLM's encoding of a generation context: its own tok_batch_encode, left-truncated so that the
+            # context and the new tokens fit in max_length.
+            assert self.max_length - max_gen > 0, f"max_gen_toks {max_gen} leaves no room in {self.max_length}"
+            ids, _ = self.tok_batch_encode([context], left_truncate_len=self.max_length - max_gen,
+                                           truncation=self.truncation)
+            mine[i] = Request(tuple(ids[0].tolist()), max_gen, tuple(until))
+            stops[i] = until
+        out: list[str | None] = [None] * len(requests)
+        if theirs:
+            for i, text in zip(theirs, super().generate_until([requests[i] for i in theirs], disable_tqdm)):
+                out[i] = text
+        order = list(mine)
+        for i, result in zip(order, decoder.generate([mine[i] for i in order])):
+            text = postprocess_generated_text(self.tok_decode(result.tokens), stops[i], None)
+            self.cache_hook.add_partial("generate_until", requests[i].args, text)
+            out[i] = text
+        return out  # type: ignore[return-value]
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
-        if not self.share_prefixes:
+        decoder = self.engine()
+        if decoder is None:
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
         # The model input of a request, exactly as HFLM builds it (left-truncated to max_length).
         inputs, contlens = [], []
@@ -74,13 +102,10 @@ class SharedPrefixLM(HFLM):
             need[inp] = max(need[inp], n)
         unique = list(need)
         logprobs: dict[tuple, torch.Tensor] = {}  # input -> log-softmax over its last `need` positions
-        for shared, members in groups_by_prefix(unique):
-            seqs = [unique[i] for i in members]
+        with decoder.running():
             # The prefix may not reach into any position whose logits are scored.
-            p = min([shared] + [len(s) - need[s] for s in seqs])
-            if len(members) == 1 or p < MIN_SHARED:
-                p = 0
-            logprobs.update(self._score_group(seqs, p, need))
+            for p, members in decoder.plan(unique, own=[need[s] for s in unique]):
+                logprobs.update(self._score_group(decoder, [unique[i] for i in members], p, need))
         out = []
         for (req_str, _, cont), inp, n in zip(requests, inputs, contlens):
             lp = logprobs[inp][-n:]
@@ -91,31 +116,24 @@ class SharedPrefixLM(HFLM):
                 self.cache_hook.add_partial("loglikelihood", req_str, answer)
         return out
 
-    @torch.no_grad()
-    def _score_group(self, seqs: list[tuple], p: int, need: dict) -> dict[tuple, torch.Tensor]:
-        cache = None
-        if p:
-            prefix = torch.tensor([seqs[0][:p]], device=self.device)
-            # Only the cache is wanted: skip the vocabulary projection of every prefix position.
-            keep = {"logits_to_keep": 1} if self._keeps_logits else {}
-            cache = getattr(self.model(prefix, use_cache=True, **keep), self._cache_arg)
-        bs = self.batch_size if isinstance(self.batch_size, int) and self.batch_size > 0 else 8
-        order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))  # batch by length
+    def _score_group(self, decoder: Decoder, seqs: list[tuple], p: int, need: dict) -> dict[tuple, torch.Tensor]:
+        """Log-softmax over the last need[s] positions of each sequence: the shared prefix runs once, the
+        sequences' own tokens `batch_size` at a time in packed passes against it, each attending to the
+        prefix and to itself only (no padding: a sequence's numbers do not depend on its neighbours), and
+        the output head runs at the scored positions only."""
+        prefix = decoder.run_prefix(seqs[0][:p]) if p else None
         out = {}
-        for start in range(0, len(order), bs):
-            batch = [seqs[i] for i in order[start:start + bs]]
-            width = max(len(s) for s in batch) - p
-            ids = torch.full((len(batch), width), self.tokenizer.pad_token_id or 0, device=self.device)
-            for row, s in enumerate(batch):
-                ids[row, : len(s) - p] = torch.tensor(s[p:], device=self.device)
-            kwargs = {}
-            if cache is not None:
-                batch_cache = copy.deepcopy(cache)  # the forward pass appends to it
-                batch_cache.batch_repeat_interleave(len(batch))
-                kwargs = {self._cache_arg: batch_cache, "use_cache": True}
-            # Right padding under a causal mask: real tokens never see the pads, as in HFLM.
-            logits = self.model(ids, **kwargs).logits
-            for row, s in enumerate(batch):
-                end = len(s) - p
-                out[s] = F.log_softmax(logits[row, end - need[s]: end], dim=-1, dtype=self.softmax_dtype)
+        for start in range(0, len(seqs), decoder.batch_size):
+            batch = seqs[start:start + decoder.batch_size]
+            tokens, positions, segments, keep = [], [], [], []
+            for s in batch:
+                tokens += s[p:]
+                positions += range(p, len(s))
+                segments.append(Segment(p, len(s) - p, prefix=prefix))
+                keep += range(len(tokens) - need[s], len(tokens))
+            logits = decoder.forward(tokens, positions, segments, keep)
+            at = 0
+            for s in batch:
+                out[s] = F.log_softmax(logits[at:at + need[s]], dim=-1, dtype=self.softmax_dtype)
+                at += need[s]
         return out
