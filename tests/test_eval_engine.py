@@ -138,3 +138,21 @@ def test_bbh_and_smoke_variants_run_and_say_what_they_are(tiny, tmp_path):
     assert out["gsm8k_smoke"]["n"] == 2 and out["gsm8k_smoke"]["shots"] == 8
     for smoke in ("bbh_smoke", "gsm8k_smoke"):
         assert out[smoke]["headline"].startswith("SMOKE, not") and out[smoke]["data_source"]
+
+
+def test_each_task_reports_its_progress_to_the_end(tiny, tmp_path):
+    """The runner's eval bar: EvalProgress events per task, counts that only grow, a last one at the total."""
+    from tunelab.events import EvalProgress, EvalTask
+
+    seen = []
+    cfg = EvalCfg(tasks=["mmlu", "gsm8k"], data_dir=str(FIXTURES), subtasks={"mmlu": SUBJECTS},
+                  max_new_tokens=GEN_TOKENS, batch_size=4, limit=3)
+    evals.run(*tiny, cfg, evals.Context(out_dir=tmp_path / "a"), seen.append)
+    cfg = EvalCfg(tasks=["humaneval"], max_new_tokens=GEN_TOKENS, batch_size=4, limit=3)  # the package's copy
+    evals.run(*tiny, cfg, evals.Context(out_dir=tmp_path / "b"), seen.append)
+    assert [e.task for e in seen if isinstance(e, EvalTask)] == ["mmlu", "gsm8k", "humaneval"]
+    for task in ("mmlu", "gsm8k", "humaneval"):
+        marks = [(e.done, e.total) for e in seen if isinstance(e, EvalProgress) and e.task == task]
+        assert marks, task
+        assert [d for d, _ in marks] == sorted(d for d, _ in marks), task
+        assert marks[-1][0] == marks[-1][1] > 0, task

@@ -5,6 +5,7 @@ A typer group cannot take a positional MODEL and subcommands at once, hence `exp
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -35,6 +36,8 @@ def run_cmd(
 
     raw = {"suite": suite, **{k: v for k, v in (("limit", limit), ("data_dir", data_dir), ("batch_size", batch_size))
                               if v is not None}}
+    if limit is not None:
+        raw["limits"] = {}  # the suite's per-task limits too: --limit is the one limit
     if tasks:
         raw["tasks"] = [t.strip() for t in tasks.split(",") if t.strip()]
     try:
@@ -46,8 +49,9 @@ def run_cmd(
     if device not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device {device!r}: allowed are auto, cpu, cuda")
     lm, tok = models.load(model_cfg, device_of(device))
-    result = evals.run(lm, tok, cfg, evals.Context(out_dir=out, model_note=models.source_note(model)))
     console = Console()
+    with _bars(console) as emit:
+        result = evals.run(lm, tok, cfg, evals.Context(out_dir=out, model_note=models.source_note(model)), emit)
     for name, r in result["tasks"].items():
         shown = fmt(r.get("value")) if r.get("status", "ok") == "ok" else f"unavailable: {r.get('reason')}"
         console.print(f"{name:12s} {r.get('metric', ''):28s} {shown}", highlight=False, soft_wrap=True)
@@ -58,6 +62,38 @@ def run_cmd(
         # Nothing was scored: a script must not read this as a result.
         raise UserError(f"every requested task was unavailable ({', '.join(result['tasks'])}); see the reasons "
                         f"above and in {out / 'results.json'}")
+
+
+@contextmanager
+def _bars(console):
+    """One progress bar per task, fed by the engine's events (requests done / total, with the time left)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from tunelab.events import EvalProgress, EvalTask
+
+    bars: list = []
+
+    def finish(progress) -> None:  # a task is over: its bar shows full; one that scored nothing has none
+        total = progress.tasks[-1].total
+        if total:
+            progress.update(bars[-1], completed=total)
+        else:
+            progress.remove_task(bars[-1])
+
+    with Progress(TextColumn("{task.description:12s}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=console, transient=False) as progress:
+
+        def emit(ev) -> None:
+            if isinstance(ev, EvalTask):
+                if bars:
+                    finish(progress)
+                bars.append(progress.add_task(ev.task, total=None))
+            elif isinstance(ev, EvalProgress) and bars:
+                progress.update(bars[-1], completed=ev.done, total=ev.total)
+
+        yield emit
+        if bars:
+            finish(progress)
 
 
 @app.command("pull")

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tunelab import registries
-from tunelab.events import Emit, EvalTask, ignore
+from tunelab.events import Emit, EvalProgress, EvalTask, ignore
 from tunelab.store import write_json
 
 
@@ -27,6 +28,7 @@ class Context:
     val_loss: float | None = None  # already measured by the training stage
     train: object | None = None  # the cell's tokenized training set: stand-ins are checked against it
     model_note: str | None = None  # what the weights are when it matters (a dequantized stand-in): reported
+    progress: Callable[[int, int], None] | None = None  # the running task's (done, total), set by run()
     _lm: object | None = field(default=None, repr=False)
 
     def lm(self, model, tokenizer, cfg):
@@ -72,6 +74,7 @@ def humaneval_task(name, model, tokenizer, cfg, ctx: Context) -> dict:
         model, tokenizer, limit=cfg.limit_for(name), max_new_tokens=cfg.max_new_tokens or 256,
         batch_size=cfg.batch_size, n_samples=cfg.n_samples, temperature=cfg.temperature, timeout_s=cfg.timeout_s,
         samples_path=ctx.out_dir / "samples.jsonl", allow_unsandboxed=cfg.allow_unsandboxed, problems=problems,
+        progress=ctx.progress,
     )
     return {**result, "status": "ok", "data_source": source,
             "headline": "pass@1: share of problems whose completion passes its tests in the sandbox"}
@@ -82,8 +85,10 @@ def harness_task(name, model, tokenizer, cfg, ctx: Context) -> dict:
     from tunelab.evals import contamination, harness
 
     bench = harness.BENCHMARKS[name]
+    lm = ctx.lm(model, tokenizer, cfg)
+    lm.progress = ctx.progress
     res = harness.evaluate(
-        bench, ctx.lm(model, tokenizer, cfg), limit=cfg.limit_for(name),
+        bench, lm, limit=cfg.limit_for(name),
         subtasks=cfg.subtasks.get(name), data_dir=cfg.data_dir, max_gen_toks=cfg.max_new_tokens,
         chat_template=cfg.chat_template, samples_path=ctx.out_dir / "samples.jsonl",
     )
@@ -109,6 +114,20 @@ def provenance(tokenizer=None) -> dict:
     return out
 
 
+def _throttled(emit: Emit, task: str, every_s: float = 0.5) -> Callable[[int, int], None]:
+    """EvalProgress events of one task, at most one per `every_s` (and always the last): a bar needs no more,
+    and each event is a line on the cell's stdout."""
+    last = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done >= total or now - last[0] >= every_s:
+            last[0] = now
+            emit(EvalProgress(task, done, total))
+
+    return progress
+
+
 def run(model, tokenizer, cfg, ctx: Context, emit: Emit = ignore) -> dict:
     """Score every task of `cfg` into ctx.out_dir/results.json, written after each task (a crash keeps what is
     done); `complete` is set once every task is in."""
@@ -120,6 +139,7 @@ def run(model, tokenizer, cfg, ctx: Context, emit: Emit = ignore) -> dict:
            "model_note": ctx.model_note, "complete": False}
     for name in cfg.tasks:
         emit(EvalTask(name))
+        ctx.progress = _throttled(emit, name)
         t0 = time.perf_counter()
         res = TASKS[name].run.load()(name, model, tokenizer, cfg, ctx)
         res["subset"] = bool(res.get("subset")) or TASKS[name].partial(int(res.get("n") or 0))

@@ -22,7 +22,7 @@ generator per request, seeded from the request, never from the batch.
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -180,6 +180,8 @@ class Decoder(PackedModel):
         self.min_shared = min_shared
         self.eos = eos_ids(model, tokenizer) if stop_eos is None else set(stop_eos)
         self.draft = draft  # most tokens drafted per greedy row and step (0: none)
+        # progress(done, total) as requests finish (the runner's eval bar); None: nobody is watching
+        self.progress: Callable[[int, int], None] | None = None
 
     def _window(self, stops: Sequence[str]) -> int:
         """Tokens of generated text searched for a stop string after each step: enough to hold the
@@ -250,6 +252,7 @@ class Decoder(PackedModel):
         free = list(range(self.batch_size))
         active: list[_Row] = []
         prefixes: dict[int, dict] = {}
+        finished = 0
         with self.running():
             pos = 0
             while pos < len(queue) or active:
@@ -263,8 +266,11 @@ class Decoder(PackedModel):
                     if row.reason is not None:
                         results[row.index] = Output(row.tokens, row.reason)
                         free.append(row.slot)
+                        finished += 1
                     else:
                         active.append(row)
+                if self.progress is not None and any(row.reason is not None for row in rows):
+                    self.progress(len(requests) - len(todo) + finished, len(requests))
                 free.sort()
         return results  # type: ignore[return-value]
 

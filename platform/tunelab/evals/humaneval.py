@@ -52,6 +52,7 @@ def generate(
     n_samples: int = 1,
     temperature: float = 0.0,
     seed: int = 0,
+    progress=None,
 ) -> list[list[str]]:
     """`n_samples` completions per prompt, in prompt order, cut at the first stop
     sequence. Greedy when temperature == 0 (then the samples are one completion
@@ -67,6 +68,7 @@ def generate(
     greedy = temperature == 0
     per_prompt = 1 if greedy else n_samples
     decoder = Decoder(model, tokenizer, batch_size=batch_size)
+    decoder.progress = progress  # (done, total) over the completions
     if not decoder.supported():
         return _generate_hf(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
                             n_samples=n_samples, temperature=temperature, seed=seed)
@@ -186,6 +188,7 @@ def run(
     samples_path: pathlib.Path | None = None,
     allow_unsandboxed: bool = False,
     problems: list[dict] | None = None,
+    progress=None,
 ) -> dict:
     """Zero-shot HumanEval: generate, execute in the sandbox, report pass@1 (mean
     over problems) and pass@k for each k in (1, 10, 100) that n_samples allows.
@@ -202,6 +205,7 @@ def run(
         batch_size=batch_size,
         n_samples=n_samples,
         temperature=temperature,
+        progress=progress,
     )
     records = score(problems, completions, timeout_s=timeout_s, allow_unsandboxed=allow_unsandboxed)
     passed = collections.Counter(r["task_id"] for r in records if r["passed"])

@@ -21,6 +21,7 @@ engine's self-check, and generation requests with sampling or other generation a
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,9 @@ class SharedPrefixLM(HFLM):
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **kwargs)
         self.share_prefixes = share_prefixes and self.backend == "causal"
         self._decoder: Decoder | None = None
+        # progress(done, total) over the requests of the current call (the runner's eval bar); HFLM's own
+        # code, where it runs, shows its tqdm bar in the cell's log instead
+        self.progress: Callable[[int, int], None] | None = None
 
     def engine(self) -> Decoder | None:
         """tunelab's engine for this model, or None where HFLM's own code must run (share_prefixes off, a
@@ -81,6 +85,7 @@ class SharedPrefixLM(HFLM):
             for i, text in zip(theirs, super().generate_until([requests[i] for i in theirs], disable_tqdm)):
                 out[i] = text
         order = list(mine)
+        decoder.progress = self.progress
         for i, result in zip(order, decoder.generate([mine[i] for i in order])):
             text = postprocess_generated_text(self.tok_decode(result.tokens), stops[i], None)
             self.cache_hook.add_partial("generate_until", requests[i].args, text)
@@ -106,6 +111,8 @@ class SharedPrefixLM(HFLM):
             # The prefix may not reach into any position whose logits are scored.
             for p, members in decoder.plan(unique, own=[need[s] for s in unique]):
                 logprobs.update(self._score_group(decoder, [unique[i] for i in members], p, need))
+                if self.progress is not None:
+                    self.progress(len(logprobs), len(unique))
         out = []
         for (req_str, _, cont), inp, n in zip(requests, inputs, contlens):
             lp = logprobs[inp][-n:]
