@@ -14,3 +14,9 @@ for mode in "" "--pack"; do
   python3 benchmarks/train_throughput.py --model "$model" --steps 20 --warmup 3 --batch 64 --max-length 512 $mode \
     --out "$OUT/throughput${mode//-/_}.json" 2>&1 | grep -v -i warn | tail -4 | tee -a "$OUT/throughput.txt"
 done
+# 3. The decoding engine: batch-size independence on CPU and CUDA, greedy parity with model.generate, speed.
+tiny=$(python3 -c "from tunelab import models; print(models.resolve('tiny-random-llama'))")
+timeout 300 python3 benchmarks/eval_gpu_check.py --tiny "$tiny" --out "$OUT/eval_gpu.json" 2>&1 | tail -20 \
+  | tee "$OUT/eval_gpu.txt"
+# 4. Sharded initialisation, multi-process and multi-node (about 4 minutes; writes $OUT/scale/).
+bash benchmarks/device_scale_check.sh

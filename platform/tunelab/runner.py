@@ -333,7 +333,8 @@ def run_cells(cells: list[Cell], matrix: str, runs_dir: Path, *, rerun_failed: b
         overall = progress.add_task(f"[bold]{matrix}", total=len(cells), info="")
         for cell in cells:
             run_dir = cell_dir(runs_dir / matrix, cell)
-            skip = _skip_reason(run_dir, cell, rerun_failed, how, probe_lock=not claims)
+            # Another node's lock is no reason to skip: nodes R > 0 join the cell node 0 holds.
+            skip = _skip_reason(run_dir, cell, rerun_failed, how, probe_lock=not claims and how.node_rank == 0)
             if skip:
                 outcome = Outcome(cell, skip, read_status(run_dir).get("error"))
                 progress.console.print(f"[dim]{cell.dirname}: {skip.removeprefix('skipped-')}, skipped")
