@@ -1,6 +1,6 @@
 """Two "nodes" on this machine, really launched: two `exp run --nnodes 2 --node-rank R --rdzv-endpoint
 127.0.0.1:PORT` processes, each starting 2 of the 4 processes of a dp 4 cell and of a dp 2 x pp 2 cell
-through torchrun's c10d rendezvous (loopback only, a free port). Both cells end `done` with the losses of one
+through torchrun's static rendezvous (loopback only, a free port). Both cells end `done` with the losses of one
 process (which every one-node layout reproduces: tests/test_parallel_parity.py), and node 1 writes nothing
 into the cell folders: they hold what a one-node run writes, and node 1's logs are under nodes/node-1/."""
 
@@ -102,5 +102,6 @@ def test_only_node_0_writes_the_cell_folder(two_nodes, slug):
 
 def test_the_matrix_folder_is_node_0s(two_nodes):
     mdir = two_nodes[0]
-    assert sorted(p.name for p in mdir.iterdir() if p.is_file()) == ["cells.json", "leaderboard.csv",
-                                                                     "leaderboard.md", "matrix.yaml"]
+    assert sorted(p.name for p in mdir.iterdir() if p.is_file()) == [
+        "cells.json", "leaderboard.csv", "leaderboard.json", "leaderboard.md", "leaderboard.tex", "matrix.yaml",
+        "report.html"]

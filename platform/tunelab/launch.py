@@ -51,7 +51,10 @@ def cell_command(run_dir: Path, world_size: int, launch: Launch | None = None) -
     if launch.nnodes == 1:
         torchrun.append("--standalone")
     else:
-        torchrun += [f"--nnodes={launch.nnodes}", f"--node-rank={launch.node_rank}", "--rdzv-backend=c10d",
+        # The static rendezvous numbers ranks by --node-rank, so global rank 0 (the process that writes the
+        # cell's files, under the lock its runner holds) is on node 0; c10d's would order nodes by address and
+        # pid, putting it on whichever node sorts first.
+        torchrun += [f"--nnodes={launch.nnodes}", f"--node-rank={launch.node_rank}", "--rdzv-backend=static",
                      f"--rdzv-endpoint={launch.rdzv_endpoint}", f"--rdzv-id={run_dir.name}"]
     return [*torchrun, *entry]
 
