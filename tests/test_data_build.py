@@ -242,3 +242,16 @@ def test_shipped_recipes_build_on_local_copies(tmp_path, name):
         assert st["examples"] > 0 and st["dropped"] == {}
     for r in built.datasets["train"].select(range(3)):
         assert any(x != IGNORE for x in r["labels"]) and any(x == IGNORE for x in r["labels"])
+
+
+def test_tokenizing_reports_its_progress_to_the_end(tmp_path):
+    """The bar of `exp data build` and of a cell's data stage: counts that only grow, the last at the total."""
+    write_rows(tmp_path / "rows.jsonl", alpaca_rows(40))
+    path = write_recipe(tmp_path / "r.yaml", sources=[{"path": "rows.jsonl"}], val_size=1)
+    cfg, marks = DataCfg(recipe=str(path), max_length=256), []
+    build_info(cfg, TOK, tmp_path / "cache", progress=lambda d, t: marks.append((d, t)))
+    assert marks and [d for d, _ in marks] == sorted(d for d, _ in marks)
+    assert marks[-1][0] == marks[-1][1] >= 40
+    again = []  # a cache hit tokenizes nothing and says nothing
+    build_info(cfg, TOK, tmp_path / "cache", progress=lambda d, t: again.append(d))
+    assert again == []

@@ -38,3 +38,11 @@ def test_data_build_reports_progress(tmp_path):
           progress=lambda done, total: seen.append((done, total)))
     assert seen and seen[-1][0] == seen[-1][1] > 0
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+def test_the_runner_shows_eval_and_data_progress_on_the_cells_line():
+    from tunelab.runner import _shown
+
+    assert _shown(events.EvalProgress("gsm8k", 3, 8)) == {"total": 8, "completed": 3, "info": "eval gsm8k 3/8"}
+    assert _shown(events.DataProgress(200, 500)) == {"info": "tokenizing 200/500"}
+    assert _shown(events.Step(4, 20, 1.25)) == {"completed": 4, "info": "train loss 1.2500"}
