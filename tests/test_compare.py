@@ -107,3 +107,15 @@ def test_bad_input(cli, tmp_path, args, needle):
             (str(tmp_path / x) if x.startswith("nope") else x) for x in args]
     code, out, err = cli("compare", *args)
     assert code == 2 and needle in " ".join(err.split()) and "Traceback" not in out + err
+
+
+def test_single_item_subtasks_do_not_shrink_the_interval_to_a_point():
+    """MMLU on one question a subject (the quick suite): resampling within subjects would draw the same item
+    every time; the interval must still reflect the spread over items."""
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(0, 2, 57), rng.integers(0, 2, 57)
+    groups = np.array([f"s{i}" for i in range(57)])
+    for average in ("micro", "macro"):
+        r = paired(a.astype(float), b.astype(float), groups, average, resamples=2000)
+        assert r.ci[1] - r.ci[0] > 0.1, (average, r.ci)
+        assert r.ci[0] <= r.diff <= r.ci[1]

@@ -123,3 +123,20 @@ def test_deepspeed_keeps_an_fp32_copy_of_its_partitions_even_of_fp32_weights():
     native = estimate(shape, Setup(dtype="float32", dp=8))
     ds = estimate(shape, Setup(dtype="float32", dp=8, backend="deepspeed"))
     assert ds.optimizer - native.optimizer == pytest.approx(shape.total() * 4 / 8)
+
+
+def test_the_prediction_stored_with_a_cell_is_in_mib():
+    """train/summary.json's predicted_peak_mb, beside the measured peak: AdamW in fp32 holds at least weights,
+    gradients and two moments (16 bytes a parameter), and not ten times that at a small batch."""
+    from transformers import LlamaConfig
+
+    from tunelab import plan
+    from tunelab.train.parallel.predict import predicted_peak_mb
+
+    config = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2)
+    cell = plan.cell_config({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic", "max_length": 64},
+                             "train": {"steps": 1, "batch_size": 2}, "optim": {"name": "adamw"}})
+    n = shape_of(config).total()
+    mb = predicted_peak_mb(config, cell, "float32")
+    assert 16 * n / 2**20 <= mb < 160 * n / 2**20

@@ -3,9 +3,9 @@
 Each item has a score per side (0/1 for accuracy and exact match, the pass rate of its samples for HumanEval).
 The headline is recomputed as the task computes it (micro: the mean over items; macro: the mean of per-subtask
 means, BBH). Two tests:
-- paired bootstrap (Efron & Tibshirani; Koehn 2004): resample items with replacement, within each subtask,
-  recompute both headlines; the 95% interval of the difference and a two-sided p-value (twice the share of
-  resamples on the far side of 0);
+- paired bootstrap (Efron & Tibshirani; Koehn 2004): resample items with replacement (for a macro average
+  within each subtask, unless a subtask has a single item), recompute both headlines; the 95% interval of the
+  difference and a two-sided p-value (twice the share of resamples on the far side of 0);
 - exact McNemar for binary items under a micro average: only the items where the sides disagree carry
   information; p from the binomial distribution of those discordant pairs at 1/2.
 """
@@ -57,16 +57,27 @@ def mcnemar_exact(a: np.ndarray, b: np.ndarray) -> tuple[float, tuple[int, int]]
 
 def paired(a: np.ndarray, b: np.ndarray, groups: np.ndarray, average: str = "micro", resamples: int = 10_000,
            seed: int = 0) -> Paired:
-    """a[i], b[i]: the two sides' scores of item i; groups[i]: its subtask (the bootstrap resamples within)."""
+    """a[i], b[i]: the two sides' scores of item i; groups[i]: its subtask (a macro average's bootstrap
+    resamples within each)."""
     if len(a) != len(b) or len(a) == 0:
         raise ValueError("paired scores need the same, non-empty items on both sides")
     rng = np.random.default_rng(seed)
-    # Resampling within each subtask keeps every subtask present (a macro average needs them all).
     idx = [np.flatnonzero(groups == g) for g in np.unique(groups)]
-    draws = np.concatenate([rng.choice(ix, size=(resamples, len(ix)), replace=True) for ix in idx], axis=1)
-    sorted_groups = np.concatenate([groups[ix] for ix in idx])
-    diffs = np.array([headline(b[d], sorted_groups, average) - headline(a[d], sorted_groups, average)
-                      for d in draws]) if average == "macro" else b[draws].mean(1) - a[draws].mean(1)
+    if average == "macro" and min(len(ix) for ix in idx) > 1:
+        # Within each subtask: every subtask stays present, as a macro average needs them all.
+        draws = np.concatenate([rng.choice(ix, size=(resamples, len(ix)), replace=True) for ix in idx], axis=1)
+        drawn_groups = np.concatenate([groups[ix] for ix in idx])
+        diffs = np.array([headline(b[d], drawn_groups, average) - headline(a[d], drawn_groups, average)
+                          for d in draws])
+    elif average == "macro":
+        # A subtask of one item has no spread to resample within (its draws would all be that item, and
+        # the interval would shrink to a point): resample the items of all subtasks together instead, the
+        # macro average taken over the subtasks each draw holds.
+        draws = rng.integers(0, len(a), size=(resamples, len(a)))
+        diffs = np.array([headline(b[d], groups[d], average) - headline(a[d], groups[d], average) for d in draws])
+    else:  # a micro average is the mean over items: resample the items
+        draws = rng.integers(0, len(a), size=(resamples, len(a)))
+        diffs = b[draws].mean(1) - a[draws].mean(1)
     ha, hb = headline(a, groups, average), headline(b, groups, average)
     p_boot = min(1.0, 2 * min(float((diffs <= 0).mean()), float((diffs >= 0).mean())))
     if hb == ha:

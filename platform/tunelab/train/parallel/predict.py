@@ -4,7 +4,7 @@ so every run checks the memory model and the memory study (experiments/paper_mem
 from __future__ import annotations
 
 from tunelab.registries import OPTIMIZERS
-from tunelab.train.parallel.memory import GB, Setup, estimate, shape_of
+from tunelab.train.parallel.memory import Setup, estimate, shape_of
 
 # Projection names -> the memory model's short names.
 SHORT = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
@@ -36,4 +36,4 @@ def predicted_peak_mb(model_config, cell, dtype: str) -> float | None:
         shape = shape_of(model_config)
     except AttributeError:  # not a Llama-like config the model can read
         return None
-    return None if s is None else estimate(shape, s).peak * GB / 2**20
+    return None if s is None else estimate(shape, s).peak / 2**20  # bytes -> MiB
