@@ -1,8 +1,13 @@
-"""`exp report` on a real run: the page opened in a real headless Chromium, its figures' numbers, bad input."""
+"""`exp report` and `exp leaderboard` on a real run: the page opened in a real headless Chromium, its figures'
+numbers, bad input; seeds folded, --no-aggregate, --by, --where, --sort, best values, the LaTeX table."""
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -83,7 +88,7 @@ def test_page_opens_in_a_real_browser(mdir, cli, tmp_path):
     lb = text.split("Leaderboard", 1)[1].split("Loss curves", 1)[0]
     rows = [line.split("\t") for line in lb.splitlines() if "\t" in line]
     # cell, peft.method, status, runs, humaneval
-    assert ["lora", "lora", "done", "2", "0*"] in [r[:5] for r in rows], rows
+    assert ["lora", "lora", "done", "2", "0* ± 0"] in [r[:5] for r in rows], rows  # mean ± std of 2 seeds
     assert text.count("* subset: 1 of 164 items") == 3  # HumanEval's provenance row of each cell
     results = read_json(next(mdir.glob("lora-s1-*/eval/*/results.json")))
     assert results["versions"]["lm_eval"] in text and results["versions"]["torch"] in text
@@ -133,3 +138,52 @@ def test_bad_input_is_one_paragraph_and_exit_2(mdir, cli, tmp_path):
         assert message in err and "Traceback" not in err, err
         assert err.strip().count("\n") <= 3, err  # one paragraph (rich wraps it at the terminal's width)
     assert not (tmp_path / "nope").exists() and not list(tmp_path.glob("**/*.html"))
+
+
+def board(cli, mdir, *args) -> dict:
+    code, out, err = cli("leaderboard", mdir, "--format", "json", *args)
+    assert code == 0, err
+    return {r["cell"]: r for r in json.loads(out)["rows"]}
+
+
+def test_leaderboard_folds_seeds_into_mean_and_std(mdir, cli):
+    rows = board(cli, mdir)
+    assert set(rows) == {"none", "lora"}  # pending none-s1 has no row of runs: none ran once
+    lora = [read_json(next(mdir.glob(f"{s}-*/eval/*/results.json")))["tasks"]["val_loss"]["value"]
+            for s in ("lora-s0", "lora-s1")]
+    col = rows["lora"]["columns"]["val_loss"]
+    assert rows["lora"]["runs"] == 2 and col["n"] == 2
+    assert col["mean"] == pytest.approx(statistics.fmean(lora))
+    assert col["spread"] == pytest.approx(statistics.stdev(lora))
+    assert rows["none"]["runs"] == 1
+    # --no-aggregate: one row per run, seeds as a key
+    single = board(cli, mdir, "--no-aggregate")
+    assert set(single) == set(RAN) and single["lora-s1"]["columns"]["val_loss"]["mean"] == pytest.approx(lora[1])
+    # the best of each column is marked: lowest val_loss, highest tok/s
+    best = {c: [r for r in rows if rows[r]["columns"][c]["best"]] for c in ("val_loss", "tok/s")}
+    assert best["val_loss"] == [min(rows, key=lambda r: rows[r]["columns"]["val_loss"]["mean"])]
+    assert best["tok/s"] == [max(rows, key=lambda r: rows[r]["columns"]["tok/s"]["mean"])]
+
+
+def test_leaderboard_by_where_sort(mdir, cli):
+    by = board(cli, mdir, "--by", "optim.name")  # every cell is adamw: one row of three runs
+    assert list(by) == ["adamw"] and by["adamw"]["runs"] == 3
+    where = board(cli, mdir, "--where", "peft.method=lora", "--no-aggregate")
+    assert set(where) == {"lora-s0", "lora-s1"}
+    code, out, _ = cli("leaderboard", mdir, "--format", "csv", "--sort", "val_loss", "--no-aggregate")
+    values = [float(r["val_loss"]) for r in csv.DictReader(io.StringIO(out))]
+    assert code == 0 and values == sorted(values) and len(values) == 3  # lower is better: ascending
+
+
+def test_leaderboard_latex_is_booktabs_with_spreads_in_their_cells(mdir, cli):
+    code, out, err = cli("leaderboard", mdir, "--format", "latex")
+    assert code == 0, err
+    assert out.startswith("% ") and "\\toprule" in out and "\\midrule" in out and "\\bottomrule" in out
+    header = next(line for line in out.splitlines() if line.startswith("cell &"))
+    assert "$\\pm$" not in header and "peft.method" in header  # no spread columns: spreads sit in the cells
+    lora = next(line for line in out.splitlines() if line.startswith("lora &"))
+    assert re.search(r"[0-9.]+ \$\\pm\$ [0-9.]+", lora), lora  # val_loss: mean ± std over the two seeds
+    assert "0*" in lora  # HumanEval on 1 of 164 problems: the subset mark
+    assert lora.count("&") == header.count("&")
+    # the files exp run writes: the same table
+    assert (mdir / "leaderboard.tex").is_file() and (mdir / "leaderboard.json").is_file()

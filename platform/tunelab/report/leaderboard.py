@@ -32,8 +32,10 @@ def note(board: Board) -> str:
     return " ".join([MARKS, f"{spread}.", FIGURES_NOTE, *board.notes])
 
 
-def frame(board: Board, bold=lambda text: text, spread: bool = True) -> pd.DataFrame:
-    """The table as display strings; `bold` wraps the best value of each column (per format)."""
+def frame(board: Board, bold=lambda text: text, spread: bool = True, joined: bool = False) -> pd.DataFrame:
+    """The table as display strings; `bold` wraps the best value of each column (per format). The spread is a
+    column of its own ("X ±", left out where no row has one) or, `joined`, part of the value's cell
+    ("0.25 ± 0.16", as a paper prints it)."""
     many = any(r["runs"] > 1 for r in board.rows)
     out = []
     for r in board.rows:
@@ -43,11 +45,16 @@ def frame(board: Board, bold=lambda text: text, spread: bool = True) -> pd.DataF
         for col in board.columns:
             st: Stat = r[col.name]
             text = marked(st.mean, st.subset, st.unavailable)
+            with_spread = spread and (col.kind == "score" or many) and st.spread is not None
+            if joined and with_spread:
+                text = f"{text} ± {fmt(st.spread)}"
             row[col.name] = bold(text) if st.best else text
-            if spread and (col.kind == "score" or many):
-                row[f"{col.name} ±"] = fmt(st.spread) if st.spread is not None else ""
+            if spread and not joined and (col.kind == "score" or many):
+                row[f"{col.name} ±"] = fmt(st.spread) if with_spread else ""
         out.append(row)
-    return pd.DataFrame(out)
+    df = pd.DataFrame(out)
+    empty = [c for c in df.columns if c.endswith(" ±") and (df[c] == "").all()]
+    return df.drop(columns=empty)
 
 
 def _latex_escape(text: str) -> str:
@@ -58,16 +65,16 @@ def _latex_escape(text: str) -> str:
 
 
 def to_latex(board: Board, title: str) -> str:
-    """booktabs, ready to paste (needs \\usepackage{booktabs})."""
-    df = frame(board, bold=lambda t: f"\\textbf{{{_latex_escape(t)}}}")
-    df = df.map(lambda v: v if str(v).startswith("\\textbf") else _latex_escape(str(v)))
-    df.columns = [_latex_escape(c).replace(" ±", r" $\pm$") for c in df.columns]
+    """booktabs, ready to paste (needs \\usepackage{booktabs}); each score's spread in its cell."""
+    df = frame(board, bold=lambda t: f"\\textbf{{{_latex_escape(t)}}}", joined=True)
+    df = df.map(lambda v: (v if str(v).startswith("\\textbf") else _latex_escape(str(v))).replace("±", r"$\pm$"))
+    df.columns = [_latex_escape(c) for c in df.columns]
     body = df.to_latex(index=False, escape=False, column_format="l" * len(df.columns))
     return f"% {title}: {note(board)}\n{body}"
 
 
 def to_html(board: Board, title: str) -> str:
-    df = frame(board, bold=lambda t: f"<b>{html.escape(t)}</b>")
+    df = frame(board, bold=lambda t: f"<b>{html.escape(t)}</b>", joined=True)  # a page to read: spreads in cells
     df = df.map(lambda v: v if str(v).startswith("<b>") else html.escape(str(v)))
     table = df.to_html(index=False, escape=False, classes="leaderboard", border=0)
     text = re.sub(r"`([^`]*)`", r"<code>\1</code>", html.escape(note(board)))  # the marks note is markdown
