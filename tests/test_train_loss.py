@@ -9,9 +9,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tunelab.config import PeftCfg
+from tunelab.train import loss as loss_module
 from tunelab.train import peft
 from tunelab.train.data import IGNORE, block_causal_mask, label_tokens
-from tunelab.train.loss import _causal_lm, causal_lm_loss, plain_loss
+from tunelab.train.loss import _causal_lm, causal_lm_loss, plain_loss, root_forward_loss
 
 
 def tiny_llama(tied: bool = False) -> LlamaForCausalLM:
@@ -53,8 +54,8 @@ def loss_and_grads(model, fn, batch) -> tuple[torch.Tensor, dict[str, torch.Tens
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def assert_same_as_plain(model, batch) -> None:
-    fast_loss, fast = loss_and_grads(model, causal_lm_loss, batch)
+def assert_same_as_plain(model, batch, fn=causal_lm_loss) -> None:
+    fast_loss, fast = loss_and_grads(model, fn, batch)
     plain_loss_, plain = loss_and_grads(model, plain_loss, batch)
     torch.testing.assert_close(fast_loss, plain_loss_, rtol=1e-6, atol=1e-7)
     assert fast.keys() == plain.keys() and fast
@@ -62,13 +63,13 @@ def assert_same_as_plain(model, batch) -> None:
         torch.testing.assert_close(fast[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def head_rows(model, batch) -> int:
-    """Rows the output head was applied to in one causal_lm_loss call."""
+def head_rows(model, batch, fn=causal_lm_loss) -> int:
+    """Rows the output head was applied to in one loss call."""
     seen = []
     head = model.get_output_embeddings()
     handle = head.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[:-1].numel()))
     try:
-        causal_lm_loss(model, batch, 1)
+        fn(model, batch, 1)
     finally:
         handle.remove()
     return sum(seen)
@@ -132,3 +133,18 @@ def test_unknown_batch_fields_take_the_plain_path():
     model, batch = tiny_llama(), padded_batch()
     batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
     assert head_rows(model, batch) == batch["labels"].numel()
+
+
+@pytest.mark.parametrize("mask", [True, False], ids=["mask", "positions"])
+@pytest.mark.parametrize("make_batch", [padded_batch, packed_batch])
+def test_through_the_root_forward_same_loss_and_gradients(make_batch, mask, monkeypatch):
+    """What FSDP2 and DeepSpeed run (their hooks sit on the root module): logits_to_keep as a boolean mask (the
+    labelled positions) or, where transformers takes positions only, the positions any row has a label at."""
+    monkeypatch.setattr(loss_module, "_MASK_TO_KEEP", mask)
+    model, batch = tiny_llama(tied=True), make_batch()
+    model.register_forward_pre_hook(lambda mod, args: None)  # a root hook, as FSDP2's: the body is not called alone
+    assert _causal_lm(model) is None and _causal_lm(model, root_hooks_ok=True) is not None
+    assert_same_as_plain(model, batch, root_forward_loss)
+    labelled_columns = int((batch["labels"][:, 1:] != IGNORE).any(0).sum())
+    expected = label_tokens(batch) if mask else labelled_columns * batch["labels"].shape[0]
+    assert head_rows(model, batch, root_forward_loss) == expected < batch["labels"].numel()

@@ -10,6 +10,12 @@ loss and the gradients are the plain path's up to float rounding.
 Whenever that cannot be exact (prompt-learning PEFT adds virtual tokens inside PeftModel.forward, a model
 family whose forward does more than body -> head, soft-capped or scaled logits, hooks on the root module,
 unknown batch fields), the plain forward is used.
+
+Engines whose hooks sit on the root module (FSDP2 unshards there, DeepSpeed's engine is the root) cannot
+have the body called directly: `root_forward_loss` calls the root forward with transformers'
+`logits_to_keep` set to the labelled positions (a boolean mask; where transformers takes positions only,
+the positions where any row has a label), so the head and the fp32 cross-entropy run there only: the same
+sum, up to float rounding.
 """
 
 from __future__ import annotations
@@ -26,14 +32,17 @@ _BODY_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids"})
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def _causal_lm(model):
-    """The transformers causal LM under `model` when the head-only-at-labels path is exact, else None."""
+def _causal_lm(model, root_hooks_ok: bool = False):
+    """The transformers causal LM under `model` when the head-only-at-labels path is exact, else None.
+    `root_hooks_ok`: the caller runs the root forward itself (hooks on it then run too)."""
     try:
         from peft import PeftModel
     except ImportError:  # peft is optional for full-parameter training
         PeftModel = ()
     if isinstance(model, PeftModel):
-        if model.active_peft_config.is_prompt_learning or model._forward_hooks or model._forward_pre_hooks:
+        if model.active_peft_config.is_prompt_learning:
+            return None
+        if not root_hooks_ok and (model._forward_hooks or model._forward_pre_hooks):
             return None
         model = model.get_base_model()  # LoRA/DoRA/IA3 layers live inside its modules
     config = getattr(model, "config", None)
@@ -46,7 +55,7 @@ def _causal_lm(model):
     if model.loss_function is not ForCausalLMLoss:
         return None
     # Root hooks (FSDP, accelerate's device placement) would be skipped by calling the body directly.
-    if model._forward_hooks or model._forward_pre_hooks or hasattr(model, "_hf_hook"):
+    if not root_hooks_ok and (model._forward_hooks or model._forward_pre_hooks or hasattr(model, "_hf_hook")):
         return None
     body = getattr(model, getattr(model, "base_model_prefix", ""), None)
     if not isinstance(body, torch.nn.Module) or model.get_output_embeddings() is None:
@@ -74,3 +83,36 @@ def causal_lm_loss(model, batch: dict, n_items: int | torch.Tensor) -> torch.Ten
     logits = lm.get_output_embeddings()(hidden.flatten(0, 1)[rows]).float()
     loss = torch.nn.functional.cross_entropy(logits, shift[rows], reduction="sum")
     return loss / n_items
+
+
+def root_forward_loss(model, batch: dict, n_items: int | torch.Tensor, inner=None) -> torch.Tensor:
+    """`causal_lm_loss` through the root forward of `model` (an FSDP2-sharded model, a DeepSpeed engine whose
+    module is `inner`): the head and the loss at the positions where any row has a label."""
+    labels = batch["labels"]
+    n_items = torch.as_tensor(n_items, device=labels.device)
+    if _causal_lm(inner if inner is not None else model, root_hooks_ok=True) is None or \
+            not set(batch) - {"labels"} <= _BODY_INPUTS:
+        return plain_loss(model, batch, n_items)
+    shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    if _MASK_TO_KEEP:  # exactly the labelled positions, returned as (labelled tokens, vocabulary)
+        keep, targets = shift != IGNORE, shift[shift != IGNORE]
+    else:  # the positions where any row has a label, the same for every row
+        keep = (shift != IGNORE).any(0).nonzero().squeeze(1)
+        targets = shift[:, keep].flatten()
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}, logits_to_keep=keep).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(targets.numel(), -1).float(), targets,
+                                             ignore_index=IGNORE, reduction="sum")
+    return loss / n_items
+
+
+def _mask_to_keep() -> bool:
+    """Whether this transformers takes a boolean (batch, sequence) `logits_to_keep` (5.2x's
+    `slice_logits_to_keep`); older ones take positions only."""
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_MASK_TO_KEEP = _mask_to_keep()

@@ -16,6 +16,7 @@ from torch import nn
 
 from tunelab.runtime import Layout
 from tunelab.train.data import label_tokens
+from tunelab.train.loss import root_forward_loss
 from tunelab.train.parallel.anatomy import causal_lm
 from tunelab.train.parallel.ds_fused import FusedEngine, half_of, zero3_buckets
 from tunelab.train.parallel.stepper import Stepper, rows_for, skeleton
@@ -117,7 +118,7 @@ class DeepSpeedStepper(Stepper):
         total = 0.0
         n = torch.tensor(n_items, device=self.layout.device)
         for mb in micro_batches:
-            loss = self.engine(**rows_for(mb, self.layout), num_items_in_batch=n).loss
+            loss = root_forward_loss(self.engine, rows_for(mb, self.layout), n, inner=self.engine.module)
             # DeepSpeed averages gradients over ranks and divides the loss by the accumulation
             # steps; the loss here is already a share of the whole step's sum, so undo both.
             self.engine.backward(loss * (self.layout.dp * self.gas))
@@ -130,7 +131,8 @@ class DeepSpeedStepper(Stepper):
     def eval_loss(self, batch):
         self.engine.eval()
         b = {k: v.to(self.layout.device) for k, v in batch.items()}
-        loss = float(self.engine(**b, num_items_in_batch=torch.tensor(1, device=self.layout.device)).loss)
+        loss = float(root_forward_loss(self.engine, b, torch.tensor(1, device=self.layout.device),
+                                       inner=self.engine.module))
         self.engine.train()
         return loss, label_tokens(batch)
 

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tunelab.runtime import Layout
+from tunelab.train.loss import root_forward_loss
 from tunelab.train.optimizers.fused import EngineHooks
 from tunelab.train.parallel.stepper import rows_for
 
@@ -135,8 +136,7 @@ class FusedEngine:
         n = torch.tensor(n_items, device=self.layout.device)
 
         def closure():
-            losses = [self.engine.module(**rows_for(mb, self.layout), num_items_in_batch=n).loss
-                      for mb in micro_batches]
+            losses = [root_forward_loss(self.engine.module, rows_for(mb, self.layout), n) for mb in micro_batches]
             return torch.stack(losses).sum()
 
         return self.optimizer.fused_step(closure)

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from tunelab.runtime import Layout
 from tunelab.train.data import label_tokens
+from tunelab.train.loss import plain_loss, root_forward_loss
 from tunelab.train.parallel import grads, stages, tied, tp
 from tunelab.train.parallel.anatomy import anatomy, causal_lm
 from tunelab.train.parallel.deferred import Deferred, materialize
@@ -85,6 +86,13 @@ class NativeStepper(Stepper):
                        if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
         self.optimizer = optim_builder(self.params)
 
+    def _loss(self, batch: dict, n_items) -> torch.Tensor:
+        """The step's share of the loss; the head only where a label is (train/loss.py) except under tensor
+        parallelism, whose sharded body the plain forward drives."""
+        if self.layout.tp > 1:
+            return plain_loss(self._model, batch, n_items)
+        return root_forward_loss(self._model, batch, n_items)
+
     # -- training -------------------------------------------------------------------------
     def train_step(self, micro_batches, n_items, step=0):
         for m in self.modules:
@@ -99,7 +107,7 @@ class NativeStepper(Stepper):
                 total += self.pipeline.step(b, n_items)
             else:
                 n = torch.tensor(n_items, device=self.layout.device)
-                loss = self._model(**b, num_items_in_batch=n).loss
+                loss = self._loss(b, n)
                 (loss * self.grad_scale).backward()
                 total += float(loss.detach())
         if self.tied:
@@ -126,7 +134,7 @@ class NativeStepper(Stepper):
         n = torch.tensor(n_items, device=self.layout.device)
 
         def closure():
-            losses = [self._model(**rows_for(mb, self.layout), num_items_in_batch=n).loss for mb in micro_batches]
+            losses = [self._loss(rows_for(mb, self.layout), n) for mb in micro_batches]
             return torch.stack(losses).sum() * self.grad_scale
 
         loss, norm = self.optimizer.fused_step(closure)
@@ -140,7 +148,7 @@ class NativeStepper(Stepper):
         if self.pipeline:
             loss = self._sum(self.pipeline.eval(b), "pp")
         else:
-            loss = float(self._model(**b, num_items_in_batch=torch.tensor(1, device=self.layout.device)).loss)
+            loss = float(self._loss(b, torch.tensor(1, device=self.layout.device)))
         for m in self.modules:
             m.train()
         return loss, label_tokens(batch)
