@@ -167,7 +167,7 @@ def test_leaderboard_folds_seeds_into_mean_and_std(mdir, cli):
 
 def test_leaderboard_by_where_sort(mdir, cli):
     by = board(cli, mdir, "--by", "optim.name")  # every cell is adamw: one row of three runs
-    assert list(by) == ["adamw"] and by["adamw"]["runs"] == 3
+    assert list(by) == ["optim.name=adamw"] and by["optim.name=adamw"]["runs"] == 3
     where = board(cli, mdir, "--where", "peft.method=lora", "--no-aggregate")
     assert set(where) == {"lora-s0", "lora-s1"}
     code, out, _ = cli("leaderboard", mdir, "--format", "csv", "--sort", "val_loss", "--no-aggregate")
