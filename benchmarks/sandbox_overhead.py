@@ -7,7 +7,8 @@ interleaved so that machine load hits all sides alike, as:
   bare:    `python -S -s -c PROGRAM` (no containment at all: the floor);
   former:  `run_program` of tunelab's sandbox.py at commit --former (rlimits and an audit hook inside
            the program's interpreter, as root a throwaway uid), read from git;
-  sandbox: tunelab.evals.sandbox.run_program (bubblewrap, seccomp, rlimits).
+  sandbox: what HumanEval scoring runs now, `humaneval.run_completion` (prompt + solution under
+           bubblewrap, seccomp and rlimits; the tests in the judge, a second process outside it).
 Prints medians and means in ms, the ratio sandbox/former, and any program that did not pass. Run it
 as root and as an unprivileged user: the two sandboxes do different work in each case.
 """
@@ -69,27 +70,29 @@ def main() -> None:
         sys.exit(f"no kernel containment here: {reason}")
     former = former_sandbox(args.former, args.former_file)
     exe = os.path.realpath(sys.executable)
-    programs = [(p["task_id"], f"{p['prompt']}{p['canonical_solution']}\n{p['test']}\ncheck({p['entry_point']})\n")
+    from tunelab.evals import humaneval
+
+    programs = [(p, f"{p['prompt']}{p['canonical_solution']}\n{p['test']}\ncheck({p['entry_point']})\n")
                 for p in problems(args.problems)]  # fmt: skip
 
     def bare(code: str) -> bool:
         return subprocess.run([exe, "-S", "-s", "-c", code], capture_output=True, check=False).returncode == 0
 
     sides = {
-        "bare": bare,
-        "former": lambda code: former.run_program(code).passed,
-        "sandbox": lambda code: sandbox.run_program(code).passed,
+        "bare": lambda p, code: bare(code),
+        "former": lambda p, code: former.run_program(code).passed,
+        "sandbox": lambda p, code: humaneval.run_completion(p, p["canonical_solution"]).passed,
     }
     times: dict[str, list[float]] = {k: [] for k in sides}
     failed: dict[str, list[str]] = {k: [] for k in sides}
     for _ in range(args.repeats):
-        for task_id, code in programs:
+        for problem, code in programs:
             for side, run in sides.items():
                 start = time.perf_counter()
-                ok = run(code)
+                ok = run(problem, code)
                 times[side].append(time.perf_counter() - start)
                 if not ok:
-                    failed[side].append(task_id)
+                    failed[side].append(problem["task_id"])
     load = os.getloadavg()[0]
     print(f"uid {os.getuid()}, {exe}, {len(programs)} programs x {args.repeats}, load average {load:.1f}")
     for side, xs in times.items():

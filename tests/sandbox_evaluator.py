@@ -4,7 +4,8 @@ Started as root by the test (inside a mount namespace where the interpreter, the
 the checkout are reachable), it drops to the uid given first, before importing tunelab,
 then answers one JSON line per request line on stdin:
 
-  {"op": "run", "code": ..., "limits": {...}}  -> the SandboxResult's fields
+  {"op": "run", "code": ..., "limits": {...}}  -> the SandboxResult's fields (run_program)
+  {"op": "run", "code": ..., "tests": ..., "calls": [...], "limits": {...}}  -> the same, of run_tests
   {"op": "describe"}                            -> sandbox.describe() and check_available()
 
 Every answer also says how many SIGUSR1 the evaluator received and whether its
@@ -53,7 +54,11 @@ def main() -> None:
         request = json.loads(line)
         try:
             if request["op"] == "run":
-                r = sandbox.run_program(request["code"], **request.get("limits", {}))
+                limits = request.get("limits", {})
+                if request.get("tests") is None:
+                    r = sandbox.run_program(request["code"], **limits)
+                else:
+                    r = sandbox.run_tests(request["code"], request["tests"], calls=request["calls"], **limits)
                 leftovers = sorted(sandboxed_tasks(r.host_uid) - elsewhere)
                 answer = {"status": r.status, "returncode": r.returncode, "stderr_tail": r.stderr_tail,
                           "host_uid": r.host_uid, "leftovers": leftovers}  # fmt: skip

@@ -173,15 +173,15 @@ HOSTILE: dict[str, Hostile] = {
         "        pass\n"
         "assert opened\n"
     ),
-    # --- forged passes: the exit status, the pass token
+    # --- forged passes: the exit status, the verdict (run_program's end is asked by the judge)
     "sys.exit(0) in the function under test": Hostile("def f():\n    sys.exit(0)\nf()\nassert False\n"),
     "raise SystemExit(0)": Hostile("raise SystemExit(0)\nassert False\n"),
     "os._exit(0)": Hostile("os._exit(0)\nassert False\n"),
     "posix._exit(0)": Hostile("import posix\nposix._exit(0)\nassert False\n"),
     "SIGKILL itself": Hostile("os.kill(os.getpid(), signal.SIGKILL)\nassert False\n"),
     "abort": Hostile("os.abort()\n"),
-    "forge a pass token": Hostile(
-        "import posix, secrets\nforged = b'R' + secrets.token_hex(16).encode()\n"
+    "forge a verdict on every descriptor": Hostile(
+        "import posix, secrets\nforged = b'passed' + secrets.token_hex(16).encode()\n"
         "print(forged.decode())\nprint(forged.decode(), file=sys.stderr)\n"
         "for fd in range(256):\n"
         "    try:\n"
@@ -206,4 +206,70 @@ HOSTILE: dict[str, Hostile] = {
         "posix._exit(0)\n"
     ),
     "exit early, a fork finishing the program": Hostile("if os.fork():\n    os._exit(0)\ntime.sleep(0.2)\n"),
+}
+
+
+# Programs that define triple(x) wrongly (or not at all) and try to pass
+# `assert triple(x) == 3 * x` for a secret random x anyway; run by
+# test_a_program_cannot_make_failing_tests_pass with run_tests.
+_FRAMES = (
+    "def frames():\n"
+    "    try:\n        raise RuntimeError\n    except RuntimeError as e:\n        f = e.__traceback__.tb_frame\n"
+    "    while f is not None:\n        yield f\n        f = f.f_back\n"
+)
+FORGERIES: dict[str, str] = {
+    "an object equal to everything": (
+        "class Always:\n    def __eq__(self, other):\n        return True\n"
+        "def triple(x):\n    return Always()\n"
+    ),
+    "an int subclass equal to everything": (
+        "class Always(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
+        "def triple(x):\n    return Always(0)\n"
+    ),
+    "exit 0 inside the call": "def triple(x):\n    os._exit(0)\n",
+    "SystemExit(0) inside the call": "def triple(x):\n    raise SystemExit(0)\n",
+    "write a verdict to every descriptor, then exit": (
+        "for fd in range(1024):\n"
+        "    for data in (b'passed', b'\\x0b\\x00\\x00\\x00{\"ok\":true}'):\n"
+        "        try:\n            os.write(fd, data)\n        except OSError:\n            pass\n"
+        "os._exit(0)\n"
+    ),
+    "a frame of a tag the wire does not know": (
+        "import json, struct\n"
+        "def triple(x):\n"
+        "    data = json.dumps({'ok': {'eval': '3 * x'}}).encode()\n"
+        "    for fd in range(3, 64):\n"
+        "        try:\n            os.write(fd, struct.pack('<I', len(data)) + data)\n"
+        "        except OSError:\n            pass\n"
+        "    os._exit(0)\n"
+    ),
+    "walk the frames for a token and the boot's globals": _FRAMES + (
+        "for f in frames():\n"
+        "    for name, value in list(f.f_locals.items()) + list(f.f_globals.items()):\n"
+        "        if 'token' in name or 'verdict' in name:\n"
+        "            print('found', name, file=sys.stderr)\n"
+        "            sys.exit(0)\n"
+        "        if name == 'encode' and callable(value):\n"
+        "            f.f_globals['encode'] = lambda v: True  # every answer True\n"
+        "def triple(x):\n    return x\n"
+    ),
+    "replace builtins and the assert's exception": (
+        "import builtins\nbuiltins.AssertionError = type('Nothing', (Exception,), {})\n"
+        "builtins.__import__ = None\n"
+        "def triple(x):\n    return x\n"
+    ),
+    "answer the first call for the program, then exit": (
+        "import json, struct, select\n"
+        "for fd in range(3, 64):\n"
+        "    try:\n"
+        "        os.set_blocking(fd, False)\n"
+        "        data = os.read(fd, 1 << 16)\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    answer = json.dumps({'ok': True}).encode()\n"
+        "    for out in range(3, 64):\n"
+        "        try:\n            os.write(out, struct.pack('<I', len(answer)) + answer)\n"
+        "        except OSError:\n            pass\n"
+        "os._exit(0)\n"
+    ),
 }

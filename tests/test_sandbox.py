@@ -29,11 +29,11 @@ from string import Template
 import pytest
 from conftest import REPO
 from sandbox_evaluator import sandboxed_tasks
-from sandbox_hostile import HOSTILE, PREAMBLE
+from sandbox_hostile import FORGERIES, HOSTILE, PREAMBLE
 
 from tunelab.errors import UserError
 from tunelab.evals import sandbox
-from tunelab.evals.sandbox import check_available, run_program
+from tunelab.evals.sandbox import check_available, run_program, run_tests
 
 NOBODY = 65534
 ENV_SECRET = "env-secret-4711-do-not-leak"
@@ -60,8 +60,8 @@ class InProcess:
         self.environ = _environ()
         self.elsewhere = sandboxed_tasks(self.uid)
 
-    def run(self, code: str, **limits) -> dict:
-        r = run_program(code, **limits)
+    def run(self, code: str, tests: str | None = None, calls: tuple = (), **limits) -> dict:
+        r = run_program(code, **limits) if tests is None else run_tests(code, tests, calls=calls, **limits)
         leftovers = sorted(sandboxed_tasks(r.host_uid) - self.elsewhere)
         return {"status": r.status, "returncode": r.returncode, "stderr_tail": r.stderr_tail, "host_uid": r.host_uid,
                 "leftovers": leftovers,
@@ -99,8 +99,8 @@ class Unprivileged:
         assert line, f"the unprivileged evaluator died (exit status {self.proc.poll()})"
         return json.loads(line)
 
-    def run(self, code: str, **limits) -> dict:
-        return self._ask({"op": "run", "code": code, "limits": limits})
+    def run(self, code: str, tests: str | None = None, calls: tuple = (), **limits) -> dict:
+        return self._ask({"op": "run", "code": code, "tests": tests, "calls": list(calls), "limits": limits})
 
     def describe(self) -> dict:
         return self._ask({"op": "describe"})
@@ -254,19 +254,17 @@ def test_hostile_program_is_contained(name, evaluator, arena):
     assert_nothing_happened(arena, evaluator, answer)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limit (docs/RELIABILITY.md): code that walks the interpreter's "
-    "frames can read the pass token; only tests running in another process than the program close this",
-)
-def test_a_program_can_steal_the_token_from_its_own_interpreter(evaluator):
-    steal = (
-        "import os, sys, posix\n"
-        "try:\n    raise RuntimeError\nexcept RuntimeError as e:\n    frame = e.__traceback__.tb_frame\n"
-        "while frame is not None and 'token' not in frame.f_locals:\n    frame = frame.f_back\n"
-        "os.write(frame.f_locals['result_fd'], frame.f_locals['token'])\nposix._exit(0)\nassert False\n"
-    )
-    assert evaluator.run(steal)["status"] != "passed"
+@pytest.mark.parametrize("name", FORGERIES)
+def test_a_program_cannot_make_failing_tests_pass(name, evaluator):
+    """Every way we know to pass a task's tests without returning the right values: the
+    tests run in the judge, which holds the only channel that says "passed"."""
+    tests = "import secrets\nx = secrets.randbelow(10**9)\nassert triple(x) == 3 * x, x\n"
+    answer = evaluator.run(PREAMBLE + FORGERIES[name], tests, calls=("triple",))
+    assert "error" not in answer, answer
+    assert answer["status"] == "failed", answer["stderr_tail"]
+    assert answer["leftovers"] == []
+    honest = evaluator.run("def triple(x):\n    return 3 * x\n", tests, calls=("triple",))
+    assert honest["status"] == "passed", honest["stderr_tail"]
 
 
 # --------------------------------------------------------------------------- honest programs

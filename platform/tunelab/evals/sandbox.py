@@ -21,8 +21,14 @@ Who the program runs as: an unprivileged evaluator gets a user namespace (the pr
 uid 65534 inside, with no capabilities); a root evaluator runs bwrap without one and the
 program drops to a throwaway uid reserved for this run only (root ignores RLIMIT_NPROC).
 
-"Passed" means the program ran to its end: `sandbox_boot.py` writes a random per-run token
-to a pipe after the program's last statement returns; an exit status of 0 proves nothing.
+Tests never run in the program's process. `run_tests` runs the program in the sandbox
+and the tests in the judge (`sandbox_judge.py`), a process of its own outside it; the
+program's functions are called from there and answer with plain data
+(`sandbox_wire.py`). "Passed" means the tests ran to their end in the judge, which alone
+holds the pipe that says so: no exit status, token or object of the program's can make
+a test pass; only returning the right values can. `run_program` runs a whole program
+and asks the judge whether it ran to its end (a function defined after its last line
+answers); that is for programs that hold their own asserts, not for scoring.
 
 Where the kernel offers no such containment (no bwrap, user namespaces disabled),
 `check_available()` says why and `run_program` refuses, unless the caller opts in with
@@ -48,6 +54,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tunelab.evals import sandbox_seccomp
@@ -55,7 +62,13 @@ from tunelab.evals.sandbox_view import python_view
 
 STATUSES = ("passed", "failed", "timeout", "error")
 _TAIL_CHARS = 2000
-_BOOT = (pathlib.Path(__file__).with_name("sandbox_boot.py")).read_text(encoding="utf-8")
+_HERE = pathlib.Path(__file__).parent
+_WIRE = (_HERE / "sandbox_wire.py").read_text(encoding="utf-8")
+_BOOT = _WIRE + (_HERE / "sandbox_boot.py").read_text(encoding="utf-8")
+_JUDGE = _WIRE + (_HERE / "sandbox_judge.py").read_text(encoding="utf-8")
+# run_program's test: a function defined after the program answers once the program has run to its end.
+_END = "__tunelab_program_end__"
+_END_TEST = f"import random\nnonce = random.random()\nassert {_END}(nonce) == nonce\n"
 _WORK = "/work"
 _SANDBOX_UID = 65534  # the program's uid inside a user namespace
 # Throwaway uids for root evaluators: random in a range no distribution hands out, and
@@ -129,9 +142,12 @@ def require(allow_unsandboxed: bool = False) -> None:
         )
 
 
-def run_program(
-    code: str,
+def run_tests(
+    program: str,
+    tests: str,
     *,
+    calls: Sequence[str],
+    context: str = "",
     timeout_s: float = 5.0,
     memory_mb: int = 1024,
     max_procs: int = 32,
@@ -139,18 +155,29 @@ def run_program(
     max_disk_mb: int = 64,
     allow_unsandboxed: bool = False,
 ) -> SandboxResult:
-    """Run `code` as a Python program in the sandbox; see the module docstring.
+    """Run `program` (untrusted) in the sandbox and `tests` (trusted) in the judge; see the
+    module docstring. In the judge, `context` runs first (for HumanEval the prompt, whose
+    helpers the tests call), then each name in `calls` stands for the program's function of
+    that name, then the tests.
 
     `max_procs` counts threads too; `max_disk_mb` bounds all files the program writes
-    together (its working directory), `max_file_mb` each one. Raises UserError when
-    containment is unavailable and `allow_unsandboxed` is False.
+    together (its working directory), `max_file_mb` each one; `timeout_s` is the wall time
+    of program and tests together. Raises UserError when containment is unavailable and
+    `allow_unsandboxed` is False.
     """
     require(allow_unsandboxed)
     limits = _Limits(timeout_s, memory_mb, max_procs, max_file_mb, max_disk_mb)
+    job = {"context": context, "tests": tests, "calls": list(calls)}
     if check_available() is not None:
         warnings.warn(_UNSANDBOXED_WARNING, RuntimeWarning, stacklevel=2)
-        return _run_unsandboxed(code, limits)
-    return _run_contained(code, limits, bwrap_path())
+        return _run(program, job, limits, None)
+    return _run(program, job, limits, bwrap_path())
+
+
+def run_program(code: str, **limits) -> SandboxResult:
+    """Run `code` as a whole program in the sandbox: passed when it ran to its end (its
+    last statement returned). The keyword arguments are `run_tests`'s."""
+    return run_tests(f"{code}\n\n\ndef {_END}(nonce):\n    return nonce\n", _END_TEST, calls=(_END,), **limits)
 
 
 @dataclass(frozen=True)
@@ -161,9 +188,9 @@ class _Limits:
     max_file_mb: int
     max_disk_mb: int
 
-    def boot_args(self, uid: int, nproc: int, token_fd: int, result_fd: int) -> list[str]:
+    def boot_args(self, uid: int, nproc: int, ends: _Ends) -> list[str]:
         cpu_s = math.ceil(self.timeout_s) + 1
-        return [str(v) for v in (uid, cpu_s, self.memory_mb << 20, nproc, self.max_file_mb << 20, token_fd, result_fd)]
+        return [str(v) for v in (uid, cpu_s, self.memory_mb << 20, nproc, self.max_file_mb << 20, *ends)]
 
 
 @functools.cache
@@ -179,12 +206,12 @@ def _availability(bwrap: str | None, executable: str, root: bool) -> str | None:
     # A canary pair: one program must pass and one that exits early must not. The first
     # fails where namespaces are refused or the interpreter rejects our flags, which
     # would otherwise score every program as failed.
-    ok = _run_contained("import math\nassert math.gcd(12, 18) == 6\n", limits, bwrap)
+    ok = _run_whole("import math\nassert math.gcd(12, 18) == 6\n", limits, bwrap)
     if not ok.passed:
         tail = " ".join(ok.stderr_tail.split())[-400:] or f"exit status {ok.returncode}"
         return f"bwrap could not run a program here ({ok.status}: {tail})"
-    if _run_contained("import os\nos._exit(0)\n", limits, bwrap).passed:
-        return "the sandbox's pass token does not work (a program that exits early passed)"
+    if _run_whole("import os\nos._exit(0)\n", limits, bwrap).passed:
+        return "the sandbox's judge does not work (a program that exits early passed)"
     return None
 
 
@@ -194,62 +221,141 @@ def _bwrap_version(bwrap: str) -> str | None:
     return out[-1] if out else None
 
 
-def _run_contained(code: str, limits: _Limits, bwrap: str) -> SandboxResult:
-    view = python_view(sys.executable)
-    root = os.geteuid() == 0
+def _run_whole(code: str, limits: _Limits, bwrap: str | None) -> SandboxResult:
+    job = {"context": "", "tests": _END_TEST, "calls": [_END]}
+    return _run(f"{code}\n\n\ndef {_END}(nonce):\n    return nonce\n", job, limits, bwrap)
+
+
+@dataclass(frozen=True)
+class _Ends:
+    """The program's ends of its pipes, in sandbox_boot.py's argument order."""
+
+    ready: int  # it writes "R" once set up: a run without it is an error of the sandbox
+    call: int  # the judge's calls come in here
+    answer: int  # and their answers go out here
+
+    def __iter__(self):
+        return iter((self.ready, self.call, self.answer))
+
+
+@dataclass
+class _Started:
+    proc: subprocess.Popen
+    host_uid: int
+    end: Callable[[], None]  # kill every process of the program and wait for them
+
+
+def _run(program: str, job: dict, limits: _Limits, bwrap: str | None) -> SandboxResult:
+    """The program (contained under `bwrap`, or plain when None) and the judge, wired
+    together by two pipes; whatever happens, both are gone when this returns."""
     start = time.monotonic()
-    lock, fds = None, _Fds()
+    fds = _Fds()
+    started = judge = None
     try:
-        if root:
-            uid, lock = _reserve_uid()
-            host_uid, namespaces, nproc = uid, [], limits.max_procs
-        else:
-            uid, host_uid = -1, os.getuid()
-            namespaces = ["--unshare-user", "--disable-userns", "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID)]
-            nproc = limits.max_procs + 1  # bwrap's init inside the user namespace counts too
-        program = fds.memfd("program.py", code.encode("utf-8"))
-        token = secrets.token_hex(16).encode()
-        token_r = fds.pipe_with(token)
-        result_r, result_w = fds.pipe()
-        info_r, info_w = fds.pipe()
-        err = fds.memfd("stderr", b"", passed=False)
-        filter_bytes = sandbox_seccomp.program()
-        seccomp = ["--seccomp", str(fds.memfd("seccomp", filter_bytes))] if filter_bytes else []
-        argv = [
-            bwrap, *namespaces,
-            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-            "--hostname", "sandbox", "--die-with-parent", "--new-session",
-            *view.bwrap_args,
-            "--dev", "/dev", "--remount-ro", "/dev",
-            "--size", str(limits.max_disk_mb << 20), "--tmpfs", _WORK,
-            "--file", str(program), f"{_WORK}/program.py",
-            "--chdir", _WORK, "--remount-ro", "/",
-            *seccomp, "--info-fd", str(info_w),
-            "--", view.executable, "-S", "-s", "-c", _BOOT,
-            *limits.boot_args(uid, nproc, token_r, result_w),
-        ]  # fmt: skip
+        ready_r, ready_w = fds.pipe()
+        call_r, call_w = fds.pipe(blocking=True)
+        answer_r, answer_w = fds.pipe(blocking=True)
+        verdict_r, verdict_w = fds.pipe()
+        err, judge_err = fds.memfd("stderr", b""), fds.memfd("judge-stderr", b"")
+        ends = _Ends(ready_w, call_r, answer_w)
         try:
-            proc = subprocess.Popen(
-                argv, env=_child_env(_WORK), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                pass_fds=fds.passed, close_fds=True, start_new_session=True,
-            )  # fmt: skip
+            if bwrap is None:
+                started = _start_plain(program, limits, ends, err, fds)
+            else:
+                started = _start_contained(program, limits, bwrap, ends, err, fds)
         except OSError as e:
-            return SandboxResult("error", None, f"could not start bwrap: {e}", 0.0, host_uid)
-        fds.close_passed()
-        init = _sandbox_init(info_r, proc, limits.timeout_s)
+            return SandboxResult("error", None, f"could not start the program: {e}", 0.0, None)
+        fds.release(*ends)
+        judge = _start_judge(job, (call_w, answer_r, verdict_w), judge_err, fds)
+        fds.release(call_w, answer_r, verdict_w)
         timed_out = False
         try:
-            proc.wait(timeout=max(0.0, limits.timeout_s - (time.monotonic() - start)))
+            judge.wait(timeout=max(0.0, limits.timeout_s - (time.monotonic() - start)))
         except subprocess.TimeoutExpired:
             timed_out = True
-        finally:
-            _end_sandbox(proc, init)
-        status = _status(timed_out, proc.returncode, _read_all(result_r), token)
-        return SandboxResult(status, proc.returncode, _tail(err), time.monotonic() - start, host_uid)
+            judge.kill()
+            judge.wait()
+        # The judge is done: the program reads the end of its calls and exits; a moment for that.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            started.proc.wait(timeout=max(0.0, min(1.0, limits.timeout_s - (time.monotonic() - start))))
+        started.end()
+        rc = started.proc.returncode
+        passed = judge.returncode == 0 and _read_all(verdict_r) == b"passed"
+        status = _status(passed, timed_out, rc, _read_all(ready_r))
+        tail = _tail(err) + ("\n[tests] " + t if (t := _tail(judge_err).strip()) else "")
+        return SandboxResult(status, rc, tail[-_TAIL_CHARS:], time.monotonic() - start, started.host_uid)
     finally:
+        if judge is not None and judge.poll() is None:
+            judge.kill()
+            judge.wait()
+        if started is not None:
+            started.end()
         fds.close()
+
+
+def _start_judge(job: dict, ends: tuple[int, int, int], err: int, fds: _Fds) -> subprocess.Popen:
+    """The judge runs trusted code (the task's tests) on plain data: a process of the
+    evaluator's, with a clean environment, in a new session, outside the sandbox."""
+    stdin = fds.memfd("job", json.dumps(job).encode("utf-8"))
+    argv = [os.path.realpath(sys.executable), "-I", "-S", "-c", _JUDGE, *map(str, ends)]
+    return subprocess.Popen(
+        argv, cwd="/", env=_child_env("/nonexistent"), stdin=stdin, stdout=subprocess.DEVNULL, stderr=err,
+        pass_fds=ends, close_fds=True, start_new_session=True,
+    )  # fmt: skip
+
+
+def _start_contained(program: str, limits: _Limits, bwrap: str, ends: _Ends, err: int, fds: _Fds) -> _Started:
+    view = python_view(sys.executable)
+    lock = None
+    if os.geteuid() == 0:
+        uid, lock = _reserve_uid()
+        host_uid, namespaces, nproc = uid, [], limits.max_procs
+    else:
+        uid, host_uid = -1, os.getuid()
+        namespaces = ["--unshare-user", "--disable-userns", "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID)]
+        nproc = limits.max_procs + 1  # bwrap's init inside the user namespace counts too
+    source = fds.memfd("program.py", program.encode("utf-8"))
+    info_r, info_w = fds.pipe()
+    filter_bytes = sandbox_seccomp.program()
+    seccomp_fd = fds.memfd("seccomp", filter_bytes) if filter_bytes else None
+    seccomp = ["--seccomp", str(seccomp_fd)] if filter_bytes else []
+    argv = [
+        bwrap, *namespaces,
+        "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        "--hostname", "sandbox", "--die-with-parent", "--new-session",
+        *view.bwrap_args,
+        "--dev", "/dev", "--remount-ro", "/dev",
+        "--size", str(limits.max_disk_mb << 20), "--tmpfs", _WORK,
+        "--file", str(source), f"{_WORK}/program.py",
+        "--chdir", _WORK, "--remount-ro", "/",
+        *seccomp, "--info-fd", str(info_w),
+        "--", view.executable, "-S", "-s", "-c", _BOOT,
+        *limits.boot_args(uid, nproc, ends),
+    ]  # fmt: skip
+    handed = [*ends, source, info_w, *([seccomp_fd] if seccomp_fd is not None else [])]
+    try:
+        proc = subprocess.Popen(
+            argv, env=_child_env(_WORK), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+            pass_fds=handed, close_fds=True, start_new_session=True,
+        )  # fmt: skip
+    except OSError:
         if lock is not None:
             lock.close()
+        raise
+    fds.release(source, info_w, *([seccomp_fd] if seccomp_fd is not None else []))
+    init = _sandbox_init(info_r, proc, limits.timeout_s)
+    ended = []
+
+    def end() -> None:
+        if not ended:  # once: the pidfd is closed by the first
+            ended.append(True)
+            try:
+                _end_sandbox(proc, init)
+            finally:
+                if lock is not None:  # the throwaway uid is free again once nothing runs as it
+                    lock.close()
+
+    return _Started(proc, host_uid, end)
 
 
 def _sandbox_init(info_r: int, proc: subprocess.Popen, timeout_s: float) -> int | None:
@@ -309,55 +415,45 @@ def _end_sandbox(proc: subprocess.Popen, init: int | None) -> None:
             os.close(init)
 
 
-def _status(timed_out: bool, rc: int | None, got: bytes, token: bytes) -> str:
-    if got == b"R" + token and rc == 0:
+def _status(passed: bool, timed_out: bool, rc: int | None, ready: bytes) -> str:
+    if passed:
         return "passed"
-    if timed_out or rc == 128 + signal.SIGXCPU:
+    # bwrap reports a signal as 128 + its number, Popen as minus it
+    if timed_out or rc in (128 + signal.SIGXCPU, -signal.SIGXCPU):
         return "timeout"
-    if not got.startswith(b"R"):  # the program never started: bwrap or sandbox_boot failed
+    if not ready.startswith(b"R"):  # the program never started: bwrap or sandbox_boot failed
         return "error"
     return "failed"
 
 
 class _Fds:
-    """File descriptors of one run: those handed to the sandbox, and the evaluator's ends.
-    Each is closed exactly once (a second close could hit a number another thread reused)."""
+    """File descriptors of one run, each closed exactly once (a second close could hit a
+    number another thread reused). The evaluator releases its copy of each end it hands
+    to a child, so that a pipe reads EOF once the child at the other end is gone."""
 
     def __init__(self) -> None:
-        self.passed: list[int] = []
         self._open: list[int] = []
 
-    def _own(self, fd: int, passed: bool) -> int:
+    def _own(self, fd: int) -> int:
         self._open.append(fd)
-        if passed:
-            self.passed.append(fd)
         return fd
 
-    def memfd(self, name: str, data: bytes, *, passed: bool = True) -> int:
-        fd = self._own(os.memfd_create(name, os.MFD_CLOEXEC), passed)
+    def memfd(self, name: str, data: bytes) -> int:
+        fd = self._own(os.memfd_create(name, os.MFD_CLOEXEC))
         os.write(fd, data)
         os.lseek(fd, 0, os.SEEK_SET)
         return fd
 
-    def pipe(self) -> tuple[int, int]:
-        """A pipe whose write end goes to the sandbox; the read end does not block."""
+    def pipe(self, *, blocking: bool = False) -> tuple[int, int]:
+        """(read end, write end); the read end does not block unless asked to."""
         r, w = os.pipe()
-        os.set_blocking(r, False)
-        return self._own(r, passed=False), self._own(w, passed=True)
+        os.set_blocking(r, blocking)
+        return self._own(r), self._own(w)
 
-    def pipe_with(self, data: bytes) -> int:
-        """A pipe holding `data`, whose read end goes to the sandbox."""
-        r, w = os.pipe()
-        os.write(w, data)
-        os.close(w)
-        return self._own(r, passed=True)
-
-    def close_passed(self) -> None:
-        # The evaluator's copies: the result pipe reads EOF once the sandbox's are gone.
-        for fd in self.passed:
+    def release(self, *fds: int) -> None:
+        for fd in fds:
             self._open.remove(fd)
             _close_quietly(fd)
-        self.passed = []
 
     def close(self) -> None:
         for fd in self._open:
@@ -414,39 +510,25 @@ def _child_env(work: str) -> dict[str, str]:
     }
 
 
-def _run_unsandboxed(code: str, limits: _Limits) -> SandboxResult:
+def _start_plain(program: str, limits: _Limits, ends: _Ends, err: int, fds: _Fds) -> _Started:
     """The opt-in fallback: rlimits, a fresh directory, a clean environment, a process group
-    killed at the end. It contains nothing; the token still decides what passed."""
+    killed at the end. It contains nothing; the judge still decides what passed."""
     work = tempfile.mkdtemp(prefix="tunelab-unsandboxed-")
-    start = time.monotonic()
-    fds = _Fds()
+    pathlib.Path(work, "program.py").write_text(program, encoding="utf-8")
+    argv = [os.path.realpath(sys.executable), "-S", "-s", "-c", _BOOT, *limits.boot_args(-1, -1, ends)]
     try:
-        pathlib.Path(work, "program.py").write_text(code, encoding="utf-8")
-        token = secrets.token_hex(16).encode()
-        token_r = fds.pipe_with(token)
-        result_r, result_w = fds.pipe()
-        err = fds.memfd("stderr", b"", passed=False)
-        argv = [os.path.realpath(sys.executable), "-S", "-s", "-c", _BOOT,
-                *limits.boot_args(-1, -1, token_r, result_w)]  # fmt: skip
-        try:
-            proc = subprocess.Popen(
-                argv, cwd=work, env=_child_env(work), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=err, pass_fds=fds.passed, close_fds=True, start_new_session=True,
-            )  # fmt: skip
-        except OSError as e:
-            return SandboxResult("error", None, f"could not start python: {e}", 0.0, os.getuid())
-        fds.close_passed()
-        timed_out = False
-        try:
-            proc.wait(timeout=limits.timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        status = _status(timed_out, proc.returncode, _read_all(result_r), token)
-        return SandboxResult(status, proc.returncode, _tail(err), time.monotonic() - start, os.getuid())
-    finally:
-        fds.close()
+        proc = subprocess.Popen(
+            argv, cwd=work, env=_child_env(work), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=err, pass_fds=tuple(ends), close_fds=True, start_new_session=True,
+        )  # fmt: skip
+    except OSError:
         shutil.rmtree(work, ignore_errors=True)
+        raise
+
+    def end() -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+    return _Started(proc, os.getuid(), end)

@@ -1,12 +1,13 @@
-"""The first code to run inside the sandbox; `sandbox.py` passes this file's text to `python -c`.
+"""The first code to run inside the sandbox; `sandbox.py` passes `sandbox_wire.py` and then
+this file's text to `python -c`.
 
-It sets the resource limits, becomes the throwaway uid when the evaluator is root,
-reads the pass token, and runs program.py. Only if the program's last statement
-returns does it write the token to the result pipe: "passed" means the program ran
-to its end, never "the process exited with 0" (sys.exit(0), os._exit(0),
-posix._exit(0) or a signal in the middle all leave the token unwritten).
+It sets the resource limits, becomes the throwaway uid when the evaluator is root, runs
+program.py as `__main__`, and then serves calls: the judge (`sandbox_judge.py`, another
+process, outside the sandbox) sends a function's name and arguments, and gets back the
+value it returned or the exception it raised, as plain data (`sandbox_wire.py`). Nothing
+this process writes decides whether the tests passed: the judge runs them, on its side.
 
-Argument order: uid cpu_s mem nproc fsize token_fd result_fd (-1 = leave unset).
+Argument order: uid cpu_s mem nproc fsize ready_fd call_fd answer_fd (-1 = leave unset).
 Exit 121 means the sandbox itself could not be set up.
 """
 
@@ -16,11 +17,11 @@ import sys
 
 
 def main() -> None:
-    uid, cpu_s, mem, nproc, fsize, token_fd, result_fd = map(int, sys.argv[1:8])
+    uid, cpu_s, mem, nproc, fsize, ready_fd, call_fd, answer_fd = map(int, sys.argv[1:9])
     sys.argv = ["program.py"]
     sys.path[:] = [p for p in sys.path if p]  # python -c puts the working directory first
-    # Taken before the program runs: it may replace these names in the os module.
-    write, close, read, exit_now, getpid = os.write, os.close, os.read, os._exit, os.getpid
+    # Taken before the program runs: it may replace these names in their modules.
+    write, exit_now, getpid = os.write, os._exit, os.getpid
     stdout, stderr, excepthook = sys.stdout, sys.stderr, sys.excepthook
     try:
         limits = [(resource.RLIMIT_CPU, cpu_s, cpu_s + 1), (resource.RLIMIT_AS, mem, mem),
@@ -38,30 +39,51 @@ def main() -> None:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-        token = read(token_fd, 256)
-        close(token_fd)
         with open("program.py", encoding="utf-8") as f:
             source = f.read()
         main_module = type(sys)("__main__")
         main_module.__file__ = "program.py"
         sys.modules["__main__"] = main_module
         me = getpid()
-        write(result_fd, b"R")  # set up; what follows is the program's
+        write(ready_fd, b"R")  # set up; what follows is the program's
     except BaseException as e:
         excepthook(type(e), e, e.__traceback__)
         exit_now(121)
     try:
         exec(compile(source, "program.py", "exec"), main_module.__dict__)
-        stdout.flush()
-        stderr.flush()
     except BaseException as e:  # SystemExit too, whatever its code
         try:
             excepthook(type(e), e, e.__traceback__)
         finally:
             exit_now(1)
-    if getpid() == me:  # a forked child that ran on to here is not the program's end
-        write(result_fd, token)
+    if getpid() != me:  # a forked child that ran on to here is not the program
+        exit_now(0)
+    serve(main_module.__dict__, call_fd, answer_fd)
+    stdout.flush()
+    stderr.flush()
     exit_now(0)
+
+
+def serve(namespace: dict, call_fd: int, answer_fd: int) -> None:
+    """Answer the judge's calls until it closes its end."""
+    while True:
+        request = receive(call_fd)  # noqa: F821 (sandbox_wire.py, prepended)
+        if request is None:
+            return
+        try:
+            _, name, args, kwargs = request
+            value = namespace[name](*decode(args), **decode(kwargs))  # noqa: F821
+            answer = {"ok": encode(value)}  # noqa: F821
+        except BaseException as e:  # SystemExit too: the judge decides what it means
+            answer = {"raise": [type(e).__name__, _text(e)]}
+        send(answer_fd, answer)  # noqa: F821
+
+
+def _text(e: BaseException) -> str:
+    try:
+        return str(e)[:2000]
+    except BaseException:  # a __str__ of the program's that raises
+        return "<unprintable>"
 
 
 if __name__ == "__main__":
