@@ -148,3 +148,24 @@ def test_through_the_root_forward_same_loss_and_gradients(make_batch, mask, monk
     labelled_columns = int((batch["labels"][:, 1:] != IGNORE).any(0).sum())
     expected = label_tokens(batch) if mask else labelled_columns * batch["labels"].shape[0]
     assert head_rows(model, batch, root_forward_loss) == expected < batch["labels"].numel()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_pipelines_last_stage_at_the_labelled_positions(tied):
+    """What a pipeline's last stage and loss run (pipeline.py, stages.py): the stage takes the mask of labelled
+    positions and returns their logits only; the loss sums them. Here one stage holds the whole model, so
+    loss, gradients and head rows compare with the plain forward in one process."""
+    from tunelab.train.loss import shifted_labels, summed_at_labels
+    from tunelab.train.parallel import stages
+    from tunelab.train.parallel.anatomy import anatomy
+
+    model, batch = tiny_llama(tied=tied), padded_batch()
+    a = anatomy(model)
+    stage = stages.Stage(model, a, list(range(len(a.layers))), first=True, last=True)
+
+    def through_stage(m, b, n_items):
+        keep = shifted_labels(b["labels"]) != IGNORE
+        return summed_at_labels(stage(b["input_ids"], b["attention_mask"], keep=keep), b["labels"]) / n_items
+
+    assert_same_as_plain(model, batch, through_stage)
+    assert head_rows(model, batch, through_stage) == label_tokens(batch) < batch["labels"].numel()

@@ -68,7 +68,6 @@ _BOOT = _WIRE + (_HERE / "sandbox_boot.py").read_text(encoding="utf-8")
 _JUDGE = _WIRE + (_HERE / "sandbox_judge.py").read_text(encoding="utf-8")
 # run_program's test: a function defined after the program answers once the program has run to its end.
 _END = "__tunelab_program_end__"
-_END_TEST = f"import random\nnonce = random.random()\nassert {_END}(nonce) == nonce\n"
 _WORK = "/work"
 _SANDBOX_UID = 65534  # the program's uid inside a user namespace
 # Throwaway uids for root evaluators: random in a range no distribution hands out, and
@@ -177,7 +176,8 @@ def run_tests(
 def run_program(code: str, **limits) -> SandboxResult:
     """Run `code` as a whole program in the sandbox: passed when it ran to its end (its
     last statement returned). The keyword arguments are `run_tests`'s."""
-    return run_tests(f"{code}\n\n\ndef {_END}(nonce):\n    return nonce\n", _END_TEST, calls=(_END,), **limits)
+    program, job = _whole(code)
+    return run_tests(program, job["tests"], calls=job["calls"], **limits)
 
 
 @dataclass(frozen=True)
@@ -206,11 +206,11 @@ def _availability(bwrap: str | None, executable: str, root: bool) -> str | None:
     # A canary pair: one program must pass and one that exits early must not. The first
     # fails where namespaces are refused or the interpreter rejects our flags, which
     # would otherwise score every program as failed.
-    ok = _run_whole("import math\nassert math.gcd(12, 18) == 6\n", limits, bwrap)
+    ok = _run(*_whole("import math\nassert math.gcd(12, 18) == 6\n"), limits, bwrap)
     if not ok.passed:
         tail = " ".join(ok.stderr_tail.split())[-400:] or f"exit status {ok.returncode}"
         return f"bwrap could not run a program here ({ok.status}: {tail})"
-    if _run_whole("import os\nos._exit(0)\n", limits, bwrap).passed:
+    if _run(*_whole("import os\nos._exit(0)\n"), limits, bwrap).passed:
         return "the sandbox's judge does not work (a program that exits early passed)"
     return None
 
@@ -221,9 +221,11 @@ def _bwrap_version(bwrap: str) -> str | None:
     return out[-1] if out else None
 
 
-def _run_whole(code: str, limits: _Limits, bwrap: str | None) -> SandboxResult:
-    job = {"context": "", "tests": _END_TEST, "calls": [_END]}
-    return _run(f"{code}\n\n\ndef {_END}(nonce):\n    return nonce\n", job, limits, bwrap)
+def _whole(code: str) -> tuple[str, dict]:
+    """A whole program, and the judge's job that asks whether it ran to its end."""
+    program = f"{code}\n\n\ndef {_END}(nonce):\n    return nonce\n"
+    tests = f"import random\nnonce = random.random()\nassert {_END}(nonce) == nonce\n"
+    return program, {"context": "", "tests": tests, "calls": [_END]}
 
 
 @dataclass(frozen=True)

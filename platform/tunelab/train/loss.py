@@ -63,6 +63,23 @@ def _causal_lm(model, root_hooks_ok: bool = False):
     return model
 
 
+def exact_at_labels(model) -> bool:
+    """Whether the head and loss may run at the labelled positions only, for a caller that runs the
+    model's parts itself (pipeline stages) and so with whatever hooks they carry."""
+    return _causal_lm(model, root_hooks_ok=True) is not None
+
+
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """The label each position predicts: position t predicts token t+1, the last one nothing."""
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE)
+
+
+def summed_at_labels(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed fp32 cross-entropy of `logits` taken at `shifted_labels(labels) != IGNORE`, in order."""
+    shift = shifted_labels(labels)
+    return torch.nn.functional.cross_entropy(logits.float(), shift[shift != IGNORE], reduction="sum")
+
+
 def plain_loss(model, batch: dict, n_items: torch.Tensor) -> torch.Tensor:
     return model(**batch, num_items_in_batch=n_items).loss
 
@@ -76,7 +93,7 @@ def causal_lm_loss(model, batch: dict, n_items: int | torch.Tensor) -> torch.Ten
         return plain_loss(model, batch, n_items)
     # Position t predicts token t+1; the last position of each row predicts nothing. The row indices are
     # taken before the body runs, so a GPU waits for them while its queue is short.
-    shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE).flatten()
+    shift = shifted_labels(labels).flatten()
     rows = (shift != IGNORE).nonzero().squeeze(1)
     body = getattr(lm, lm.base_model_prefix)
     hidden = body(**{k: v for k, v in batch.items() if k != "labels"}).last_hidden_state
@@ -93,7 +110,7 @@ def root_forward_loss(model, batch: dict, n_items: int | torch.Tensor, inner=Non
     if _causal_lm(inner if inner is not None else model, root_hooks_ok=True) is None or \
             not set(batch) - {"labels"} <= _BODY_INPUTS:
         return plain_loss(model, batch, n_items)
-    shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    shift = shifted_labels(labels)
     if _MASK_TO_KEEP:  # exactly the labelled positions, returned as (labelled tokens, vocabulary)
         keep, targets = shift != IGNORE, shift[shift != IGNORE]
     else:  # the positions where any row has a label, the same for every row

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from tunelab.runtime import Layout
 from tunelab.train.data import label_tokens
-from tunelab.train.loss import plain_loss, root_forward_loss
+from tunelab.train.loss import exact_at_labels, root_forward_loss
 from tunelab.train.parallel import grads, stages, tied, tp
 from tunelab.train.parallel.anatomy import anatomy, causal_lm
 from tunelab.train.parallel.deferred import Deferred, materialize
@@ -80,17 +80,16 @@ class NativeStepper(Stepper):
         if layout.pp > 1:
             lm = causal_lm(model)
             self.pipeline = Pipeline(self.modules, ids, layout, pcfg, lm.loss_function, lm.config.vocab_size,
-                                     self.grad_scale)
+                                     self.grad_scale, at_labels=exact_at_labels(model))
         seen: set[int] = set()
         self.params = [p for m in self.modules for p in m.parameters()
                        if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
         self.optimizer = optim_builder(self.params)
 
     def _loss(self, batch: dict, n_items) -> torch.Tensor:
-        """The step's share of the loss; the head only where a label is (train/loss.py) except under tensor
-        parallelism, whose sharded body the plain forward drives."""
-        if self.layout.tp > 1:
-            return plain_loss(self._model, batch, n_items)
+        """The step's share of the loss, the head only where a label is (train/loss.py): through the root
+        forward, whose hooks FSDP2 needs; under tensor parallelism the head is replicated and the body's
+        outputs are whole tensors, so the same holds."""
         return root_forward_loss(self._model, batch, n_items)
 
     # -- training -------------------------------------------------------------------------

@@ -1,10 +1,17 @@
 """Pipeline schedules over this rank's stages, with the loss that matches one process:
-summed token cross-entropy / label tokens of the whole optimizer step."""
+summed token cross-entropy / label tokens of the whole optimizer step.
+
+With `at_labels` the last stage runs the final norm and the output head only at the positions that
+carry a label (train/loss.py): every rank passes the micro-batch's mask of those positions as a
+keyword argument, which the schedule splits like the inputs and hands to each stage without sending
+it between ranks; the last stage returns (labelled positions, vocabulary) logits in order."""
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from tunelab.train.loss import IGNORE, shifted_labels, summed_at_labels
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 MAX_CACHED_SHAPES = 8
@@ -23,7 +30,7 @@ def pad(b: dict, multiple: int = PAD_TO) -> dict:
 
 class Pipeline:
     def __init__(self, modules, stage_ids: list[int], layout, pcfg, loss_function, vocab_size: int,
-                 grad_scale: float = 1.0):
+                 grad_scale: float = 1.0, at_labels: bool = False):
         self.modules, self.ids, self.layout, self.pcfg = modules, stage_ids, layout, pcfg
         self.n_stages = layout.pp * len(stage_ids)
         self.first, self.last = 0 in stage_ids, self.n_stages - 1 in stage_ids
@@ -31,9 +38,12 @@ class Pipeline:
         self._n_items = 1
         self._scale = grad_scale  # the backward loss is scaled by it (see native.py); reports are not
         self._schedules: dict[tuple, object] = {}
+        self._at_labels = at_labels
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         n = torch.tensor(self._n_items, device=logits.device)
+        if self._at_labels:
+            return summed_at_labels(logits, labels) / n * self._scale
         loss = self._loss_function(logits=logits, labels=labels, vocab_size=self._vocab, num_items_in_batch=n)
         return loss * self._scale
 
@@ -65,7 +75,8 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         target = {"target": b["labels"], "losses": losses} if self.last else {}
         args = (b["input_ids"], b["attention_mask"]) if self.first else ()
-        sched(*args, **target)
+        keep = {"keep": shifted_labels(b["labels"]) != IGNORE} if self._at_labels else {}
+        sched(*args, **keep, **target)
         for p, g in kept.items():
             p.grad = g if p.grad is None else p.grad + g
         return sum(float(x.detach()) for x in losses) / self._scale

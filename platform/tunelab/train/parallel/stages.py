@@ -49,7 +49,8 @@ class Stage(nn.Module):
             norm=root.get_submodule(a.norm) if last else None,
             lm_head=root.get_submodule(a.lm_head) if last else None)
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor):
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor | None = None):
+        """`keep` (the last stage): the positions whose logits to return, as (positions, vocabulary)."""
         p = self.parts
         h = p.embed(x) if p.first else x
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
@@ -59,7 +60,7 @@ class Stage(nn.Module):
         for layer in p.layers:
             h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos)
         if p.last:
-            return p.lm_head(p.norm(h))
+            return p.lm_head(p.norm(h if keep is None else h[keep]))
         return h, attention_mask
 
 
