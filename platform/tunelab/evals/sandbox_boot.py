@@ -18,6 +18,7 @@ import sys
 
 def main() -> None:
     uid, cpu_s, mem, nproc, fsize, ready_fd, call_fd, answer_fd = map(int, sys.argv[1:9])
+    open_wire()  # noqa: F821 (sandbox_wire.py, prepended)
     sys.argv = ["program.py"]
     sys.path[:] = [p for p in sys.path if p]  # python -c puts the working directory first
     # Taken before the program runs: it may replace these names in their modules.

@@ -19,6 +19,7 @@ import sys
 
 def main() -> None:
     call_fd, answer_fd, verdict_fd = map(int, sys.argv[1:4])
+    open_wire()  # noqa: F821 (sandbox_wire.py, prepended)
     job = json.loads(sys.stdin.read())
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     exec(compile(job["context"], "context.py", "exec"), namespace)
