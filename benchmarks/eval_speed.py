@@ -185,7 +185,9 @@ def parity(ours: dict, ref: dict, args) -> list[str]:
         context, gen_kwargs = ref["contexts"][k]
         div = explain(model, tok, context, gen_kwargs, args.max_new_tokens or 256)
         if div is None:
-            lines.append(f"  {k}: differs only after the stop (token streams agree)")
+            # Regenerated with stops matched in generated text only (as lm-eval does), the streams agree: the
+            # difference is where a stop string was matched (HumanEval: tunelab's spans the prompt's last newline)
+            lines.append(f"  {k}: differs by where a stop string was matched (token streams agree)")
         else:
             verdict = "near-tie" if div.gap < NEAR_TIE else "NOT A NEAR-TIE"
             lines.append(f"  {k}: first diverging token {div.step}: ours {div.ours} vs theirs {div.theirs}, "

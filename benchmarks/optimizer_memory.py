@@ -1,13 +1,16 @@
-"""Peak memory of one training step of a ~100M-parameter Llama, per optimizer, each in a fresh process.
+"""Peak memory of training a ~100M-parameter Llama for a few steps, per optimizer, each in a fresh process.
 
-    python benchmarks/optimizer_memory.py [--shapes 1x64,4x512] [--only adamw,lomo]
+    python benchmarks/optimizer_memory.py [--shapes 1x64,4x512] [--steps 2] [--only adamw,lomo]
 
 Each method runs in its own subprocess: random-init Llama (fp32, CPU), one batch of each --shapes entry
 (rows x tokens: 1 x 64 isolates the optimizer's own state; 4 x 512 is a realistic batch, where activations
 weigh in),
-one full training step as tunelab's loop does it: forward with the loop's loss (train/loss.py), backward,
+--steps full training steps (default 2) as tunelab's loop does them: forward with the loop's loss (train/loss.py), backward,
 clip to norm 1.0, step; or, for LOMO/AdaLomo, `prepare_for_fused(model, opt)` as the loop calls it for them
-(optimizers/tied.py) and the fused step, which clips inside its two backward passes. Measured: the
+(optimizers/tied.py) and the fused step, which clips inside its two backward passes. Two steps, not one:
+an optimizer's state is made in its first step, after that step's backward has freed the activations, so
+only from the second step on do the state and a batch's activations share memory, as they do in training;
+at 4 x 512 one step would measure the activations alone. Measured: the
 process's peak RSS (getrusage ru_maxrss) for the whole run, and that peak minus the RSS right after the
 model was built (what training added). The ratios to AdamW are printed with the issue's goals.
 
@@ -53,8 +56,8 @@ def rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def one(method: str, seq: int, rows: int = 1) -> dict:
-    """Runs in the child process: build, one step, report."""
+def one(method: str, seq: int, rows: int = 1, steps: int = 2) -> dict:
+    """Runs in the child process: build, `steps` steps on the same batch, report."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -90,27 +93,35 @@ def one(method: str, seq: int, rows: int = 1) -> dict:
         from lomo_optim import Lomo
 
         opt = Lomo(model, lr=1e-3, clip_grad_norm=1.0)
-        loss = forward_loss()
-        opt.grad_norm(loss)
-        opt.fused_backward(loss, 1e-3)
-        loss = float(loss)
+
+        def step(i):
+            loss = forward_loss()
+            opt.grad_norm(loss)
+            opt.fused_backward(loss, 1e-3)
+            return float(loss)
     else:
         name = "adamw" if method == "lora" else method
         kwargs = {"hessian_interval": 1} if name == "sophiag" else {}
         opt = optim.build(params, OptimCfg(name=name, lr=1e-3, kwargs=kwargs), max_grad_norm=1.0)
         if optim.spec(name).fused:  # as loop.run() does in one process: the tied weight's one gradient buffer
             prepare_for_fused(model, opt)
-        if hasattr(opt, "fused_step"):
-            loss, _ = opt.fused_step(forward_loss)
-        else:
-            out = forward_loss()
-            out.backward()
-            loss = float(out)
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        if hasattr(opt, "after_step"):
-            opt.after_step(step=1, model=model, batch=batch)
+
+        def step(i):
+            if hasattr(opt, "fused_step"):
+                loss, _ = opt.fused_step(forward_loss)
+            else:
+                out = forward_loss()
+                out.backward()
+                loss = float(out)
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if hasattr(opt, "after_step"):
+                opt.after_step(step=i, model=model, batch=batch)
+            return loss
+
+    for i in range(1, steps + 1):
+        loss = step(i)
     peak = peak_rss_mb()
     return {"method": method, "params": total, "trainable": sum(p.numel() for p in params), "loss": loss,
             "peak_mb": peak, "after_model_mb": after_model, "added_mb": peak - after_model}
@@ -120,12 +131,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x64,4x512", help="comma-separated ROWSxTOKENS batches")
     ap.add_argument("--only", default=",".join(METHODS), help="comma-separated methods")
+    ap.add_argument("--steps", type=int, default=2, help="training steps per process (the peak is over all)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--rows", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--seq", type=int, default=64, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.seq, args.rows)))
+        print(json.dumps(one(args.one, args.seq, args.rows, args.steps)))
         return
     print(f"load average at the start: {os.getloadavg()[0]:.2f}")
     for shape in args.shapes.split(","):
@@ -135,19 +147,19 @@ def main() -> None:
             rows = []
             for method in args.only.split(","):
                 out = subprocess.run([sys.executable, __file__, "--one", method, "--seq", str(seq), "--rows",
-                                      str(n_rows)], check=False, capture_output=True, text=True, env=env)
+                                      str(n_rows), "--steps", str(args.steps)], check=False, capture_output=True, text=True, env=env)
                 if out.returncode:
                     sys.exit(f"{method} failed:\n{out.stderr[-3000:]}")
                 rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(f"measured {method} ({shape}, {allocator} allocator)", file=sys.stderr)
-            report(rows, allocator, seq, n_rows)
+            report(rows, allocator, seq, n_rows, args.steps)
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
 
 
-def report(rows: list[dict], allocator: str, seq: int, n_rows: int = 1) -> None:
+def report(rows: list[dict], allocator: str, seq: int, n_rows: int = 1, steps: int = 2) -> None:
     base = next((r for r in rows if r["method"] == "adamw"), rows[0])
     print(f"\n### batch {n_rows} x {seq}, {allocator} allocator\n\nLlama {rows[0]['params'] / 1e6:.1f}M parameters, "
-          f"fp32, CPU, batch {n_rows} x {seq} tokens, one training step per fresh process\n")
+          f"fp32, CPU, batch {n_rows} x {seq} tokens, {steps} training steps per fresh process\n")
     print(f"| method | what | trainable | peak RSS MB | x {base['method']} | added MB | x {base['method']} |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -114,6 +114,11 @@ CASES: dict[str, Case] = {
         "m.yaml": with_base("  parallel: {tp: 2, pp: 2, dp: 2}\n")}),
     "matrix_cuda_only_peft_on_cpu": Case(RUN, ("m.yaml", "qlora", "needs a CUDA device", "train.device is cpu"), {
         "m.yaml": GOOD.replace("save_every: 1}", "save_every: 1, device: cpu}") + "matrix:\n  peft.method: [qlora]\n"}),
+    "matrix_cpu_offload_on_one_process": Case(RUN, ("m.yaml", "parallel.cpu_offload", "would be ignored"), {
+        "m.yaml": with_base("  parallel: {cpu_offload: true}\n")}),
+    "matrix_group_by_length_with_packing": Case(RUN, ("m.yaml", "train.group_by_length", "data.pack"), {
+        "m.yaml": GOOD.replace("max_length: 48}", "max_length: 48, pack: true}").replace(
+            "save_every: 1}", "save_every: 1, group_by_length: true}")}),
     "matrix_is_a_folder": Case(("run", "{tmp}", "--runs-dir", "{runs}"), ("no such file",)),
     "matrix_missing_file": Case(("run", "{tmp}/nope.yaml", "--runs-dir", "{runs}"), ("nope.yaml: no such file",)),
 

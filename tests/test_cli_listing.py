@@ -31,6 +31,8 @@ def test_ls_lists_every_kind_with_a_line_each():
     assert one.returncode == 0 and "quick" in one.stdout and "optimizers" not in one.stdout
     bad = exp("ls", "widgets")
     assert bad.returncode == 2 and "allowed are models" in bad.stderr and "Traceback" not in bad.stderr
+    alias = exp("models", "--json")  # `exp models` is `exp ls models`, not a second listing
+    assert alias.returncode == 0 and json.loads(alias.stdout) == {"models": kinds["models"]}
 
 
 def test_help_groups_commands_by_what_a_user_does():

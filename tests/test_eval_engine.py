@@ -156,3 +156,18 @@ def test_each_task_reports_its_progress_to_the_end(tiny, tmp_path):
         assert marks, task
         assert [d for d, _ in marks] == sorted(d for d, _ in marks), task
         assert marks[-1][0] == marks[-1][1] > 0, task
+
+
+def test_a_group_with_one_item_per_subtask_still_has_a_stderr(tiny, tmp_path):
+    """lm-eval pools its subtasks' stderrs for a group, and a one-item subtask has none (MMLU at one question
+    per subject, as the quickstart scores it); the group's stderr is then the item mean's."""
+    from tunelab.evals.harness import item_stderr
+
+    cfg = EvalCfg(tasks=["mmlu"], data_dir=str(FIXTURES), subtasks={"mmlu": SUBJECTS}, limit=1)
+    out = evals.run(*tiny, cfg, evals.Context(out_dir=tmp_path))["tasks"]["mmlu"]
+    assert all(v["stderr"] is None and v["n"] == 1 for v in out["subtasks"].values())  # lm-eval's N/A
+    items = [json.loads(x)["acc"] for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(items) == 2 and out["stderr"] == pytest.approx(item_stderr(out["value"], items))
+    assert item_stderr(0.75, [1, 0, 1, 1]) == pytest.approx(0.25)  # stdev 0.5 over sqrt(4)
+    assert item_stderr(0.5, [1, 0, 1, 1]) is None  # a value that is not the item mean gets no stderr
+    assert item_stderr(1.0, [1]) is None

@@ -59,6 +59,18 @@ base:
     assert len(one.id) == 10 and int(one.id, 16) >= 0
 
 
+def test_a_later_key_at_its_default_keeps_earlier_ids():
+    """train.group_by_length came after cells were run: at its default a cell's id is what it was before."""
+    from tunelab.config import CellConfig, content_id
+
+    cell = CellConfig.model_validate({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"}})
+    before = cell.model_dump(mode="json", exclude={"tracking", "eval"})
+    del before["train"]["group_by_length"]
+    assert cell.id() == content_id(before)
+    grouped = cell.model_copy(update={"train": cell.train.model_copy(update={"group_by_length": True})})
+    assert grouped.id() != cell.id()
+
+
 def test_duplicate_cells_collapse(tmp_path):
     got = cells(tmp_path, "matrix:\n  peft.method: [none, lora]\ninclude:\n  - {peft.method: lora}\n")
     assert len(got) == 2

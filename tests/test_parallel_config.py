@@ -57,12 +57,23 @@ def _cell(parallel: dict, **sections):
     ({"dp": 2, "backend": "deepspeed", "zero": 2, "cpu_offload": True}, {"optim": {"name": "adalomo"}},
      "nothing would move"),
     ({"dp": 2}, {"optim": {"name": "sophiag"}}, "Hessian"),
+    ({"cpu_offload": True}, {}, "would be ignored"),
 ])
 def test_cross_section_checks(parallel, sections, reason):
+    from tunelab.plan import check
     from tunelab.plan.parallel import check_layout as check_cell
 
     with pytest.raises(ValueError, match=reason):
         check_cell(_cell(parallel, **sections))
+    assert reason in check(_cell(parallel, **sections))[0].message  # what `exp plan` says
+
+
+def test_grouping_by_length_has_nothing_to_group_in_packed_rows():
+    from tunelab.plan import check
+
+    cell = _cell({}, data={"recipe": "arithmetic", "pack": True}, train={"group_by_length": True})
+    assert "group_by_length" in check(cell)[0].message and "data.pack" in check(cell)[0].message
+    assert check(_cell({}, train={"group_by_length": True})) == []
 
 
 @pytest.mark.parametrize("parallel", [{"tp": 2}, {"pp": 2, "microbatches": 2}, {"dp": 2, "tp": 2, "pp": 2,

@@ -119,10 +119,11 @@ def test_periodic_validation_and_checkpoints(tmp_path):
                                                                               "state.pt"}
 
 
-def test_resume_in_process_is_exact(tmp_path):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_resume_in_process_is_exact(tmp_path, grouped):
     # 10 rows, batch 2, 2 micro-batches a step: the epoch ends mid-step, so the data position crosses epochs.
     cfg = cell_cfg(steps=8, grad_accum=2, save_every=3, keep_checkpoints=3, warmup_steps=2, eval_every=4,
-                   save_final=True)
+                   save_final=True, group_by_length=grouped)
     model_a, _, full = train_once(cfg, tmp_path, n_train=10)
     assert [r["step"] for r in full] == list(range(1, 9))
     for name in ("step-6", "step-8"):
@@ -136,6 +137,31 @@ def test_resume_in_process_is_exact(tmp_path):
     assert resumed[3]["val_loss"] == pytest.approx(full[3]["val_loss"], abs=1e-6)
     for (n, pa), pb in zip(model_a.named_parameters(), model_b.parameters()):
         assert torch.allclose(pa, pb, atol=1e-6), n
+
+
+def test_group_by_length_batches_alike_rows_in_a_random_order():
+    """Every row once an epoch, less padding than plain shuffling, batches not sorted over the epoch, and
+    the same batches from the same seed (the loop's data position depends on it)."""
+    from tunelab.train.data import LengthGrouped, lengths_of, loader
+
+    model_tok = models.load(cell_cfg().model, "cpu")[1]
+    from tunelab.data.build import build
+
+    ds = build(cell_cfg().data, model_tok, models.cache_dir())["train"]
+    lengths = lengths_of(ds)
+    assert lengths == [len(x) for x in ds["input_ids"]]
+    sampler = LengthGrouped(lengths, 4, torch.Generator().manual_seed(0))
+    batches = list(sampler)
+    assert sorted(i for b in batches for i in b) == list(range(len(ds))) and len(batches) == len(sampler)
+
+    def padding(dl):
+        return sum(int((b["attention_mask"] == 0).sum()) for b in dl)
+
+    plain, grouped = (loader(ds, 4, model_tok.pad_token_id, shuffle=True, group_by_length=g) for g in (False, True))
+    assert padding(grouped) < padding(plain) / 2
+    widths = [max(lengths[i] for i in b) for b in batches]
+    assert widths != sorted(widths) and widths != sorted(widths, reverse=True)
+    assert list(LengthGrouped(lengths, 4, torch.Generator().manual_seed(0))) == batches
 
 
 def test_resume_can_be_turned_off(tmp_path):

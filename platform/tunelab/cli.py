@@ -278,16 +278,9 @@ def ls(kind: Annotated[str | None, typer.Argument(help="models, recipes, suites,
 
 
 @app.command(rich_help_panel=INSPECT)
-def models() -> None:
-    """List the model catalog's aliases."""
-    from tunelab.registries import MODELS
-
-    table = Table(title="model catalog")
-    table.add_column("alias")
-    table.add_column("what")
-    for name, a in MODELS.items():
-        table.add_row(name, a.description)
-    out.print(table)
+def models(as_json: Json = False) -> None:
+    """List the model catalog's aliases (the same as `exp ls models`)."""
+    ls("models", as_json)
 
 
 def _add_subcommands() -> None:

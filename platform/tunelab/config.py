@@ -108,6 +108,9 @@ class TrainCfg(Section):
     steps: int = Field(20, gt=0, description="optimizer steps")
     batch_size: int = Field(4, gt=0, description="examples per micro-batch")
     grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    group_by_length: bool = Field(
+        False, description="batch examples of similar length (less padding), the batches in a random order, as "
+                           "transformers' group_by_length; for padded rows (data.pack: false)")
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
     max_grad_norm: float | None = Field(1.0, description="clip the global grad norm; null = no clipping")
@@ -174,6 +177,11 @@ class TrackingCfg(Section):
     )
 
 
+# Training keys added after cells were first run, left out of a cell's identity while at their default (which
+# trains as before the key existed), so that run folders made earlier keep their ids and are not trained again.
+LATER_KEYS = {("train", "group_by_length"): False}
+
+
 class CellConfig(Section):
     model: ModelCfg
     data: DataCfg
@@ -189,6 +197,9 @@ class CellConfig(Section):
         training measures validation loss on the way (train.eval_every). Evaluation and tracking are not
         part of it: a new eval task evaluates the same trained model again instead of retraining it."""
         ident = self.model_dump(mode="json", exclude={"tracking", "eval"})
+        for (section, key), default in LATER_KEYS.items():
+            if ident[section][key] == default:
+                del ident[section][key]
         if self.train.eval_every:
             ident["validation"] = {"batch_size": self.eval.batch_size, "val_batches": self.eval.val_batches}
         return ident

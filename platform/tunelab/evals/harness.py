@@ -118,6 +118,17 @@ def _num(x) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not math.isnan(x) else None
 
 
+def item_stderr(value: float | None, items: list) -> float | None:
+    """The standard error of a mean over items (sample stdev / sqrt(n), lm-eval's formula for one task), used
+    when lm-eval gives a group none: its group stderr pools the subtasks' and is undefined as soon as one
+    subtask has a single item (MMLU at one question per subject). Only when the group's value is that item
+    mean (a size-weighted group, as MMLU's and BBH's are), so it is never a stderr of some other number."""
+    xs = [float(x) for x in items if isinstance(x, (int, float, bool))]
+    if value is None or len(xs) < 2 or abs(statistics.fmean(xs) - value) > 1e-9:
+        return None
+    return statistics.stdev(xs) / math.sqrt(len(xs))
+
+
 def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -177,9 +188,11 @@ def _evaluate(bench, lm, base, scratch, *, limit, subtasks, data_dir, max_gen_to
         with samples_path.open("a", encoding="utf-8") as f:
             f.writelines(json.dumps(r, default=str) + "\n" for r in records)
     shots = sorted({v["shots"] for v in per_leaf.values() if v["shots"] is not None})
+    value, stderr = _num(head.get(key)), _num(head.get(f"{bench.metric}_stderr,{bench.filter}"))
+    if stderr is None:
+        stderr = item_stderr(value, [r[bench.metric] for r in records])
     return {
-        **base, "status": "ok", "value": _num(head.get(key)),
-        "stderr": _num(head.get(f"{bench.metric}_stderr,{bench.filter}")),
+        **base, "status": "ok", "value": value, "stderr": stderr,
         "n": sum(v["n"] for v in per_leaf.values()), "shots": shots[0] if len(shots) == 1 else shots,
         "limit": limit, "subset": bool(subtasks) or limit is not None,
         "macro": statistics.fmean(values) if values else None,

@@ -69,5 +69,6 @@ def check(cell: CellConfig) -> list[Problem]:
                 *optim.section(cell.optim), *sections.eval_section(cell.eval), *parallel.section(cell.parallel)]
     if problems:  # cross-section checks assume each section is sound
         return problems
-    across = optim.compatible(cell) + parallel.across(cell) + sections.peft_across(cell)
+    across = (optim.compatible(cell) + parallel.across(cell) + sections.peft_across(cell)
+              + sections.batching_across(cell))
     return [Problem((), "; ".join(across))] if across else []

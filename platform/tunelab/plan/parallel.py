@@ -67,6 +67,10 @@ def across(cell) -> list[str]:
     if opt.refresh and uses_engine(cell):
         errs.append(f"optim.name {cell.optim.name} refreshes its Hessian estimate on the whole model between steps, "
                     "which the parallel engines do not call; run it on one process (parallel dp = tp = pp = 1)")
+    if p.cpu_offload and not uses_engine(cell):
+        errs.append("parallel.cpu_offload moves the state a parallel engine shards into CPU memory, and this cell "
+                    "runs on one process without one, so it would be ignored; drop it, or use backend: deepspeed "
+                    "(ZeRO offload works on one process) or dp > 1")
     if opt.fused and p.backend == "deepspeed" and p.cpu_offload and p.zero < 3:
         errs.append(f"parallel.cpu_offload at zero {p.zero} offloads optimizer state, which optim.name "
                     f"{cell.optim.name} (nearly) lacks, so nothing would move; use zero: 3 (offloads the "

@@ -78,3 +78,10 @@ def peft_across(cell) -> list[str]:
     if PEFT[cell.peft.method].needs_cuda and cell.train.device == "cpu":
         return [f"peft.method {cell.peft.method} needs a CUDA device, but train.device is cpu"]
     return []
+
+
+def batching_across(cell) -> list[str]:
+    if cell.train.group_by_length and cell.data.pack:
+        return ["train.group_by_length sorts padded rows by length, and with data.pack: true every row is already "
+                "full (no padding to save); set one of them to false"]
+    return []

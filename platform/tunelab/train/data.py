@@ -70,10 +70,46 @@ def is_packed(ds) -> bool:
     return "position_ids" in (getattr(ds, "column_names", None) or [])
 
 
-def loader(ds, batch_size: int, pad_id: int, *, shuffle: bool, seed: int = 0, attn: str = "sdpa") -> DataLoader:
+class LengthGrouped(torch.utils.data.Sampler):
+    """Batches of examples of similar length in a random order (transformers' `group_by_length`): each
+    epoch's shuffled indices are cut into megabatches of `MEGA` batches, each megabatch is sorted by length
+    and cut into batches, and then the batches are shuffled, so a step's rows are alike in length but the
+    lengths do not trend over the epoch. It draws only from the loader's generator, so the data position
+    a checkpoint saves (BatchStream: the generator's state when the epoch began) replays it exactly."""
+
+    MEGA = 50
+
+    def __init__(self, lengths: list[int], batch_size: int, generator: torch.Generator):
+        self.lengths, self.batch_size, self.generator = lengths, batch_size, generator
+
+    def __len__(self) -> int:
+        return -(-len(self.lengths) // self.batch_size)
+
+    def __iter__(self):
+        perm = torch.randperm(len(self.lengths), generator=self.generator).tolist()
+        size, mega = self.batch_size, self.batch_size * self.MEGA
+        batches = []
+        for start in range(0, len(perm), mega):
+            part = sorted(perm[start:start + mega], key=lambda i: -self.lengths[i])
+            batches += [part[i:i + size] for i in range(0, len(part), size)]
+        yield from (batches[i] for i in torch.randperm(len(batches), generator=self.generator).tolist())
+
+
+def lengths_of(ds) -> list[int]:
+    """Tokens per example, from the Arrow list column (in the dataset's row order, whatever its index mapping)."""
+    import pyarrow.compute as pc
+
+    return pc.list_value_length(ds.select_columns(["input_ids"]).with_format("arrow")[:]["input_ids"]).to_pylist()
+
+
+def loader(ds, batch_size: int, pad_id: int, *, shuffle: bool, seed: int = 0, attn: str = "sdpa",
+           group_by_length: bool = False) -> DataLoader:
     """`attn` is the model's attention implementation; it only matters for packed datasets."""
     g = torch.Generator().manual_seed(seed)
     fn = collate_packed(pad_id, varlen=attn.startswith("flash")) if is_packed(ds) else collate(pad_id)
+    if group_by_length and shuffle:
+        return DataLoader(ds.with_format(None), batch_sampler=LengthGrouped(lengths_of(ds), batch_size, g),
+                          generator=g, collate_fn=fn)
     return DataLoader(ds.with_format(None), batch_size=batch_size, shuffle=shuffle, generator=g, collate_fn=fn)
 
 

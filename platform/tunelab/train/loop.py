@@ -152,7 +152,8 @@ def _setup(model, tokenizer, datasets, cfg, run_dir, emit, runtime, validation, 
     sched = torch.optim.lr_scheduler.LambdaLR(stepper.optimizer, lr_lambda(t.schedule, t.warmup_steps, t.steps))
     attn = getattr(model.config, "_attn_implementation", "sdpa")
     pad = tokenizer.pad_token_id
-    stream = BatchStream(loader(datasets["train"], t.batch_size, pad, shuffle=True, seed=t.seed, attn=attn))
+    stream = BatchStream(loader(datasets["train"], t.batch_size, pad, shuffle=True, seed=t.seed, attn=attn,
+                                group_by_length=t.group_by_length))
     val_ds = datasets["validation"]
     validate = (lambda: validation_loss(stepper.eval_loss, val_ds, pad, validation.batch_size,
                                         validation.max_batches)) if len(val_ds) else None
