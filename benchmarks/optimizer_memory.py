@@ -5,7 +5,8 @@
 Each method runs in its own subprocess: random-init Llama (fp32, CPU), one batch of each --shapes entry
 (rows x tokens: 1 x 64 isolates the optimizer's own state; 4 x 512 is a realistic batch, where activations
 weigh in),
---steps full training steps (default 2) as tunelab's loop does them: forward with the loop's loss (train/loss.py), backward,
+--steps full training steps (default 2) as tunelab's loop does them: forward with the loop's loss
+(train/loss.py), backward,
 clip to norm 1.0, step; or, for LOMO/AdaLomo, `prepare_for_fused(model, opt)` as the loop calls it for them
 (optimizers/tied.py) and the fused step, which clips inside its two backward passes. Two steps, not one:
 an optimizer's state is made in its first step, after that step's backward has freed the activations, so
@@ -147,7 +148,8 @@ def main() -> None:
             rows = []
             for method in args.only.split(","):
                 out = subprocess.run([sys.executable, __file__, "--one", method, "--seq", str(seq), "--rows",
-                                      str(n_rows), "--steps", str(args.steps)], check=False, capture_output=True, text=True, env=env)
+                                      str(n_rows), "--steps", str(args.steps)],
+                                     check=False, capture_output=True, text=True, env=env)
                 if out.returncode:
                     sys.exit(f"{method} failed:\n{out.stderr[-3000:]}")
                 rows.append(json.loads(out.stdout.strip().splitlines()[-1]))

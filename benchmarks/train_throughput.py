@@ -58,7 +58,8 @@ def make_cfg(args, device_type: str, pack: bool = False, batch: int | None = Non
         "data": {"recipe": str(args.recipe), "max_length": args.max_length, "pack": pack},
         "optim": {"name": "adamw", "lr": 2e-5},
         "train": {"steps": args.warmup + args.steps, "batch_size": batch or args.batch, "schedule": "constant",
-                  "group_by_length": grouped, "device": device_type, "precision": "bf16" if device_type == "cuda" else "fp32",
+                  "group_by_length": grouped, "device": device_type,
+                  "precision": "bf16" if device_type == "cuda" else "fp32",
                   "save_final": False},
         "eval": {"tasks": []}, "tracking": {"wandb": False},
     })
