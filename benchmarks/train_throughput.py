@@ -5,9 +5,10 @@
                                           [--repeats R] [--pack] [--plain-loss-too] [--out FILE]
 
 The peer runs at its best on the hardware: with `train_sampling_strategy="group_by_length"` (batches of
-similar lengths, the least padding it offers) everywhere, and where flash-attn's varlen kernel runs (CUDA
-with flash-attn installed) also padding-free (`DataCollatorWithFlattening`); the headline ratio is tunelab
-against the fastest of them.
+similar lengths, the least padding it offers) everywhere, and also padding-free (`DataCollatorWithFlattening`)
+where an attention implementation keeps the flattened examples apart: checked first on a tiny model, with
+flash-attn's varlen kernel where it is installed (CUDA), then SDPA and eager (`padding_free_attention`); the headline
+ratio is tunelab against the fastest of them.
 tunelab runs the same two ways: on its padded batches ("tunelab", or packed rows with --pack) and with
 `train.group_by_length: true` ("tunelab group_by_length", the same megabatch grouping as Trainer's); the
 headline ratio is tunelab's best against the peer's best.
@@ -122,17 +123,47 @@ def label_share(batches: list[dict]) -> tuple[float, float]:
     return labelled / sum(b["labels"].numel() for b in batches), labelled / sum(batch_tokens(b) for b in batches)
 
 
-def run_trainer(cfg, device, ds, order, pad_id, warmup, mode: str = "ordered") -> tuple[float, float]:
+def padding_free_attention(device) -> tuple[str | None, dict[str, float]]:
+    """The attention implementation under which a `DataCollatorWithFlattening` row (examples one after the
+    other, positions restarting) gives each example's own logits, on a tiny random Llama; None when none
+    does. Also the largest logit difference measured for each implementation tried."""
+    import importlib.util
+
+    import torch
+    from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM
+
+    tried = (["flash_attention_2"] if device.type == "cuda" and importlib.util.find_spec("flash_attn") else [])
+    gaps: dict[str, float] = {}
+    rows = [list(range(5, 17)), list(range(30, 37))]
+    flat = DataCollatorWithFlattening()([{"input_ids": r, "labels": r} for r in rows])
+    for attn in [*tried, "sdpa", "eager"]:
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4, attn_implementation=attn)
+        model = LlamaForCausalLM(config).to(device).eval()
+        if attn == "flash_attention_2":  # flash-attn runs in half precision only
+            model = model.to(torch.bfloat16)
+        with torch.no_grad():
+            together = model(input_ids=flat["input_ids"].to(device), position_ids=flat["position_ids"].to(device))
+            apart = torch.cat([model(torch.tensor([r], device=device)).logits[0] for r in rows])
+        gaps[attn] = float((together.logits[0] - apart).abs().max())
+        if gaps[attn] < (1e-2 if attn == "flash_attention_2" else 1e-4):  # bf16 for flash-attn
+            return attn, gaps
+    return None, gaps
+
+
+def run_trainer(cfg, device, ds, order, pad_id, warmup, mode: str = "ordered",
+                attn: str = "sdpa") -> tuple[float, float]:
     """Trainer as a user would run it at its best. mode: `ordered` (tunelab's batches, for a like-for-like
     step), `grouped` (group_by_length: batches of similar lengths, little padding), `flattened`
-    (DataCollatorWithFlattening: one padding-free row per batch; needs flash-attn's varlen kernel)."""
+    (DataCollatorWithFlattening: one padding-free row per batch, with an `attn` that keeps the examples
+    apart, see `padding_free_attention`)."""
     import torch
     from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
 
     from tunelab import models
     from tunelab.train.data import collate
 
-    attn = "flash_attention_2" if mode == "flattened" else "sdpa"
     model, _ = models.load(cfg.model.model_copy(update={"attn": attn}), device)
     stamps: dict[int, tuple[float, float]] = {}
     seen: list[int] = []  # non-padding tokens of each batch Trainer actually trained on
@@ -239,12 +270,15 @@ def measure(args, data_cache: Path | None) -> int:
         tl_tokens = [batch_tokens(b) for b in packed_batches]
         tl_labelled = label_share(packed_batches[args.warmup:])
 
-    # The peer at its best on this hardware: group_by_length everywhere; padding-free rows where flash-attn's
-    # varlen kernel runs (CUDA with flash-attn installed). "Trainer" (tunelab's batches) is the like-for-like step.
-    import importlib.util
-
-    flat = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
-    peers = ["Trainer", "Trainer group_by_length", *(["Trainer flattened+flash-attn"] if flat else [])]
+    # The peer at its best on this hardware: group_by_length everywhere; padding-free rows where an attention
+    # implementation keeps the examples apart (checked, not assumed). "Trainer" (tunelab's batches) is the
+    # like-for-like step.
+    flat_attn, flat_gaps = padding_free_attention(device)
+    print(f"Trainer padding-free (DataCollatorWithFlattening): largest logit difference from the examples run "
+          f"apart, {', '.join(f'{k} {v:.1e}' for k, v in flat_gaps.items())}: "
+          f"{f'a contender with {flat_attn}' if flat_attn else 'examples attend to each other, not a contender'}",
+          file=sys.stderr, flush=True)
+    peers = ["Trainer", "Trainer group_by_length", *([f"Trainer padding-free ({flat_attn})"] if flat_attn else [])]
     ours = ["tunelab", "tunelab group_by_length"]  # with --pack, "tunelab" is the packed rows
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in [*peers, *ours]}
     if args.plain_loss_too:
@@ -253,8 +287,9 @@ def measure(args, data_cache: Path | None) -> int:
         "Trainer": lambda: run_trainer(cfg, device, ds["train"], order, tok.pad_token_id, args.warmup),
         "Trainer group_by_length": lambda: run_trainer(cfg, device, ds["train"], order, tok.pad_token_id,
                                                        args.warmup, "grouped"),
-        "Trainer flattened+flash-attn": lambda: run_trainer(cfg, device, ds["train"], order, tok.pad_token_id,
-                                                            args.warmup, "flattened"),
+        f"Trainer padding-free ({flat_attn})": lambda: run_trainer(cfg, device, ds["train"], order,
+                                                                   tok.pad_token_id, args.warmup, "flattened",
+                                                                   flat_attn),
         "tunelab": lambda: run_tunelab(tl_cfg, device, tl_ds, tok, tl_tokens, args.warmup),
         "tunelab group_by_length": lambda: run_tunelab(gr_cfg, device, ds, tok, gr_tokens, args.warmup),
         "tunelab-plain-loss": lambda: run_tunelab(tl_cfg, device, tl_ds, tok, tl_tokens, args.warmup,
@@ -285,6 +320,7 @@ def measure(args, data_cache: Path | None) -> int:
         "ratio_grouped": round(wall["tunelab group_by_length"] / wall["Trainer group_by_length"], 3),
         "ratio_same_batches": round(wall["tunelab"] / wall["Trainer"], 3),
         "ratio_cpu_time": round(max(cpu[k] for k in ours) / max(cpu[k] for k in peers), 3),
+        "peer_padding_free": {"attention": flat_attn, "largest_logit_difference": flat_gaps},
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
     }
