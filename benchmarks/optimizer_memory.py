@@ -1,6 +1,6 @@
 """Peak memory of training a ~100M-parameter Llama for a few steps, per optimizer, each in a fresh process.
 
-    python benchmarks/optimizer_memory.py [--shapes 1x64,4x512] [--steps 2] [--only adamw,lomo]
+    python benchmarks/optimizer_memory.py [--shapes 1x64,4x512] [--steps 2] [--only adamw,lomo] [--checkpointing]
 
 Each method runs in its own subprocess: random-init Llama (fp32, CPU), one batch of each --shapes entry
 (rows x tokens: 1 x 64 isolates the optimizer's own state; 4 x 512 is a realistic batch, where activations
@@ -14,6 +14,9 @@ only from the second step on do the state and a batch's activations share memory
 at 4 x 512 one step would measure the activations alone. Measured: the
 process's peak RSS (getrusage ru_maxrss) for the whole run, and that peak minus the RSS right after the
 model was built (what training added). The ratios to AdamW are printed with the issue's goals.
+`--checkpointing` turns on gradient checkpointing as `train.gradient_checkpointing` does (each layer's
+activations recomputed in backward), so a batch's activations shrink to about a layer's, as the LOMO paper
+trains.
 
 Peak RSS also depends on glibc's allocator history: its mmap threshold grows each time a large block is
 freed, after which blocks of that size come from the heap and may stay resident after free. Update-in-
@@ -57,7 +60,7 @@ def rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def one(method: str, seq: int, rows: int = 1, steps: int = 2) -> dict:
+def one(method: str, seq: int, rows: int = 1, steps: int = 2, checkpointing: bool = False) -> dict:
     """Runs in the child process: build, `steps` steps on the same batch, report."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -67,12 +70,15 @@ def one(method: str, seq: int, rows: int = 1, steps: int = 2) -> dict:
     from tunelab.train.data import label_tokens
     from tunelab.train.loss import causal_lm_loss
     from tunelab.train.optimizers.tied import prepare_for_fused
+    from tunelab.train.parallel import enable_gradient_checkpointing
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=1700, num_hidden_layers=12,
                          num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048,
                          tie_word_embeddings=True)
     model = LlamaForCausalLM(config)
+    if checkpointing:
+        enable_gradient_checkpointing(model)
     total = sum(p.numel() for p in model.parameters())
     after_model = rss_mb()
     ids = torch.randint(0, config.vocab_size, (rows, seq))
@@ -133,12 +139,13 @@ def main() -> None:
     ap.add_argument("--shapes", default="1x64,4x512", help="comma-separated ROWSxTOKENS batches")
     ap.add_argument("--only", default=",".join(METHODS), help="comma-separated methods")
     ap.add_argument("--steps", type=int, default=2, help="training steps per process (the peak is over all)")
+    ap.add_argument("--checkpointing", action="store_true", help="as train.gradient_checkpointing")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--rows", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--seq", type=int, default=64, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.seq, args.rows, args.steps)))
+        print(json.dumps(one(args.one, args.seq, args.rows, args.steps, args.checkpointing)))
         return
     print(f"load average at the start: {os.getloadavg()[0]:.2f}")
     for shape in args.shapes.split(","):
@@ -148,20 +155,23 @@ def main() -> None:
             rows = []
             for method in args.only.split(","):
                 out = subprocess.run([sys.executable, __file__, "--one", method, "--seq", str(seq), "--rows",
-                                      str(n_rows), "--steps", str(args.steps)],
+                                      str(n_rows), "--steps", str(args.steps)]
+                                     + (["--checkpointing"] if args.checkpointing else []),
                                      check=False, capture_output=True, text=True, env=env)
                 if out.returncode:
                     sys.exit(f"{method} failed:\n{out.stderr[-3000:]}")
                 rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(f"measured {method} ({shape}, {allocator} allocator)", file=sys.stderr)
-            report(rows, allocator, seq, n_rows, args.steps)
+            report(rows, allocator, seq, n_rows, args.steps, args.checkpointing)
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
 
 
-def report(rows: list[dict], allocator: str, seq: int, n_rows: int = 1, steps: int = 2) -> None:
+def report(rows: list[dict], allocator: str, seq: int, n_rows: int = 1, steps: int = 2,
+           checkpointing: bool = False) -> None:
     base = next((r for r in rows if r["method"] == "adamw"), rows[0])
-    print(f"\n### batch {n_rows} x {seq}, {allocator} allocator\n\nLlama {rows[0]['params'] / 1e6:.1f}M parameters, "
-          f"fp32, CPU, batch {n_rows} x {seq} tokens, {steps} training steps per fresh process\n")
+    ckpt = ", gradient checkpointing" if checkpointing else ""
+    print(f"\n### batch {n_rows} x {seq}{ckpt}, {allocator} allocator\n\nLlama {rows[0]['params'] / 1e6:.1f}M "
+          f"parameters, fp32, CPU, batch {n_rows} x {seq} tokens{ckpt}, {steps} training steps per fresh process\n")
     print(f"| method | what | trainable | peak RSS MB | x {base['method']} | added MB | x {base['method']} |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
