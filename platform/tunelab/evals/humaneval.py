@@ -139,7 +139,9 @@ def _stop_in_completion(tokenizer, start: int):
     begins at column 0 with `def` would stop at once, where lm-eval's HFLM goes on."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
-    window = max(len(s) for s in STOP_SEQUENCES) + 4  # at one character a token, plus straddling tokens
+    from tunelab.evals.generate import stop_window
+
+    window = stop_window(STOP_SEQUENCES)
 
     class InCompletion(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
