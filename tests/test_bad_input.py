@@ -181,7 +181,8 @@ CASES: dict[str, Case] = {
     "runs_dir_full": Case(RUN, ("no space left on the device", "--runs-dir"), state="full"),
 
     # ---- found when the cell runs: it is marked failed with the cause, the matrix goes on ----
-    "data_file_missing": Case(RUN, ("r.yaml", "sources[0].path", "does not exist"), recipe_matrix(ROWS), code=1),
+    # Found by the plan now (exit 2, nothing written), not when the cell builds its data.
+    "data_file_missing": Case(RUN, ("r.yaml", "sources[0].path", "does not exist"), recipe_matrix(ROWS)),
     "data_file_not_json": Case(RUN, ("r.yaml", "sources[0].path", "line 2 is not JSON"), {
         **recipe_matrix(ROWS), "rows.jsonl": '{"instruction": "a", "output": "b"}\n{"instruction": \n'}, code=1),
     "data_empty_after_filters": Case(RUN, ("r.yaml", "no examples after filtering", "filters"), recipe_matrix(

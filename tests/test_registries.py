@@ -44,8 +44,13 @@ def test_every_lazy_entry_imports(reg):
 
 def test_the_schema_and_the_registries_agree():
     assert set(typing.get_args(config.PeftMethod)) == set(registries.PEFT)
-    backends = typing.get_args(config.ParallelCfg.model_fields["backend"].annotation)
-    assert set(backends) == set(registries.ENGINES)
+    # Engines have no Literal in the schema: the registry is the one list, checked at plan time.
+    from tunelab.layouts import section
+
+    assert all(section(config.ParallelCfg(backend=n, zero=registries.ENGINES[n].zero[-1])) == []
+               for n in registries.ENGINES)
+    (refused,) = section(config.ParallelCfg(backend="megatron"))
+    assert refused.loc == ("parallel", "backend") and all(n in refused.message for n in registries.ENGINES)
     from tunelab.evals.harness import BENCHMARKS
 
     assert set(BENCHMARKS) == {n for n, t in registries.TASKS.items() if t.run.target.endswith(":harness_task")}

@@ -13,7 +13,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from tunelab.cellfolder import is_cell, open_finished
+from tunelab.cellfolder import CellFolder, open_finished
+from tunelab.data.recipe import trained_template
 from tunelab.errors import UserError
 from tunelab.store import read_json
 
@@ -54,15 +55,15 @@ def _with_adapter(name: str, adapter: Path, device, **kw):
 def load_target(target: str, device) -> tuple[object, object, str | None, str]:
     """(model, tokenizer, the template it trained with or None, a label for messages)."""
     path = Path(target).expanduser()
-    if is_cell(path):
+    if CellFolder(path).exists():
         cell = open_finished(path, "chat")
-        m = cell.config["model"]
+        m = cell.raw_config()["model"]
         kw = {"dtype": m.get("dtype", "auto"), "revision": m.get("revision"), "what": "model.name in config.yaml"}
         if cell.method == "none":
             model, tok = _load(str(cell.final), device, dtype=kw["dtype"])
         else:
             model, tok = _with_adapter(cell.base, cell.final, device, **kw)
-        return model, tok, cell.template(), f"cell {cell.title} ({cell.method})"
+        return model, tok, trained_template(cell.raw_config()), f"cell {cell.title} ({cell.method})"
     trained = (read_json(path / "tunelab_export.json") or {}).get("template") if path.is_dir() else None
     adapter = read_json(path / "adapter_config.json") if path.is_dir() else None
     if adapter:

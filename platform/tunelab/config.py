@@ -83,8 +83,7 @@ class ParallelCfg(Section):
     dp: int = Field(1, ge=1, description="data-parallel degree: FSDP2 (native) or ZeRO (deepspeed) shards")
     tp: int = Field(1, ge=1, description="tensor-parallel degree (native only)")
     pp: int = Field(1, ge=1, description="pipeline-parallel degree: stages of consecutive layers (native only)")
-    backend: Literal["native", "deepspeed"] = Field(
-        "native", description="native: DeviceMesh + FSDP2 + tensor/pipeline parallel; deepspeed: ZeRO data parallel")
+    backend: str = Field("native", description="the parallel engine: a name of `exp ls engines` (docs/parallelism.md)")
     zero: Literal[1, 2, 3] = Field(
         3, description="what dp shards: 1 optimizer state, 2 + gradients, 3 + parameters "
                        "(native: 3 = FSDP2 resharding after forward, 2 = keeping parameters gathered until backward)")

@@ -6,11 +6,11 @@ Registered names come with their registry entry's description (tunelab.registrie
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import yaml
 
 from tunelab import paths, registries
-
-KINDS = ("models", "recipes", "suites", "tasks", "optimizers", "peft", "experiments")
 
 
 def _states(states) -> str:
@@ -31,23 +31,29 @@ def _content(kind: str) -> list[tuple[str, str]]:
     return out
 
 
+def _registered(registry: registries.Registry) -> list[tuple[str, str]]:
+    return [(n, entry.description) for n, entry in registry.items()]
+
+
+# kind -> its (name, one-line description) rows
+ROWS: dict[str, Callable[[], list[tuple[str, str]]]] = {
+    "models": lambda: _registered(registries.MODELS),
+    "recipes": lambda: _content("data_recipes"),
+    "suites": lambda: _content("evals"),
+    "tasks": lambda: _registered(registries.TASKS),
+    "optimizers": lambda: _registered(registries.OPTIMIZERS),
+    "peft": lambda: _registered(registries.PEFT),
+    "engines": lambda: _registered(registries.ENGINES),
+    "experiments": lambda: _content("experiments"),
+}
+KINDS = tuple(ROWS)
+
+
 def rows(kind: str) -> list[tuple[str, str]]:
     """(name, one-line description) of every choice of `kind` (one of KINDS)."""
-    if kind == "models":
-        return [(n, a.description) for n, a in registries.MODELS.items()]
-    if kind == "recipes":
-        return _content("data_recipes")
-    if kind == "suites":
-        return _content("evals")
-    if kind == "experiments":
-        return _content("experiments")
-    if kind == "tasks":
-        return [(n, t.description) for n, t in registries.TASKS.items()]
-    if kind == "peft":
-        return [(n, p.description) for n, p in registries.PEFT.items()]
-    if kind == "optimizers":
-        return [(n, o.description) for n, o in registries.OPTIMIZERS.items()]
-    raise ValueError(f"unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
+    if kind not in ROWS:
+        raise ValueError(f"unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
+    return ROWS[kind]()
 
 
 def optimizer_table() -> str:

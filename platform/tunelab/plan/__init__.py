@@ -12,9 +12,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from tunelab import layouts
 from tunelab.config import CellConfig, DataCfg, EvalCfg, ModelCfg
 from tunelab.errors import Invalid, Problem, problems_of
-from tunelab.plan import optim, parallel, sections
+from tunelab.plan import optim, sections
 
 __all__ = ["Invalid", "Problem", "cell_config", "check", "eval_config", "section_config"]
 
@@ -66,9 +67,9 @@ def _with_suite(raw: dict, prefix: tuple) -> dict:
 def check(cell: CellConfig) -> list[Problem]:
     """Every plan-time problem of a schema-valid cell: the sections, then how they fit together."""
     problems = [*sections.model_section(cell.model), *sections.data_section(cell.data),
-                *optim.section(cell.optim), *sections.eval_section(cell.eval), *parallel.section(cell.parallel)]
+                *optim.section(cell.optim), *sections.eval_section(cell.eval), *layouts.section(cell.parallel)]
     if problems:  # cross-section checks assume each section is sound
         return problems
-    across = (optim.compatible(cell) + parallel.across(cell) + sections.peft_across(cell)
+    across = (optim.compatible(cell) + layouts.across(cell) + sections.peft_across(cell)
               + sections.batching_across(cell))
     return [Problem((), "; ".join(across))] if across else []

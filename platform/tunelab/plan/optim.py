@@ -2,47 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Callable
-
 from tunelab.config import OptimCfg
 from tunelab.errors import Problem
-from tunelab.registries import OPTIMIZERS, OptimizerSpec
-from tunelab.registry import UnknownName, import_target
+from tunelab.registries import OptimizerSpec, accepts
+from tunelab.registries import optimizer_spec as spec
 
 # Set through their own keys in the optim section, never through optim.kwargs.
 RESERVED = {"params": "the trainable parameters", "lr": "optim.lr", "weight_decay": "optim.weight_decay"}
-
-
-def spec(name: str) -> OptimizerSpec:
-    """The registry entry, or one made for 'torch.optim.Name' / 'package.module:Class' (ValueError if neither).
-    Classes outside the registry declare no facts: they are assumed to keep Adam-like state (2 values)."""
-    if name in OPTIMIZERS:
-        return OPTIMIZERS[name]
-    if not (name.startswith("torch.optim.") or ":" in name):
-        raise UnknownName(OPTIMIZERS.unknown(name))
-    try:
-        cls = import_target(name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"cannot import optimizer {name!r}: {e}") from None
-    import torch
-
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ValueError(f"{name!r} is not a torch.optim.Optimizer subclass")
-    target = name if ":" in name else "{}:{}".format(*name.rsplit(".", 1))
-    return OptimizerSpec(target, name, 2, f"{name} (not in tunelab's registry)")
-
-
-@functools.cache  # signatures are read once per class: plan time validates every cell
-def accepts(factory: Callable) -> tuple[frozenset[str], bool]:
-    """(keyword names the constructor takes, whether it takes **kwargs too)."""
-    try:
-        params = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):  # no introspectable signature (a C extension): accept anything
-        return frozenset(), True
-    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return frozenset(names), any(p.kind is p.VAR_KEYWORD for p in params)
 
 
 def section(cfg: OptimCfg) -> list[Problem]:

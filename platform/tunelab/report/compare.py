@@ -8,19 +8,18 @@ speed) with their differences.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from tunelab import folders
+from tunelab.cellfolder import CellFolder
 from tunelab.errors import UserError
 from tunelab.registries import TASKS
 from tunelab.report.records import TRAIN_FIGURES, Record, collect, read
 from tunelab.report.stats import Paired, paired
-from tunelab.store import read_json
+from tunelab.store import read_jsonl
 
 ITEM_SCORE_FIELDS = ("acc", "exact_match", "passed")  # the per-item score in samples.jsonl, by task kind
 
@@ -42,22 +41,12 @@ class Comparison:
     figures: dict[str, tuple] = field(default_factory=dict)  # column -> (A, B)
 
 
-def _samples(rec: Record) -> Path | None:
-    """The samples.jsonl of the evaluation the record's scores come from."""
-    found = [(p.stat().st_mtime, p) for p in (rec.dir / "eval").glob("*/samples.jsonl")]
-    if rec.eval_id and (folders.eval_dir(rec.dir, rec.eval_id) / "samples.jsonl").is_file():
-        return folders.eval_dir(rec.dir, rec.eval_id) / "samples.jsonl"
-    old = rec.dir / "eval" / "samples.jsonl"
-    return max(found)[1] if found else (old if old.is_file() else None)
-
-
 def items(rec: Record) -> dict[str, dict[tuple, tuple[str, float]]]:
     """{task: {item key: (subtask, score)}}; HumanEval's score is the pass rate of a problem's samples."""
-    path = _samples(rec)
+    path = rec.folder.samples_file(rec.eval_id)
     out: dict[str, dict] = defaultdict(dict)
     passes: dict[tuple, list[float]] = defaultdict(list)
-    for line in (path.read_text().splitlines() if path else []):
-        r = json.loads(line)
+    for r in read_jsonl(path) if path else []:
         field_ = next((f for f in ITEM_SCORE_FIELDS if f in r), None)
         if field_ is None:
             continue
@@ -104,11 +93,11 @@ def compare_cells(a: Record, b: Record, resamples: int = 10_000, seed: int = 0) 
 
 
 def _record(path: Path) -> Record:
-    meta = read_json(path / "cell.json")
-    if meta is None:
+    folder = CellFolder(path)
+    if not folder.meta_file.is_file():
         raise UserError("not a cell folder (no cell.json): give a cell folder runs/<matrix>/<cell>/ or a matrix's "
                         "run folder runs/<matrix>/", file=path)
-    return read(path, {**meta, "eval_id": None})
+    return read(folder, {**folder.meta(), "eval_id": None})
 
 
 def pairs(a: Path, b: Path) -> list[tuple[Record, Record]]:
@@ -116,9 +105,10 @@ def pairs(a: Path, b: Path) -> list[tuple[Record, Record]]:
     for p in (a, b):
         if not p.is_dir():
             raise UserError("no such folder", file=p)
-    if (a / "cell.json").is_file() and (b / "cell.json").is_file():
+    cells = [CellFolder(p).meta_file.is_file() for p in (a, b)]
+    if all(cells):
         return [(_record(a), _record(b))]
-    if (a / "cell.json").is_file() or (b / "cell.json").is_file():
+    if any(cells):
         raise UserError(f"compare two cells or two matrices, not one of each ({a} and {b})")
     ra, rb = collect(a), collect(b)
     if not ra or not rb:

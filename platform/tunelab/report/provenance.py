@@ -12,7 +12,6 @@ from collections import Counter
 from tunelab.registries import TASKS
 from tunelab.report.records import Record
 from tunelab.report.scores import Score, fmt, marked
-from tunelab.store import read_status
 
 
 def marks(s: Score) -> str:
@@ -75,7 +74,7 @@ def cell_rows(records: list[Record]) -> list[dict]:
     rows = []
     for r in records:
         pkgs = r.env.get("packages") or {}
-        error = read_status(r.dir).get("error") or ""
+        error = r.folder.status().get("error") or ""
         rows.append({"cell": r.slug, "id": r.id, "state": r.state, "folder": r.dir.name,
                      "torch": pkgs.get("torch") or "-", "transformers": pkgs.get("transformers") or "-",
                      "device": device(r.env), "python": r.env.get("python") or "-",

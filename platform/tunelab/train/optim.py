@@ -1,7 +1,7 @@
 """Builds the optimizer a cell names: a registered name (tunelab.registries.OPTIMIZERS), any
 `torch.optim.Name`, or any `package.module:Class`, called as Class(params, lr=optim.lr,
 weight_decay=optim.weight_decay, **optim.kwargs). The name and the arguments were checked at plan time
-(tunelab.plan.optim); docs/optimizers.md says where each registered optimizer comes from.
+(tunelab.plan.optim, with the registry's facts); docs/optimizers.md says where each registered optimizer comes from.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Iterable
 
 import torch
 
-from tunelab.plan.optim import accepts, spec
-from tunelab.registries import OPTIMIZERS
+from tunelab.registries import OPTIMIZERS, accepts
+from tunelab.registries import optimizer_spec as spec
 
 __all__ = ["OPTIMIZERS", "build", "spec"]
 

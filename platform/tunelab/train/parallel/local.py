@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tunelab.plan.optim import spec as optim_spec
+from tunelab.registries import optimizer_spec as optim_spec
 from tunelab.runtime import Layout
 from tunelab.train.data import label_tokens
 from tunelab.train.loss import causal_lm_loss

@@ -1,20 +1,47 @@
-"""`exp memory`: predicted per-device memory of a training layout, and the devices it needs."""
+"""`exp ls`, `exp models`, `exp memory`: what a matrix can name, and what a layout will need."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from tunelab.cli.common import INSPECT, Json, app, out, print_json, print_wide
 from tunelab.errors import UserError
-from tunelab.registries import OPTIMIZERS
+from tunelab.registries import ENGINES, OPTIMIZERS
 from tunelab.train.parallel.memory import DTYPE_BYTES, GB, SHAPES, Setup, devices_needed, estimate
 
-out = Console()
+
+@app.command("ls", rich_help_panel=INSPECT)
+def ls(kind: Annotated[str | None, typer.Argument(help="models, recipes, suites, tasks, optimizers, peft, engines or "
+                                                  "experiments; all of them when left out")] = None,
+       as_json: Json = False) -> None:
+    """List what a matrix can name, one line each: registered names and the content folders' files."""
+    from tunelab.listing import KINDS, rows
+
+    if kind is not None and kind not in KINDS:
+        raise UserError(f"exp ls {kind!r}: allowed are {', '.join(KINDS)}")
+    kinds = [kind] if kind else list(KINDS)
+    if as_json:
+        return print_json({k: dict(rows(k)) for k in kinds})
+    for k in kinds:
+        table = Table(title=k, title_justify="left")
+        table.add_column("name")
+        table.add_column("what")
+        for name, what in rows(k):
+            table.add_row(name, what)
+        print_wide(table)
 
 
+@app.command(rich_help_panel=INSPECT)
+def models(as_json: Json = False) -> None:
+    """List the model catalog's aliases (the same as `exp ls models`)."""
+    ls("models", as_json)
+
+
+@app.command("memory", rich_help_panel=INSPECT)
 def memory(
     model: Annotated[str, typer.Option(help=f"catalog alias, local folder, hub id, or one of {', '.join(SHAPES)}")],
     optim: Annotated[str, typer.Option(help=f"one of {', '.join(OPTIMIZERS)}")] = "adamw",
@@ -24,7 +51,7 @@ def memory(
     tp: Annotated[int, typer.Option(help="tensor-parallel degree")] = 1,
     pp: Annotated[int, typer.Option(help="pipeline-parallel degree")] = 1,
     zero: Annotated[int, typer.Option(help="what dp shards: 1 optimizer, 2 + gradients, 3 + parameters")] = 3,
-    backend: Annotated[str, typer.Option(help="native (FSDP2, TP, pipelines) or deepspeed (ZeRO)")] = "native",
+    backend: Annotated[str, typer.Option(help=f"the parallel engine: {', '.join(ENGINES)}")] = ENGINES.names()[0],
     microbatches: Annotated[int, typer.Option(help="pipeline chunks per batch")] = 1,
     pp_schedule: Annotated[str, typer.Option(help="gpipe, 1f1b or interleaved_1f1b")] = "1f1b",
     seq: Annotated[int, typer.Option(help="tokens per row")] = 2048,
@@ -32,13 +59,14 @@ def memory(
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16")] = "bfloat16",
     activation_checkpointing: Annotated[bool, typer.Option(help="recompute each layer in backward")] = False,
     device_gb: Annotated[float, typer.Option(help="memory of one device, GB")] = 80.0,
+    as_json: Json = False,
 ) -> None:
     """Predict per-device memory (parameters, gradients, optimizer state, activations) from the model's config."""
     from tunelab.train.parallel.memory import load_shape
 
     checks = {"--optim": (optim, OPTIMIZERS), "--peft": (peft, ("none", "lora")), "--dtype": (dtype, DTYPE_BYTES),
               "--pp-schedule": (pp_schedule, ("gpipe", "1f1b", "interleaved_1f1b")), "--zero": (zero, (1, 2, 3)),
-              "--backend": (backend, ("native", "deepspeed"))}
+              "--backend": (backend, ENGINES)}
     for flag, (value, allowed) in checks.items():
         if value not in allowed:
             raise UserError(f"{flag} {value!r} is not one of {', '.join(map(str, allowed))}")
@@ -52,6 +80,11 @@ def memory(
               batch=batch, microbatches=microbatches, pp_schedule=pp_schedule,
               activation_checkpointing=activation_checkpointing, backend=backend)
     e = estimate(shape, s)
+    need = devices_needed(shape, s, device_gb)
+    if as_json:
+        return print_json({"model": model, "setup": asdict(s), "estimate_bytes": asdict(e),
+                           "devices": dp * tp * pp, "device_gb": device_gb, "fits": e.peak <= device_gb * GB,
+                           "devices_needed": need})
     table = Table(title=f"{model}: {e.total_params / 1e9:.3f} B parameters ({e.trainable / 1e9:.4f} B trainable), "
                         f"{optim}, peft {peft}, dp {dp} x tp {tp} x pp {pp}, zero {zero}, {backend}, {dtype}")
     table.add_column("per device")
@@ -64,6 +97,5 @@ def memory(
     out.print(table)
     fits = "fits" if e.peak <= device_gb * GB else "does NOT fit"
     out.print(f"this layout ({dp * tp * pp} devices) {fits} on {device_gb:g} GB devices")
-    need = devices_needed(shape, s, device_gb)
     out.print(f"devices needed (growing dp, tp {tp} x pp {pp}, zero {zero}): "
               + (str(need) if need else "none fits: use zero 3, more tp/pp, or activation checkpointing"))
