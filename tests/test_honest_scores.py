@@ -82,7 +82,8 @@ def test_the_offline_mmlu_must_be_the_checked_file(tmp_path):
 
 
 def test_a_dequantized_model_is_said_in_env_results_and_the_leaderboard(tmp_path):
-    from tunelab.models import SOURCE_NOTE, source_note
+    from tunelab.catalog import SOURCE_NOTE
+    from tunelab.models import source_note
     from tunelab.report.leaderboard import note
     from tunelab.report.records import Record
     from tunelab.report.table import build

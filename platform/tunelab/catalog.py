@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from tunelab import services
-from tunelab.models import SOURCE_NOTE
 from tunelab.paths import cache_dir
 from tunelab.store import atomic_dir, write_text
+
+SOURCE_NOTE = "tunelab_source.json"  # in a model folder tunelab made: what its weights are, for every report
 
 
 def _atomic_folder(dest: Path, build: Callable[[Path], None]) -> Path:
@@ -95,7 +96,7 @@ def _tiny_corpus() -> list[str]:
     from tunelab.data.templates import TEMPLATES
 
     rows = arithmetic(n=400, seed=0)
-    texts = [TEMPLATES["alpaca"].render(r)[0] + r["output"] for r in rows]
+    texts = [TEMPLATES["alpaca"].load().render(r)[0] + r["output"] for r in rows]
     return texts + [p["prompt"] + p["canonical_solution"] for p in humaneval_problems(limit=40)]
 
 

@@ -99,7 +99,7 @@ def render(conv: list[dict], template: str, tok) -> tuple[str, bool]:
         return tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True), False
     from tunelab.data.templates import TEMPLATES
 
-    t = TEMPLATES[template]
+    t = TEMPLATES[template].load()
     text = "".join(s.text + ((tok.eos_token or "") if s.eos else "") for s in t.fn(conv, tok))
     return text, t.add_special_tokens
 

@@ -160,7 +160,7 @@ def export_cell(cell_dir: Path, out: Path, *, merge: bool = False, dtype: str = 
         write_text(tmp / "README.md", modelcard.render(cell, kind, base_path=base_path, template=template,
                                                       notes=notes))
         write_json(tmp / "tunelab_export.json", {
-            "cell": cell.title, "cell_id": cell.meta.get("id"), "cell_dir": str(cell.path.resolve()),
+            "cell": cell.title, "cell_id": cell.meta().get("id"), "cell_dir": str(cell.path.resolve()),
             "kind": kind, "peft_method": cell.method, "base_model": cell.base, "template": template,
             "dtype": dtype, "exported_at": time.time(), "tunelab": __version__})
 

@@ -23,8 +23,8 @@ def _content(kind: str) -> list[tuple[str, str]]:
     for name in paths.available(kind):
         path = paths.find_named(kind, name)
         try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError:
+            data = yaml.safe_load(path.read_text()) if path else {}
+        except (OSError, yaml.YAMLError):
             data = {}
         text = data.get("description", "") if isinstance(data, dict) else ""
         out.append((name, " ".join(str(text).split()) or "(no description)"))

@@ -23,11 +23,14 @@ from tunelab.store import read_json, write_json, write_text
 class Planned(Protocol):
     """What the folder needs of a planned cell (matrix.Cell)."""
 
-    id: str
-    eval_id: str
-    slug: str
-    varying: dict[str, Any]
-
+    @property
+    def id(self) -> str: ...
+    @property
+    def eval_id(self) -> str: ...
+    @property
+    def slug(self) -> str: ...
+    @property
+    def varying(self) -> dict[str, Any]: ...
     @property
     def dirname(self) -> str: ...
 

@@ -69,7 +69,7 @@ def model(cfg: ModelCfg, where: Runtime | torch.device | str = "cpu", **from_pre
         )
     except OSError as e:  # transformers' message does not always say which model it was
         raise OSError(f"could not load model {cfg.name!r}: {e}" + (f" ({hub})" if hub else "")) from e
-    return loaded if "device_map" in from_pretrained else loaded.to(device)
+    return loaded if "device_map" in from_pretrained else loaded.to(device)  # type: ignore[arg-type]
 
 
 def folder(cfg) -> Path:
@@ -138,14 +138,13 @@ class Weights:
         return block[start - first * row:end - first * row]
 
 
-SOURCE_NOTE = "tunelab_source.json"  # in a model folder tunelab made: what its weights are, for every report
-
-
 def source_note(name: str) -> str | None:
     """What a model's weights are when that matters for its scores (a dequantized stand-in), else None."""
     try:
         folder = Path(resolve(name))
     except Exception:  # noqa: BLE001 - a model that cannot be had here has no note
         return None
+    from tunelab.catalog import SOURCE_NOTE  # the note a catalog builder leaves in the folder it made
+
     note = read_json(folder / SOURCE_NOTE) if folder.is_dir() else None
     return (note or {}).get("note")

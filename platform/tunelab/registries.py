@@ -2,7 +2,7 @@
 
 Implementations are registered lazily ('module:attr'), so `plan` (the plan-time checks), the memory model,
 `exp ls` and the docs read names and facts without importing torch or the stages. A stage asks its registry
-for the implementation (`OPTIMIZERS["lion"].load()`, `TEMPLATES["alpaca"]`). Adding a name is one entry
+for the implementation (`OPTIMIZERS["lion"].load()`, `TEMPLATES["alpaca"].load()`). Adding a name is one entry
 here plus its implementation; `tests/test_registries.py` keeps this file, the schema and the docs in step.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tunelab.registry import Lazy, Registry, UnknownName, import_target
+from tunelab.registry import Lazy, Registry, UnknownName
 
 # -- models ---------------------------------------------------------------------------------------------
 
@@ -35,18 +35,18 @@ MODELS.add("tiny-random-llama", ModelAlias(
 
 # -- data: templates, row formats, generators --------------------------------------------------------------
 
-TEMPLATES: Registry[Any] = Registry("template")  # -> tunelab.data.templates.Template
-TEMPLATES.add("alpaca", "tunelab.data.templates:ALPACA")
-TEMPLATES.add("plain", "tunelab.data.templates:PLAIN")
-TEMPLATES.add("chat", "tunelab.data.templates:CHAT")
+TEMPLATES: Registry[Lazy] = Registry("template")  # .load() -> tunelab.data.templates.Template
+TEMPLATES.add("alpaca", Lazy("tunelab.data.templates:ALPACA"))
+TEMPLATES.add("plain", Lazy("tunelab.data.templates:PLAIN"))
+TEMPLATES.add("chat", Lazy("tunelab.data.templates:CHAT"))
 
-FORMATS: Registry[Any] = Registry("format")  # -> tunelab.data.formats.Format
-FORMATS.add("alpaca", "tunelab.data.formats:ALPACA")
-FORMATS.add("sharegpt", "tunelab.data.formats:SHAREGPT")
-FORMATS.add("messages", "tunelab.data.formats:MESSAGES")
+FORMATS: Registry[Lazy] = Registry("format")  # .load() -> tunelab.data.formats.Format
+FORMATS.add("alpaca", Lazy("tunelab.data.formats:ALPACA"))
+FORMATS.add("sharegpt", Lazy("tunelab.data.formats:SHAREGPT"))
+FORMATS.add("messages", Lazy("tunelab.data.formats:MESSAGES"))
 
-GENERATORS: Registry[Any] = Registry("generator")  # -> (n, seed, **args) -> rows
-GENERATORS.add("arithmetic", "tunelab.data.generators:arithmetic")
+GENERATORS: Registry[Lazy] = Registry("generator")  # .load() -> (n, seed, **args) -> rows
+GENERATORS.add("arithmetic", Lazy("tunelab.data.generators:arithmetic"))
 
 # -- optimizers ---------------------------------------------------------------------------------------------
 
@@ -55,7 +55,7 @@ States = float | Literal["factored"]  # fp32 values kept per trainable parameter
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    target: str  # 'module:Class', called as Class(params, lr=..., weight_decay=..., **kwargs)
+    impl: Lazy  # the class, called as Class(params, lr=..., weight_decay=..., **kwargs)
     source: str  # where the implementation comes from (docs, errors)
     states: States  # optimizer state per trainable parameter (the memory model reads it)
     description: str
@@ -66,7 +66,7 @@ class OptimizerSpec:
     lr: str = ""  # the usual fine-tuning learning rates (docs)
 
     def load(self) -> type:
-        return import_target(self.target)
+        return self.impl.load()
 
 
 def optimizer_spec(name: str) -> OptimizerSpec:
@@ -76,16 +76,16 @@ def optimizer_spec(name: str) -> OptimizerSpec:
         return OPTIMIZERS[name]
     if not (name.startswith("torch.optim.") or ":" in name):
         raise UnknownName(OPTIMIZERS.unknown(name))
+    impl = Lazy(name if ":" in name else "{}:{}".format(*name.rsplit(".", 1)))
     try:
-        cls = import_target(name)
+        cls = impl.load()
     except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(f"cannot import optimizer {name!r}: {e}") from None
     import torch
 
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ValueError(f"{name!r} is not a torch.optim.Optimizer subclass")
-    target = name if ":" in name else "{}:{}".format(*name.rsplit(".", 1))
-    return OptimizerSpec(target, name, 2, f"{name} (not in tunelab's registry)")
+    return OptimizerSpec(impl, name, 2, f"{name} (not in tunelab's registry)")
 
 
 @functools.cache  # signatures are read once per class: plan time validates every cell
@@ -102,29 +102,29 @@ def accepts(factory: Callable) -> tuple[frozenset[str], bool]:
 OPTIMIZERS: Registry[OptimizerSpec] = Registry(
     "optimizer", hint=", or any 'torch.optim.Name' or 'package.module:Class'")
 for _name, _spec in {
-    "adamw": OptimizerSpec("torch.optim:AdamW", "torch.optim.AdamW", 2, "Adam with decoupled weight decay",
+    "adamw": OptimizerSpec(Lazy("torch.optim:AdamW"), "torch.optim.AdamW", 2, "Adam with decoupled weight decay",
                            lr="1e-5 .. 5e-5 (LoRA 1e-4 .. 3e-4)"),
-    "adam": OptimizerSpec("torch.optim:Adam", "torch.optim.Adam", 2, "Adam; weight decay is L2 in the gradient",
+    "adam": OptimizerSpec(Lazy("torch.optim:Adam"), "torch.optim.Adam", 2, "Adam; weight decay is L2 in the gradient",
                           lr="as AdamW"),
-    "sgd": OptimizerSpec("torch.optim:SGD", "torch.optim.SGD", 0, "plain SGD (1 state with momentum in optim.kwargs)",
-                         lr="1e-3 .. 1e-2"),
-    "adafactor": OptimizerSpec("torch.optim:Adafactor", "torch.optim.Adafactor", "factored",
+    "sgd": OptimizerSpec(Lazy("torch.optim:SGD"), "torch.optim.SGD", 0,
+                         "plain SGD (1 state with momentum in optim.kwargs)", lr="1e-3 .. 1e-2"),
+    "adafactor": OptimizerSpec(Lazy("torch.optim:Adafactor"), "torch.optim.Adafactor", "factored",
                                "Adafactor: factored second moments, no first moment", lr="1e-4 .. 1e-3"),
-    "muon": OptimizerSpec("tunelab.train.optimizers.muon:MuonAdamW",
+    "muon": OptimizerSpec(Lazy("tunelab.train.optimizers.muon:MuonAdamW"),
                           "torch.optim.Muon + torch.optim.AdamW (optimizers/muon.py)", 1,
                           "Muon on hidden matrices, AdamW on the rest (needs torch >= 2.9)", other_states=2,
                           named=True, lr="as AdamW"),
-    "lion": OptimizerSpec("tunelab.train.optimizers.lion:Lion", "tunelab optimizers/lion.py", 1,
+    "lion": OptimizerSpec(Lazy("tunelab.train.optimizers.lion:Lion"), "tunelab optimizers/lion.py", 1,
                           "Lion: sign of an interpolated momentum; weight decay 3..10x AdamW's", lr="AdamW's / 3..10"),
-    "adan": OptimizerSpec("tunelab.train.optimizers.adan:Adan", "tunelab optimizers/adan.py", 4,
+    "adan": OptimizerSpec(Lazy("tunelab.train.optimizers.adan:Adan"), "tunelab optimizers/adan.py", 4,
                           "Adan: Nesterov momentum of gradients and their differences", lr="about AdamW's"),
-    "sophiag": OptimizerSpec("tunelab.train.optimizers.sophia:SophiaG", "tunelab optimizers/sophia.py", 2,
+    "sophiag": OptimizerSpec(Lazy("tunelab.train.optimizers.sophia:SophiaG"), "tunelab optimizers/sophia.py", 2,
                              "SophiaG: clipped Gauss-Newton-Bartlett preconditioning, Hessian estimate every "
                              "hessian_interval steps", refresh=True, lr="about Lion's"),
-    "lomo": OptimizerSpec("tunelab.train.optimizers.lomo:Lomo", "tunelab optimizers/lomo.py", 0,
+    "lomo": OptimizerSpec(Lazy("tunelab.train.optimizers.lomo:Lomo"), "tunelab optimizers/lomo.py", 0,
                           "LOMO: SGD fused into backward, no gradients kept", fused=True, lr="1e-3 .. 3e-2"),
-    "adalomo": OptimizerSpec("tunelab.train.optimizers.adalomo:AdaLomo", "tunelab optimizers/adalomo.py", "factored",
-                             "AdaLomo: LOMO with factored adaptive rates", fused=True, lr="1e-4 .. 1e-3"),
+    "adalomo": OptimizerSpec(Lazy("tunelab.train.optimizers.adalomo:AdaLomo"), "tunelab optimizers/adalomo.py",
+                             "factored", "AdaLomo: LOMO with factored adaptive rates", fused=True, lr="1e-4 .. 1e-3"),
 }.items():
     OPTIMIZERS.add(_name, _spec)
 

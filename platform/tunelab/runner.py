@@ -47,7 +47,7 @@ class Interrupts:
 
     count: int = 0
     proc: subprocess.Popen | None = None
-    _saved: dict[int, object] = field(default_factory=dict)
+    _saved: dict[signal.Signals, object] = field(default_factory=dict)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.count += 1

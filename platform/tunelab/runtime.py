@@ -18,6 +18,7 @@ import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ DIMS = ("pp", "dp", "tp")
 @dataclass(frozen=True)
 class Layout:
     device: torch.device
-    mesh: object | None = None  # DeviceMesh with dims DIMS; None for one process
+    mesh: Any = None  # a DeviceMesh with dims DIMS; None for one process
     pp: int = 1
     dp: int = 1
     tp: int = 1
@@ -196,6 +197,7 @@ class Preempted(Exception):  # noqa: N818 - a request, not an error
     def __init__(self, signal_name: str, step: int | None = None):
         super().__init__(f"stopped by {signal_name}" + (f" after step {step} (checkpoint written)" if step else ""))
         self.signal_name, self.step = signal_name, step
+        self.handled = False  # the cell process has requeued its job (SLURM) already
 
 
 @dataclass

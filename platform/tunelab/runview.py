@@ -13,7 +13,15 @@ from typing import Any, Protocol
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from tunelab import events
 
@@ -58,13 +66,13 @@ class BarsView:
         self.progress.console.print(text, soft_wrap=True, highlight=False)  # paths stay whole, to be copied
 
     def start_cell(self, label: str, total: int, done: int) -> int:
-        return self.progress.add_task(f"  {label}", total=total, info="starting", completed=done)
+        return int(self.progress.add_task(f"  {label}", total=total, info="starting", completed=done))
 
     def on_event(self, handle: int, ev: events.Event) -> None:
-        self.progress.update(handle, **shown(ev))  # type: ignore[arg-type]
+        self.progress.update(TaskID(handle), **shown(ev))
 
     def end_cell(self, handle: int, text: str) -> None:
-        self.progress.update(handle, info=text)
+        self.progress.update(TaskID(handle), info=text)
 
     def advance(self) -> None:
         self.progress.advance(self.overall)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import yaml
 
@@ -43,8 +43,9 @@ class WriteFailed(UserError):
 
 
 def _write_failed(path: Path, e: OSError) -> WriteFailed:
-    return WriteFailed(f"cannot write here: {_PLACE_ERRORS[e.errno]} ({e.strerror}); nothing was half-written. "
-                       "Free space or choose another folder (exp run --runs-dir DIR), then run again", file=path)
+    what = _PLACE_ERRORS.get(e.errno or 0, e.strerror)
+    return WriteFailed(f"cannot write here: {what} ({e.strerror}); nothing was half-written. Free space or choose "
+                       "another folder (exp run --runs-dir DIR), then run again", file=path)
 
 
 def make_dir(path: Path, what: str = "") -> Path:
@@ -164,7 +165,7 @@ class CellLock:
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / ".lock"
-        self._f = None
+        self._f: IO[str] | None = None
 
     def acquire(self, wait: float | None = 0.0) -> bool:
         """Take the lock: at once (wait=0), within `wait` seconds, or whenever it is free (wait=None)."""
@@ -176,7 +177,7 @@ class CellLock:
                 fcntl.flock(f, fcntl.LOCK_EX | (0 if wait is None else fcntl.LOCK_NB))
                 break
             except BlockingIOError:
-                if time.monotonic() >= deadline:
+                if deadline is not None and time.monotonic() >= deadline:
                     f.close()
                     return False
                 time.sleep(self.POLL_S)

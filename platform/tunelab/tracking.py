@@ -12,6 +12,7 @@ import os
 import secrets
 import sys
 from pathlib import Path
+from typing import Any
 
 from tunelab.errors import UserError
 from tunelab.events import Step
@@ -90,7 +91,7 @@ class Tracker:
                 _say(f"the offline run failed too ({_why(e2)}); this cell is not tracked in W&B")
 
     @staticmethod
-    def _init(mode: str, kwargs: dict):
+    def _init(mode: Any, kwargs: dict) -> Any:
         import wandb
 
         timeout = float(os.environ.get("WANDB_INIT_TIMEOUT") or INIT_TIMEOUT_S)
@@ -102,7 +103,8 @@ class Tracker:
         _say(f"{what} failed ({_why(e)}); W&B tracking stops for this cell, its local files keep every value")
         run, self.run = self.run, None
         try:
-            run.finish(exit_code=1)
+            if run is not None:
+                run.finish(exit_code=1)
         except Exception:  # noqa: BLE001 - already reported
             pass
 

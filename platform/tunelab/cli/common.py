@@ -41,7 +41,7 @@ def print_wide(table: Table) -> None:
     (out if out.is_terminal else Console(width=200)).print(table)
 
 
-def table(title: str, columns: list[str], rows: list[list[str]], right: set[str] = frozenset()) -> Table:
+def table(title: str, columns: list[str], rows: list[list[str]], right: frozenset[str] = frozenset()) -> Table:
     t = Table(title=title, title_justify="left")
     for col in columns:
         t.add_column(col, justify="right" if col in right else "left")

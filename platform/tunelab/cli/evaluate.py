@@ -41,8 +41,8 @@ def run_cmd(
     from tunelab.report.scores import fmt
     from tunelab.runtime import device_of
 
-    raw = {"suite": suite, **{k: v for k, v in (("limit", limit), ("data_dir", data_dir), ("batch_size", batch_size))
-                              if v is not None}}
+    given = {"limit": limit, "data_dir": data_dir, "batch_size": batch_size}
+    raw: dict[str, object] = {"suite": suite, **{k: v for k, v in given.items() if v is not None}}
     if limit is not None:
         raw["limits"] = {}  # the suite's per-task limits too: --limit is the one limit
     if tasks:

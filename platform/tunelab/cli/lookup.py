@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict
 from typing import Annotated
 
@@ -11,7 +12,7 @@ from rich.table import Table
 from tunelab.cli.common import INSPECT, Json, app, out, print_json, print_wide
 from tunelab.errors import UserError
 from tunelab.registries import ENGINES, OPTIMIZERS
-from tunelab.train.parallel.memory import DTYPE_BYTES, GB, SHAPES, Setup, devices_needed, estimate
+from tunelab.train.parallel.memory import DTYPE_BYTES, GB, SHAPES, Estimate, Setup, devices_needed, estimate
 
 
 @app.command("ls", rich_help_panel=INSPECT)
@@ -64,38 +65,43 @@ def memory(
     """Predict per-device memory (parameters, gradients, optimizer state, activations) from the model's config."""
     from tunelab.train.parallel.memory import load_shape
 
-    checks = {"--optim": (optim, OPTIMIZERS), "--peft": (peft, ("none", "lora")), "--dtype": (dtype, DTYPE_BYTES),
-              "--pp-schedule": (pp_schedule, ("gpipe", "1f1b", "interleaved_1f1b")), "--zero": (zero, (1, 2, 3)),
-              "--backend": (backend, ENGINES)}
-    for flag, (value, allowed) in checks.items():
-        if value not in allowed:
-            raise UserError(f"{flag} {value!r} is not one of {', '.join(map(str, allowed))}")
+    allowed: dict[str, tuple[object, Collection]] = {
+        "--optim": (optim, OPTIMIZERS), "--peft": (peft, ("none", "lora")), "--dtype": (dtype, DTYPE_BYTES),
+        "--pp-schedule": (pp_schedule, ("gpipe", "1f1b", "interleaved_1f1b")), "--zero": (zero, (1, 2, 3)),
+        "--backend": (backend, ENGINES)}
+    for flag, (value, choices) in allowed.items():
+        if value not in choices:
+            raise UserError(f"{flag} {value!r} is not one of {', '.join(map(str, choices))}")
     if min(dp, tp, pp, microbatches, seq, batch, lora_r) < 1 or device_gb <= 0:
         raise UserError("--dp, --tp, --pp, --microbatches, --seq, --batch, --lora-r and --device-gb must be positive")
     try:
         shape = load_shape(model)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read the config of {model!r}: {e}", key="--model") from None
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read the config of {model!r}: {err}", key="--model") from None
     s = Setup(optim=optim, peft=peft, lora_r=lora_r, dtype=dtype, dp=dp, tp=tp, pp=pp, zero=zero, seq=seq,
               batch=batch, microbatches=microbatches, pp_schedule=pp_schedule,
               activation_checkpointing=activation_checkpointing, backend=backend)
-    e = estimate(shape, s)
-    need = devices_needed(shape, s, device_gb)
+    est, need = estimate(shape, s), devices_needed(shape, s, device_gb)
     if as_json:
-        return print_json({"model": model, "setup": asdict(s), "estimate_bytes": asdict(e),
-                           "devices": dp * tp * pp, "device_gb": device_gb, "fits": e.peak <= device_gb * GB,
+        return print_json({"model": model, "setup": asdict(s), "estimate_bytes": asdict(est),
+                           "devices": dp * tp * pp, "device_gb": device_gb, "fits": est.peak <= device_gb * GB,
                            "devices_needed": need})
-    table = Table(title=f"{model}: {e.total_params / 1e9:.3f} B parameters ({e.trainable / 1e9:.4f} B trainable), "
-                        f"{optim}, peft {peft}, dp {dp} x tp {tp} x pp {pp}, zero {zero}, {backend}, {dtype}")
+    _print_estimate(model, s, est, need, device_gb)
+
+
+def _print_estimate(model: str, s: Setup, est: Estimate, need: int | None, device_gb: float) -> None:
+    table = Table(title=f"{model}: {est.total_params / 1e9:.3f} B parameters ({est.trainable / 1e9:.4f} B "
+                        f"trainable), {s.optim}, peft {s.peft}, dp {s.dp} x tp {s.tp} x pp {s.pp}, zero {s.zero}, "
+                        f"{s.backend}, {s.dtype}")
     table.add_column("per device")
     table.add_column("GB", justify="right")
     built = "sharded" if s.sharded_init else "whole"
     for name, label in (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
                         ("activations", "activations"), ("buffers", "engine buffers"), ("train", "training step"),
                         ("load", f"load (built {built})"), ("peak", "peak")):
-        table.add_row(label, f"{getattr(e, name) / GB:.2f}")
+        table.add_row(label, f"{getattr(est, name) / GB:.2f}")
     out.print(table)
-    fits = "fits" if e.peak <= device_gb * GB else "does NOT fit"
-    out.print(f"this layout ({dp * tp * pp} devices) {fits} on {device_gb:g} GB devices")
-    out.print(f"devices needed (growing dp, tp {tp} x pp {pp}, zero {zero}): "
+    fits = "fits" if est.peak <= device_gb * GB else "does NOT fit"
+    out.print(f"this layout ({s.dp * s.tp * s.pp} devices) {fits} on {device_gb:g} GB devices")
+    out.print(f"devices needed (growing dp, tp {s.tp} x pp {s.pp}, zero {s.zero}): "
               + (str(need) if need else "none fits: use zero 3, more tp/pp, or activation checkpointing"))

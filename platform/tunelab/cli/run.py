@@ -167,7 +167,8 @@ def clean(
             for i in items]
     from tunelab.cli.common import table
 
-    out.print(table(f"exp clean {root}", ["cell", "state", "delete", "bytes", "size"], rows, {"bytes", "size"}))
+    out.print(table(f"exp clean {root}", ["cell", "state", "delete", "bytes", "size"], rows,
+                    frozenset({"bytes", "size"})))
     todo = [i for i in items if not i.skip]
     total = sum(i.size for i in todo)
     if not todo:

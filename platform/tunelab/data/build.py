@@ -99,7 +99,7 @@ def _save(ds: DatasetDict, stats: dict, target: Path) -> None:
 def make(cfg, recipe: Recipe, recipe_path: Path, tokenizer, num_proc: int | None = None, progress=None):
     """The build itself, uncached: -> (DatasetDict, stats)."""
     got = collect(recipe, recipe_path)
-    settings = Settings(TEMPLATES[template_name(cfg, recipe)], cfg.max_length, cfg.train_on_prompt,
+    settings = Settings(TEMPLATES[template_name(cfg, recipe)].load(), cfg.max_length, cfg.train_on_prompt,
                         cfg.truncation, recipe.filters.min_tokens, recipe.filters.max_tokens)
     try:
         ex = tokenize(got.convs, got.sources, tokenizer, settings, num_proc, progress)

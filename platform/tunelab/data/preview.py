@@ -52,7 +52,7 @@ def _tokens(tokenizer, ids, labels) -> Text:
 
 def panels(cfg, tokenizer, n: int) -> list[Panel]:
     recipe, path = load_recipe(cfg.recipe)
-    template = TEMPLATES[cfg.template or recipe.template]
+    template = TEMPLATES[cfg.template or recipe.template].load()
     got = collect(recipe, path, limit=n, dedup=False)
     settings = Settings(template, cfg.max_length, cfg.train_on_prompt, cfg.truncation,
                         recipe.filters.min_tokens, recipe.filters.max_tokens)

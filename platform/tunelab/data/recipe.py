@@ -45,10 +45,10 @@ class Source(BaseModel):
             raise ValueError(GENERATORS.unknown(self.generator))
         if self.format not in FORMATS:
             raise ValueError(FORMATS.unknown(self.format))
-        unknown = sorted(set(self.fields) - set(FORMATS[self.format].fields))
+        unknown = sorted(set(self.fields) - set(FORMATS[self.format].load().fields))
         if unknown:
             raise ValueError(f"fields {unknown} are not fields of format {self.format!r}; "
-                             f"its fields: {', '.join(FORMATS[self.format].fields)}")
+                             f"its fields: {', '.join(FORMATS[self.format].load().fields)}")
         return self
 
     @property

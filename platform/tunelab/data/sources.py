@@ -10,6 +10,7 @@ import csv
 import hashlib
 import inspect
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -80,7 +81,7 @@ def _hub_rows(src, recipe_path: Path, where: str) -> list[dict]:
 
 def _generator_rows(src, recipe_path: Path, where: str) -> list[dict]:
     try:
-        return GENERATORS[src.generator](**src.args)
+        return GENERATORS[src.generator].load()(**src.args)
     except TypeError as e:
         raise UserError(f"generator {src.generator!r} rejected its args: {e}", file=recipe_path,
                         key=f"{where}.args") from None
@@ -111,6 +112,6 @@ def source_fingerprint(src, recipe_path: Path) -> str:
         file = source_file(src, recipe_path)
         return f"{file.name}:{_file_digest(file)}" if file.is_file() else str(file)
     if src.generator:
-        code = inspect.getsource(inspect.getmodule(GENERATORS[src.generator]))
+        code = inspect.getsource(sys.modules[GENERATORS[src.generator].load().__module__])  # its helpers too
         return hashlib.sha256(code.encode()).hexdigest()[:16]
     return f"{src.hub}:{src.config}:{src.split}:{src.revision}"

@@ -126,7 +126,7 @@ def generated_docs(generator: str, n: int, seed: int, held_out: bool = False) ->
     """Items made by a tunelab generator, in the GSM8K schema (question, answer ending in '#### N')."""
     from tunelab.data.generators import GENERATORS
 
-    rows = GENERATORS[generator](n=n, seed=seed, **({"held_out": True} if held_out else {}))
+    rows = GENERATORS[generator].load()(n=n, seed=seed, **({"held_out": True} if held_out else {}))
     return [{"question": (r["input"] or r["instruction"]),
              "answer": f"{r['output']}\n#### {r['output'].rsplit('The answer is ', 1)[1].rstrip('.')}"}
             for r in rows]

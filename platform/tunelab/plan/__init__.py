@@ -8,6 +8,7 @@ machine is checked where the cell runs (`tunelab.runtime.check_host`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -25,8 +26,9 @@ def cell_config(raw: dict[str, Any]) -> CellConfig:
     return _validated(CellConfig, _with_suite(raw, ("eval",)), check)
 
 
-SECTIONS = {"model": (ModelCfg, sections.model_section), "data": (DataCfg, sections.data_section),
-            "eval": (EvalCfg, sections.eval_section)}
+SECTIONS: dict[str, tuple[type, Callable[[Any], list[Problem]]]] = {
+    "model": (ModelCfg, sections.model_section), "data": (DataCfg, sections.data_section),
+    "eval": (EvalCfg, sections.eval_section)}
 
 
 def section_config(key: str, raw: dict[str, Any]):

@@ -13,6 +13,7 @@ import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from tunelab.registries import PEFT
 from tunelab.report.records import TRAIN_FIGURES, Record
@@ -88,7 +89,8 @@ def _row(group: list[Record], keys: list[str], columns: list[Column], label: str
         if col.kind == "score":
             scores = [s for r in done if (s := r.scores.get(col.source)) is not None]
             ok = [s for s in scores if s.ok]
-            row[col.name] = _stat([s.value for s in ok], [s.stderr for s in ok], any(s.subset for s in scores),
+            values = [s.value for s in ok if s.value is not None]  # all of them: ok means a value
+            row[col.name] = _stat(values, [s.stderr for s in ok], any(s.subset for s in scores),
                                   bool(scores) and not ok, any(s.stand_in for s in scores))
         else:
             vals = [float(r.train[col.source]) for r in done if isinstance(r.train.get(col.source), (int, float))]
@@ -97,7 +99,7 @@ def _row(group: list[Record], keys: list[str], columns: list[Column], label: str
 
 
 def _columns(records: list[Record]) -> list[Column]:
-    scores = {}
+    scores: dict[str, Any] = {}
     for r in records:
         for s in r.scores.values():
             scores.setdefault(s.header, Column(s.header, "score", s.higher_is_better, s.task))

@@ -50,7 +50,7 @@ class TrainResult:
     predicted_peak_mb: float | None = None  # `exp memory`'s prediction for this cell (tensors only)
     peak_mem_mb_ranks: list[float] | None = None  # every process's peak (the same kind), by rank
     validation: dict | None = None  # how val_loss was measured: {batch_size, max_batches}
-    model: object = field(default=None, repr=False)  # the trained model with full weights (main process)
+    model: Any = field(default=None, repr=False)  # the trained model with full weights (main process)
 
     def summary(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "model"}
