@@ -34,54 +34,32 @@ FAILURE_FIELDS = ("error", "traceback", "exit", "log_tail")  # what status.json 
 LOG_TAIL_LINES = 20  # of cell.log, kept in status.json when a cell fails
 
 
+class At:
+    """A path inside a folder object (anything with `.path`), read as an attribute: `final = At("final")`."""
+
+    def __init__(self, *parts: str):
+        self.parts = parts
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Path:
+        return obj.path.joinpath(*self.parts)
+
+
 @dataclass(frozen=True)
 class CellFolder:
     path: Path
 
-    # -- the layout --------------------------------------------------------------------------------------
-    @property
-    def config_file(self) -> Path:
-        return self.path / "config.yaml"
-
-    @property
-    def meta_file(self) -> Path:
-        return self.path / "cell.json"
-
-    @property
-    def status_file(self) -> Path:
-        return self.path / "status.json"
-
-    @property
-    def env_file(self) -> Path:
-        return self.path / "env.json"
-
-    @property
-    def log_file(self) -> Path:
-        return self.path / "cell.log"
-
-    @property
-    def train_dir(self) -> Path:
-        return self.path / "train"
-
-    @property
-    def metrics_file(self) -> Path:
-        return self.train_dir / "metrics.jsonl"
-
-    @property
-    def summary_file(self) -> Path:
-        return self.train_dir / "summary.json"
-
-    @property
-    def memory_file(self) -> Path:
-        return self.train_dir / "memory.json"
-
-    @property
-    def final(self) -> Path:
-        return self.path / "final"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
+    # -- the layout ---------------------------------------------------------------------------------------
+    config_file = At("config.yaml")
+    meta_file = At("cell.json")
+    status_file = At("status.json")
+    env_file = At("env.json")
+    log_file = At("cell.log")
+    train_dir = At("train")
+    metrics_file = At("train", "metrics.jsonl")
+    summary_file = At("train", "summary.json")
+    memory_file = At("train", "memory.json")
+    final = At("final")
+    checkpoints = At("checkpoints")
 
     def eval_dir(self, eval_id: str) -> Path:
         return self.path / "eval" / eval_id

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from tunelab.cellfolder import LAYOUT, CellFolder
+from tunelab.cellfolder import LAYOUT, At, CellFolder
 from tunelab.errors import UserError
 from tunelab.store import read_json, write_json, write_text
 
@@ -43,17 +43,9 @@ class MatrixFolder:
     def name(self) -> str:
         return self.path.name
 
-    @property
-    def index_file(self) -> Path:
-        return self.path / "cells.json"
-
-    @property
-    def matrix_file(self) -> Path:
-        return self.path / "matrix.yaml"
-
-    @property
-    def report_file(self) -> Path:
-        return self.path / "report.html"
+    index_file = At("cells.json")
+    matrix_file = At("matrix.yaml")
+    report_file = At("report.html")
 
     def leaderboard_file(self, suffix: str) -> Path:
         return self.path / f"leaderboard.{suffix}"

@@ -15,6 +15,7 @@ import torch
 
 from tunelab import services
 from tunelab.config import ModelCfg
+from tunelab.paths import cache_dir  # noqa: F401 - where models (and data) are cached; callers reach it here
 from tunelab.registries import MODELS
 from tunelab.runtime import Runtime, model_settings
 from tunelab.store import read_json
@@ -72,7 +73,7 @@ def model(cfg: ModelCfg, where: Runtime | torch.device | str = "cpu", **from_pre
     return loaded if "device_map" in from_pretrained else loaded.to(device)  # type: ignore[arg-type]
 
 
-def folder(cfg) -> Path:
+def folder(cfg: ModelCfg) -> Path:
     """The local folder of the model's files: an alias's cache or a local folder as is; a hub id is fetched
     into (or found in) the Hugging Face cache."""
     src = resolve(cfg.name)
@@ -83,7 +84,7 @@ def folder(cfg) -> Path:
     return Path(snapshot_download(src, revision=cfg.revision, allow_patterns=["*.json", "*.safetensors"]))
 
 
-def empty(cfg, dtype: torch.dtype, attn: str):
+def empty(cfg: ModelCfg, dtype: torch.dtype, attn: str) -> Any:
     """The model of `cfg` with every parameter on the meta device (it takes no memory) and its buffers (rotary
     frequencies, which no checkpoint holds) computed for real, on the CPU. Tied weights are tied."""
     from accelerate import init_empty_weights

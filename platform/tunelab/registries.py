@@ -179,6 +179,7 @@ class EngineSpec:
     offloads_weights_from_zero: int = 1  # cpu_offload moves the weights from this ZeRO level (below: state only)
     fp32_master: bool = False  # keeps fp32 master weights and gradients of 16-bit parameters (memory model)
     shards_all_from_zero: int = 1  # parameters, gradients and state are divided by dp from this level
+    buffers: str = "units"  # communication buffers (memory model): FSDP-style "units" or ZeRO "buckets"
 
     def limits(self, p: Any) -> list[str]:
         """What this engine cannot do of a ParallelCfg, with the reason."""
@@ -212,7 +213,8 @@ ENGINES.add("native", EngineSpec(
 ENGINES.add("deepspeed", EngineSpec(
     Lazy("tunelab.train.parallel.ds:DeepSpeedStepper"), "DeepSpeed ZeRO 1/2/3 data parallelism, CPU offload",
     "ZeRO data parallelism", dims=("dp",), zero=(1, 2, 3), steps_alone=True, whole_below_zero=3,
-    sharded_build="zero3", offloads_weights_from_zero=3, fp32_master=True, shards_all_from_zero=3))
+    sharded_build="zero3", offloads_weights_from_zero=3, fp32_master=True, shards_all_from_zero=3,
+    buffers="buckets"))
 
 # -- eval tasks ----------------------------------------------------------------------------------------------
 

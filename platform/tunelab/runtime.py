@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tunelab.config import CellConfig, ModelCfg, world_size
+from tunelab.config import CellConfig, ModelCfg, ParallelCfg, world_size
 from tunelab.errors import UserError
 from tunelab.registries import MODELS, PEFT, uses_engine
 
@@ -67,7 +67,7 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def setup(cfg) -> Layout:
+def setup(cfg: ParallelCfg) -> Layout:
     """Join the process group torchrun describes (or the one already joined) and build the mesh.
 
     One process and no process group: a Layout without a mesh, and every engine runs plain.

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tunelab.config import CellConfig, TrackingCfg
 from tunelab.errors import UserError
 from tunelab.events import Step
 from tunelab.store import write_text
@@ -21,7 +22,7 @@ from tunelab.store import write_text
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # what wandb itself accepts
 
 
-def wandb_mode(cfg) -> str:
+def wandb_mode(cfg: TrackingCfg) -> str:
     """Explicit config wins, then WANDB_MODE; without an API key a run stays offline."""
     if cfg.mode:
         return cfg.mode
@@ -62,7 +63,7 @@ class Tracker:
     """`resuming`: the cell continues from a checkpoint, so it continues its W&B run too (same run id,
     kept in the cell folder). A cell that starts over gets a new run: W&B drops steps already logged."""
 
-    def __init__(self, cfg, run_dir: Path, *, group: str, name: str, config: dict, tags: list[str],
+    def __init__(self, cfg: CellConfig, run_dir: Path, *, group: str, name: str, config: dict, tags: list[str],
                  resuming: bool = False):
         self.run = None
         mode = wandb_mode(cfg.tracking)

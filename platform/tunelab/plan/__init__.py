@@ -66,12 +66,12 @@ def _with_suite(raw: dict, prefix: tuple) -> dict:
         raise Invalid([Problem((*prefix, "suite"), str(e), ev["suite"])]) from None
 
 
-def check(cell: CellConfig) -> list[Problem]:
-    """Every plan-time problem of a schema-valid cell: the sections, then how they fit together."""
-    problems = [*sections.model_section(cell.model), *sections.data_section(cell.data),
-                *optim.section(cell.optim), *sections.eval_section(cell.eval), *layouts.section(cell.parallel)]
+def check(cfg: CellConfig) -> list[Problem]:
+    """Every plan-time problem of a schema-valid cfg: the sections, then how they fit together."""
+    problems = [*sections.model_section(cfg.model), *sections.data_section(cfg.data),
+                *optim.section(cfg.optim), *sections.eval_section(cfg.eval), *layouts.section(cfg.parallel)]
     if problems:  # cross-section checks assume each section is sound
         return problems
-    across = (optim.compatible(cell) + layouts.across(cell) + sections.peft_across(cell)
-              + sections.batching_across(cell))
+    across = (optim.compatible(cfg) + layouts.across(cfg) + sections.peft_across(cfg)
+              + sections.batching_across(cfg))
     return [Problem((), "; ".join(across))] if across else []

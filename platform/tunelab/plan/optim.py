@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tunelab.config import OptimCfg
+from tunelab.config import CellConfig, OptimCfg
 from tunelab.errors import Problem
 from tunelab.registries import OptimizerSpec, accepts
 from tunelab.registries import optimizer_spec as spec
@@ -44,22 +44,22 @@ def _args_problem(cfg: OptimCfg, s: OptimizerSpec, cls) -> str | None:
     return None
 
 
-def compatible(cell) -> list[str]:
+def compatible(cfg: CellConfig) -> list[str]:
     """What an optimizer cannot train as configured.
 
     LOMO and AdaLomo apply each parameter's update during backward and free its gradient at once, so
     gradients of several micro-batches can never be summed; and they do fp32 math on fp32 or bf16 weights
     without the dynamic loss scaling fp16 weights would need.
     """
-    name = cell.optim.name
+    name = cfg.optim.name
     if not spec(name).fused:
         return []
     out = []
-    if cell.train.grad_accum > 1:
+    if cfg.train.grad_accum > 1:
         out.append(f"optim.name {name!r} updates each parameter inside backward and frees its gradient at once, "
-                   f"so gradients of {cell.train.grad_accum} micro-batches cannot be accumulated; set "
+                   f"so gradients of {cfg.train.grad_accum} micro-batches cannot be accumulated; set "
                    "train.grad_accum to 1 and raise train.batch_size instead")
-    if cell.model.dtype == "float16":
+    if cfg.model.dtype == "float16":
         out.append(f"optim.name {name!r} with model.dtype float16 would need dynamic loss scaling, which tunelab "
                    "does not implement; use bfloat16 or float32")
     return out

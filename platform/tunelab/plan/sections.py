@@ -6,7 +6,7 @@ import os
 import re
 
 from tunelab import paths
-from tunelab.config import DataCfg, EvalCfg, ModelCfg
+from tunelab.config import CellConfig, DataCfg, EvalCfg, ModelCfg
 from tunelab.errors import Problem, load_yaml
 from tunelab.registries import MODELS, PEFT, TASKS, TEMPLATES
 
@@ -72,16 +72,16 @@ def eval_section(cfg: EvalCfg) -> list[Problem]:
     return out
 
 
-def peft_across(cell) -> list[str]:
+def peft_across(cfg: CellConfig) -> list[str]:
     """A CUDA-only method with train.device cpu cannot run anywhere; without CUDA on this machine it may still
     run on the machine that runs the cell, so that is checked there."""
-    if PEFT[cell.peft.method].needs_cuda and cell.train.device == "cpu":
-        return [f"peft.method {cell.peft.method} needs a CUDA device, but train.device is cpu"]
+    if PEFT[cfg.peft.method].needs_cuda and cfg.train.device == "cpu":
+        return [f"peft.method {cfg.peft.method} needs a CUDA device, but train.device is cpu"]
     return []
 
 
-def batching_across(cell) -> list[str]:
-    if cell.train.group_by_length and cell.data.pack:
+def batching_across(cfg: CellConfig) -> list[str]:
+    if cfg.train.group_by_length and cfg.data.pack:
         return ["train.group_by_length sorts padded rows by length, and with data.pack: true every row is already "
                 "full (no padding to save); set one of them to false"]
     return []

@@ -10,13 +10,14 @@ from collections.abc import Iterable
 
 import torch
 
+from tunelab.config import OptimCfg
 from tunelab.registries import OPTIMIZERS, accepts
 from tunelab.registries import optimizer_spec as spec
 
 __all__ = ["OPTIMIZERS", "build", "spec"]
 
 
-def build(params: Iterable, cfg, *, max_grad_norm: float | None = None) -> torch.optim.Optimizer:
+def build(params: Iterable, cfg: OptimCfg, *, max_grad_norm: float | None = None) -> torch.optim.Optimizer:
     """The optimizer for `params` (tensors, or (name, tensor) pairs) as `cfg` (an OptimCfg) says.
 
     max_grad_norm (train.max_grad_norm) becomes LOMO/AdaLomo's clip_grad_norm unless optim.kwargs sets it:

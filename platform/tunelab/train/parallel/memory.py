@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from tunelab.registries import OPTIMIZERS
+from tunelab.registries import ENGINES, OPTIMIZERS
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -112,7 +112,7 @@ class Setup:
     microbatches: int = 1
     pp_schedule: str = "1f1b"
     activation_checkpointing: bool = False
-    backend: str = "native"  # native | deepspeed
+    backend: str = "native"  # a name of registries.ENGINES, whose facts the model reads
     whole_init: bool = False  # built whole on every process even where tunelab shards at construction (DoRA)
 
     @property
@@ -122,7 +122,7 @@ class Setup:
     @property
     def sharded_init(self) -> bool:
         """Built sharded (parallel.init_mode "meta" or "zero3"), not whole on every process."""
-        return not self.whole_init and self.world > 1 and (self.backend == "native" or self.zero == 3)
+        return not self.whole_init and self.world > 1 and self.zero >= ENGINES[self.backend].whole_below_zero
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def estimate(shape: Shape, s: Setup) -> Estimate:
     opt_values = _state_values(shape, s, opt, matrices, trainable_here)
     # Mixed precision keeps an fp32 master copy of the trainable weights (fused optimizers update in place);
     # DeepSpeed's ZeRO optimizer keeps one of its partitions whatever the weights' dtype.
-    master = trainable_here if not opt.fused and (s.dtype != "float32" or s.backend == "deepspeed") else 0
+    master = trainable_here if not opt.fused and (s.dtype != "float32" or ENGINES[s.backend].fp32_master) else 0
     optimizer = (opt_values + master) * 4 / s.dp  # FSDP2 and every ZeRO stage shard optimizer state
     return Estimate(params=params, grads=grads, optimizer=optimizer, activations=_activations(shape, s) * b,
                     trainable=int(trainable), total_params=shape.total(), buffers=_buffers(shape, s, opt, stage),
@@ -199,7 +199,7 @@ def _layer_values(shape: Shape, s: Setup) -> float:
 
 def _buffers(shape: Shape, s: Setup, opt, stage: float) -> float:
     b = DTYPE_BYTES[s.dtype]
-    if s.backend == "deepspeed":
+    if ENGINES[s.backend].buffers == "buckets":
         if s.dp == 1 or opt.fused:  # no ZeRO optimizer: nothing is bucketed (ds_fused.py)
             return 0.0
         if s.zero == 3:
@@ -221,7 +221,7 @@ def _load(shape: Shape, s: Setup, stage: float) -> float:
     if not s.sharded_init:
         return stage * b
     largest = max([shape.embed_params(), *(x * y for x, y in shape.layer_matrices())])
-    share = s.dp if s.zero >= 3 or s.backend == "native" else 1
+    share = s.dp if s.zero >= ENGINES[s.backend].shards_all_from_zero else 1
     return (stage / share + largest / share) * b
 
 
