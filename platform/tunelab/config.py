@@ -1,8 +1,9 @@
 """The schema of one experiment cell. Each section is a pydantic model; unknown keys are errors.
 
-Pure data: types, defaults, descriptions and the checks that need nothing else. Whatever needs a registry,
-a content folder or several sections at once is checked in `tunelab.plan`; whatever depends on the machine
-(CUDA, a local folder) where the cell runs (`tunelab.runtime.check_host`). The field descriptions are the
+Pure data: types, defaults, descriptions and the checks that need nothing else (it reads registries.py, the
+names and facts, but no stage). Whatever needs a registry's entries, a content folder or several sections at
+once is checked in `tunelab.plan`; whatever depends on the machine (CUDA, a local folder) where the cell runs
+(`tunelab.runtime.check_host`). The field descriptions are the
 reference documentation: `exp plan` and the README point here.
 """
 
@@ -13,6 +14,8 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tunelab.registries import DEFAULT_ENGINE
 
 
 class Section(BaseModel):
@@ -83,7 +86,8 @@ class ParallelCfg(Section):
     dp: int = Field(1, ge=1, description="data-parallel degree: FSDP2 (native) or ZeRO (deepspeed) shards")
     tp: int = Field(1, ge=1, description="tensor-parallel degree (native only)")
     pp: int = Field(1, ge=1, description="pipeline-parallel degree: stages of consecutive layers (native only)")
-    backend: str = Field("native", description="the parallel engine: a name of `exp ls engines` (docs/parallelism.md)")
+    backend: str = Field(DEFAULT_ENGINE, description="the parallel engine: a name of `exp ls engines` "
+                                                     "(docs/parallelism.md)")
     zero: Literal[1, 2, 3] = Field(
         3, description="what dp shards: 1 optimizer state, 2 + gradients, 3 + parameters "
                        "(native: 3 = FSDP2 resharding after forward, 2 = keeping parameters gathered until backward)")

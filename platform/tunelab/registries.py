@@ -203,6 +203,7 @@ def uses_engine(p: Any) -> bool:
 
 
 ENGINES: Registry[EngineSpec] = Registry("parallel backend")
+DEFAULT_ENGINE = "native"  # parallel.backend when a cell names none
 ENGINES.add("native", EngineSpec(
     Lazy("tunelab.train.parallel.native:NativeStepper"),
     "PyTorch DeviceMesh: FSDP2 (dp) + tensor parallel (tp) + pipeline stages (pp)",

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from tunelab.registries import ENGINES, OPTIMIZERS
+from tunelab.registries import DEFAULT_ENGINE, ENGINES, OPTIMIZERS
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -112,7 +112,7 @@ class Setup:
     microbatches: int = 1
     pp_schedule: str = "1f1b"
     activation_checkpointing: bool = False
-    backend: str = "native"  # a name of registries.ENGINES, whose facts the model reads
+    backend: str = DEFAULT_ENGINE  # a name of registries.ENGINES, whose facts the model reads
     whole_init: bool = False  # built whole on every process even where tunelab shards at construction (DoRA)
 
     @property
