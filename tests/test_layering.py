@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("report", {"tunelab.report*", "tunelab.tracking", "tunelab.listing"}),
     ("tools", {"tunelab.export", "tunelab.modelcard", "tunelab.chat", "tunelab.clean"}),
     ("orchestrate", {"tunelab.matrix", "tunelab.launch", "tunelab.outcome", "tunelab.slurm", "tunelab.runview",
-                     "tunelab.runner", "tunelab.experiment", "tunelab.cell", "tunelab.tune*"}),
+                     "tunelab.runner", "tunelab.experiment", "tunelab.cell", "tunelab.inputs", "tunelab.tune*"}),
     ("cli", {"tunelab.cli*"}),
 ]
 NAMES = [name for name, _ in LAYERS]

@@ -20,7 +20,7 @@ def test_registry_errors_list_the_known_names_and_lazy_entries_load_on_use():
     reg.add("ok", 1)
     with pytest.raises(UnknownName, match="unknown widget 'nope'; known: json, ok, or a path"):
         reg.get("nope")
-    with pytest.raises(UnknownName, match="unknown widget 'jsn'; did you mean 'json'\\?; known: json, ok"):
+    with pytest.raises(UnknownName, match="unknown widget 'jsn' \\(did you mean 'json'\\?\\); known: json, ok"):
         reg.get("jsn")
     import json
 

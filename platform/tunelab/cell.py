@@ -93,9 +93,9 @@ class CellRun:
             self.tracker.finish(failed=failed)
 
 
-def _load_model(run: CellRun) -> tuple[Any, Weights | None]:
-    """The model as the layout builds it (train.parallel.init_mode) -> (model, checkpoint files when the model
-    is on the meta device). The model is built from the same files either way."""
+def _load(run: CellRun) -> tuple[Any, Any, Weights | None]:
+    """The model as the layout builds it (train.parallel.init_mode) and the tokenizer -> (model, tokenizer,
+    checkpoint files when the model is on the meta device). The model is built from the same files either way."""
     from tunelab import models
     from tunelab.train import parallel, peft
 
@@ -105,10 +105,11 @@ def _load_model(run: CellRun) -> tuple[Any, Weights | None]:
     if rt.layout.distributed:
         print(f"model init: {mode} ({why})", file=sys.stderr)
     if mode == "meta":
-        return models.empty(cfg.model, rt.dtype, rt.attn), models.Weights(models.folder(cfg.model))
+        return models.empty(cfg.model, rt.dtype, rt.attn), models.tokenizer(cfg.model), \
+            models.Weights(models.folder(cfg.model))
     if mode == "zero3":
-        return parallel.load_partitioned(cfg.model, rt, cfg), None
-    return models.model(cfg.model, rt, **peft.load_kwargs(cfg.peft, rt.device)), None
+        return parallel.load_partitioned(cfg.model, rt, cfg), models.tokenizer(cfg.model), None
+    return (*models.load(cfg.model, rt, **peft.load_kwargs(cfg.peft, rt.device)), None)
 
 
 def _build_data(run: CellRun, tokenizer: Any) -> dict:
@@ -127,25 +128,24 @@ def _build_data(run: CellRun, tokenizer: Any) -> dict:
 
 
 def _train(run: CellRun) -> tuple[Any, Any, dict, float | None]:
-    """Build data, load, wrap, train on every process. -> (trained model, tokenizer, datasets, val loss)."""
+    """Load, build data, wrap, train on every process. -> (trained model, tokenizer, datasets, val loss)."""
     import torch
     from transformers import set_seed
 
-    from tunelab import models, train
+    from tunelab import train
     from tunelab.train import parallel, peft
     from tunelab.train.validation import Validation
 
     cfg, rt, t0 = run.cfg, run.rt, time.perf_counter()
     rss_before = _rss_mb()
     run.emit(Stage("load"))
-    tokenizer = models.tokenizer(cfg.model)
-    datasets = _build_data(run, tokenizer)
-    # The one seed of a cell, after the data (a cache miss draws from the global RNGs, a hit does not). The
-    # model loads on a fork of it: what a layout's way of building the model draws (weights a model creates on
-    # load) leaves the adapters' init and the training's draws the same on every layout.
+    # The one seed of a cell. Loading and data building run on forks of it: what a layout's way of building
+    # the model draws, or a data cache miss (a hit draws nothing), leaves the adapters' init and the training's
+    # draws the same on every layout and every run.
     set_seed(cfg.train.seed)
     with torch.random.fork_rng(devices=[]):
-        model, files = _load_model(run)
+        model, tokenizer, files = _load(run)
+        datasets = _build_data(run, tokenizer)
     weights = None
     if files is None:
         model = peft.apply(model, cfg.peft)

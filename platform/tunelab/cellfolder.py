@@ -30,7 +30,8 @@ from tunelab.store import CellLock, is_locked, lock_holder, read_json, read_json
 
 LAYOUT = 2  # cell.json "layout"; absent in folders of the first layout
 STATES = ("pending", "running", "done", "failed")
-FAILURE_FIELDS = ("error", "traceback", "exit", "log_tail")  # what status.json says of a failed attempt
+# What status.json says of one attempt: its failure, or the note of how it stopped ("interrupted", requeued).
+ATTEMPT_FIELDS = ("error", "traceback", "exit", "log_tail", "bad_input", "note")
 LOG_TAIL_LINES = 20  # of cell.log, kept in status.json when a cell fails
 
 
@@ -178,8 +179,8 @@ class CellFolder:
         if state not in STATES:
             raise ValueError(f"state {state!r} is none of {STATES}")
         status = {**self.status(), **fields, "state": state, "updated_at": time.time()}
-        if state in ("pending", "running"):  # a new attempt: the last one's failure no longer describes it
-            for key in FAILURE_FIELDS:
+        if state == "running" or (state == "pending" and "note" not in fields):
+            for key in ATTEMPT_FIELDS:  # a new attempt: the last one's failure or stop no longer describes it
                 status.pop(key, None)
         write_json(self.status_file, status)
         return status

@@ -55,6 +55,7 @@ def _with_adapter(name: str, adapter: Path, device, **kw):
 def load_target(target: str, device) -> tuple[object, object, str | None, str]:
     """(model, tokenizer, the template it trained with or None, a label for messages)."""
     path = Path(target).expanduser()
+    path = path.resolve() if path.exists() else path  # a relative folder is still a folder, not a hub id
     if CellFolder(path).exists():
         cell = open_finished(path, "chat")
         m = cell.raw_config()["model"]

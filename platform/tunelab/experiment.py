@@ -12,7 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
-from tunelab import matrix, runner
+from tunelab import inputs, matrix, runner
 from tunelab.errors import UserError
 from tunelab.launch import Launch, procs_per_node
 from tunelab.matrix import Cell, MatrixFile
@@ -60,6 +60,9 @@ def plan(req: Request) -> Planned:
             from tunelab.runtime import check_host
 
             check_host(c.config, file=req.file)
+    offline = inputs.offline_problems([c.config for c in chosen]) if how.launcher == "local" else []
+    if offline:
+        raise UserError("; ".join(offline), file=req.file)
     from tunelab import services, tracking
     from tunelab.paths import cache_dir
 

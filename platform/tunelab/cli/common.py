@@ -16,9 +16,24 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,  # ours: __init__.py
                   context_settings={"help_option_names": ["-h", "--help"]},  # subcommands inherit it
                   help="tunelab: instruction-tuning experiment matrices, trained, evaluated and tabulated.")
+
+def _no_flag_types() -> None:
+    """Typer prints a value type beside every option in -h, `<bool>` beside flags too; a flag takes no value,
+    so there it is noise (typer has no setting for it)."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+
+    def display(self: TyperOption, ctx: typer.Context) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    TyperOption.display_type_rich = display  # type: ignore[method-assign]
+
+
+_no_flag_types()
 out = Console()  # rich honours NO_COLOR (and FORCE_COLOR, TERM=dumb) from the environment
 err = Console(stderr=True)
 

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from tunelab.cli.common import EVALUATE, app, err, interruptible, quiet_libraries
+from tunelab.cli.common import EVALUATE, RunsDir, app, err, interruptible, quiet_libraries
 from tunelab.errors import UserError
 
 eval_app = typer.Typer(no_args_is_help=True)
@@ -115,8 +115,8 @@ def pull_cmd(
 
 @app.command("chat", rich_help_panel=EVALUATE)
 def chat_cmd(
-    target: Annotated[str, typer.Argument(help="a done cell's folder, an export, a catalog alias, a folder or a "
-                                               "hub id")],
+    target: Annotated[str, typer.Argument(help="a done cell (its folder, or its name as the leaderboard prints it), "
+                                               "an export, a catalog alias, a folder or a hub id")],
     prompt: Annotated[str | None, typer.Option(help="answer this one message and exit (no terminal needed)")] = None,
     system: Annotated[str | None, typer.Option(help="a system message that starts the conversation")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="most tokens per answer")] = 256,
@@ -124,9 +124,14 @@ def chat_cmd(
     template: Annotated[str, typer.Option(help="auto (the template a cell trained with, else the tokenizer's chat "
                                                "template, else alpaca), chat, alpaca or plain")] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
+    runs_dir: RunsDir = Path("runs"),
 ) -> None:
     """Talk to a model, its answers streamed token by token."""
     from tunelab import chat
+    from tunelab.matrixfolder import find_cells, resolve_cell
+
+    if not Path(target).expanduser().exists() and runs_dir.is_dir() and find_cells(target, runs_dir):
+        target = str(resolve_cell(target, "chat", runs_dir))  # a cell's name, as the leaderboard prints it
 
     if device not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device {device!r}: allowed are auto, cpu, cuda")

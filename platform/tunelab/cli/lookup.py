@@ -83,7 +83,7 @@ def memory(
               activation_checkpointing=activation_checkpointing, backend=backend)
     est, need = estimate(shape, s), devices_needed(shape, s, device_gb)
     if as_json:
-        return print_json({"model": model, "setup": asdict(s), "estimate_bytes": asdict(est),
+        return print_json({"model": model, "setup": asdict(s), "estimate_bytes": est.as_dict(),
                            "devices": dp * tp * pp, "device_gb": device_gb, "fits": est.peak <= device_gb * GB,
                            "devices_needed": need})
     _print_estimate(model, s, est, need, device_gb)

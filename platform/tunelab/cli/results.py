@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from tunelab.cli.common import INSPECT, Json, MatrixDir, app, out, print_json, print_wide
+from tunelab.cli.common import INSPECT, Json, MatrixDir, RunsDir, app, out, print_json, print_wide
 from tunelab.errors import UserError
 from tunelab.report.compare import Comparison
 from tunelab.report.scores import fmt
@@ -103,6 +103,15 @@ def _as_json(c: Comparison) -> dict:
 
 
 
+def _named(arg: Path, runs_dir: Path) -> Path:
+    """A folder as given; else a matrix of the runs folder, or the cell the leaderboard names so."""
+    from tunelab.matrixfolder import resolve_cell
+
+    if arg.exists() or (runs_dir / arg).is_dir():
+        return arg if arg.exists() else runs_dir / arg
+    return resolve_cell(str(arg), "compare", runs_dir)
+
+
 @app.command("compare", rich_help_panel=INSPECT, help="Compare two cells (or two matrices, cell by cell): config, "
              "scores with paired significance tests (McNemar, paired bootstrap), training loss, memory and speed."
              "\n\nExample: exp compare runs/quickstart/adamw-none runs/quickstart/adamw-lora")
@@ -112,10 +121,12 @@ def compare_cmd(
     b: Annotated[Path, typer.Argument(help="the other cell (or matrix)")],
     resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
     seed: Annotated[int, typer.Option(help="seed of the bootstrap")] = 0,
+    runs_dir: RunsDir = Path("runs"),
     as_json: Json = False,
 ) -> None:
     from tunelab.report.compare import compare_cells, pairs
 
+    a, b = (_named(x, runs_dir) for x in (a, b))
     if resamples < 100:
         raise UserError(f"--resamples {resamples}: use at least 100 (the p-values are counts over resamples)")
     results = [compare_cells(x, y, resamples, seed) for x, y in pairs(a, b)]

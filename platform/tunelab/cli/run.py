@@ -36,8 +36,11 @@ def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets =
         return print_json([{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
                             "config": c.config.model_dump(mode="json")} for c in cells])
     print_wide(_plan_table(spec.name, cells))
+    from tunelab.inputs import offline_problems
     from tunelab.plan.later import run_time_checks
 
+    for line in offline_problems([c.config for c in cells]):
+        err.print(f"[yellow]cannot run on this machine:[/] {escape(line)}", highlight=False, soft_wrap=True)
     for line in run_time_checks([c.config for c in cells]):
         out.print(f"[dim]checked when the cells run: {escape(line)}", highlight=False, soft_wrap=True)
 

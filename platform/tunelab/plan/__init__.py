@@ -58,8 +58,8 @@ def eval_config(raw: dict[str, Any]) -> EvalCfg:
 def _with_suite(raw: dict, prefix: tuple) -> dict:
     """The eval section with its suite's settings as defaults (keys the cell sets win)."""
     ev = raw.get("eval") if isinstance(raw, dict) else None
-    if not isinstance(ev, dict) or not ev.get("suite"):
-        return raw
+    if not isinstance(ev, dict) or not ev.get("suite") or not isinstance(ev["suite"], str):
+        return raw  # no suite, or not a name: the schema says what is wrong with it
     try:
         return {**raw, "eval": {**sections.load_suite(ev["suite"]), **ev}}
     except ValueError as e:

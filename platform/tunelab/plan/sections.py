@@ -7,7 +7,7 @@ import re
 
 from tunelab import paths
 from tunelab.config import CellConfig, DataCfg, EvalCfg, ModelCfg
-from tunelab.errors import Problem, load_yaml
+from tunelab.errors import Problem, did_you_mean, load_yaml
 from tunelab.registries import MODELS, PEFT, TASKS, TEMPLATES
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -24,16 +24,17 @@ def model_section(cfg: ModelCfg) -> list[Problem]:
     name = cfg.name
     if name in MODELS or looks_like_path(name) or HUB_ID.match(name):
         return []
-    return [Problem(("model", "name"), f"{name!r} is not a catalog alias, a local folder path or a hub id "
-                    f"(org/name); aliases: {', '.join(MODELS)}", name)]
+    return [Problem(("model", "name"), f"{name!r} is not a catalog alias{did_you_mean(name, MODELS.names())}, a "
+                    f"local folder path or a hub id (org/name); aliases: {', '.join(MODELS)}", name)]
 
 
 def find_recipe(name: str):
     """The recipe file for a name in data_recipes/ or a path; ValueError naming the available ones."""
     path = paths.find_named("data_recipes", name)
     if path is None:
-        raise ValueError(f"no recipe {name!r}: not a file and not in data_recipes/ "
-                         f"(available: {', '.join(paths.available('data_recipes'))})")
+        known = paths.available("data_recipes")
+        raise ValueError(f"no recipe {name!r}{did_you_mean(name, known)}: not a file and not in data_recipes/ "
+                         f"(available: {', '.join(known)})")
     return path
 
 
@@ -52,7 +53,8 @@ def load_suite(name: str) -> dict:
     """The settings of suite `name` (a file in evals/ or a path); ValueError when it cannot be used."""
     path = paths.find_named("evals", name)
     if path is None:
-        raise ValueError(f"unknown suite {name!r}; suites in evals/: {', '.join(paths.available('evals'))}")
+        known = paths.available("evals")
+        raise ValueError(f"unknown suite {name!r}{did_you_mean(name, known)}; suites in evals/: {', '.join(known)}")
     data = load_yaml(path) or {}
     if not isinstance(data, dict):
         raise ValueError(f"suite file {path} must be a mapping of eval settings")

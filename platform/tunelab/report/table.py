@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from tunelab.errors import UserError, did_you_mean
 from tunelab.registries import PEFT
 from tunelab.report.records import TRAIN_FIGURES, Record
 
@@ -133,8 +134,21 @@ def _mark_best(board: Board) -> None:
 def build(records: list[Record], *, aggregate: bool = True, by: list[str] | None = None,
           where: dict[str, str] | None = None, sort: str | None = None) -> Board:
     """The leaderboard of `records`: rows grouped by `by` (default: every varying key but the seed when
-    `aggregate`, else one row per cell), filtered by `where` (key -> value as written in YAML)."""
-    records = [r for r in records if all(str(r.config.get(k)) == v for k, v in (where or {}).items())]
+    `aggregate`, else one row per cell), filtered by `where` (key -> value as written in YAML). An unknown key,
+    or a filter no cell matches, is a UserError naming it."""
+    known = sorted({k for r in records for k in r.config})
+    for option, keys in (("--where", list(where or {})), ("--by", by or [])):
+        for key in keys:
+            if records and key not in known:
+                varying = sorted({k for r in records for k in r.varying})
+                raise UserError(f"{option} {key!r}: no such config key{did_you_mean(key, known)}; keys are dotted "
+                                f"config keys, like the ones this matrix varies: {', '.join(varying) or known[0]}")
+    kept = [r for r in records if all(str(r.config.get(k)) == v for k, v in (where or {}).items())]
+    if records and not kept:
+        values = {k: sorted({str(r.config.get(k)) for r in records}) for k in where or {}}
+        raise UserError("--where " + " ".join(f"{k}={v}" for k, v in (where or {}).items()) + " matches no cell; "
+                        + "; ".join(f"{k} takes {', '.join(vs)}" for k, vs in values.items()))
+    records = kept
     group_keys = by or ([k for k in dict.fromkeys(k for r in records for k in r.varying) if k != SEED]
                         if aggregate else None)
     keys = by or shown_keys(records, exclude=(SEED,) if aggregate else ())
@@ -175,7 +189,5 @@ def _sort(board: Board, column: str) -> None:
     elif name in board.keys or name in ("cell", "status"):
         board.rows.sort(key=lambda r: str(r.get(name)), reverse=reverse)
     else:
-        from tunelab.errors import UserError
-
         names = ["cell", "status", *board.keys, *(c.name for c in board.columns)]
-        raise UserError(f"--sort {column!r}: no such column; columns: {', '.join(names)}")
+        raise UserError(f"--sort {column!r}: no such column{did_you_mean(name, names)}; columns: {', '.join(names)}")
