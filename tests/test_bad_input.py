@@ -119,7 +119,7 @@ CASES: dict[str, Case] = {
     "matrix_group_by_length_with_packing": Case(RUN, ("m.yaml", "train.group_by_length", "data.pack"), {
         "m.yaml": GOOD.replace("max_length: 48}", "max_length: 48, pack: true}").replace(
             "save_every: 1}", "save_every: 1, group_by_length: true}")}),
-    "matrix_is_a_folder": Case(("run", "{tmp}", "--runs-dir", "{runs}"), ("no such file",)),
+    "matrix_is_a_folder": Case(("run", "{tmp}", "--runs-dir", "{runs}"), ("this is a folder; expected a file",)),
     "matrix_missing_file": Case(("run", "{tmp}/nope.yaml", "--runs-dir", "{runs}"), ("nope.yaml: no such file",)),
 
     # ---- recipes (checked when the matrix is planned) ----
