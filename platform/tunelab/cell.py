@@ -133,11 +133,12 @@ def _train(run: CellRun) -> tuple[Any, Any, dict, float | None]:
     from transformers import set_seed
 
     from tunelab import train
+    from tunelab.data import build  # noqa: F401 - imported before the baseline below: libraries are not training
     from tunelab.train import parallel, peft
     from tunelab.train.validation import Validation
 
     cfg, rt, t0 = run.cfg, run.rt, time.perf_counter()
-    rss_before = _rss_mb()
+    rss_before = _rss_mb()  # what the process holds before the model: `exp memory` predicts what training adds
     run.emit(Stage("load"))
     # The one seed of a cell. Loading and data building run on forks of it: what a layout's way of building
     # the model draws, or a data cache miss (a hit draws nothing), leaves the adapters' init and the training's
