@@ -55,18 +55,20 @@ def test_cli_bad_input_exits_2(cli):
 
 def test_an_unknown_subtask_is_a_user_error():
     from tunelab.errors import UserError
-    from tunelab.evals.harness import BENCHMARKS, select, task_manager
+    from tunelab.evals.harness import select, task_manager
+    from tunelab.registries import TASKS
 
     with pytest.raises(UserError, match="eval.subtasks.mmlu: unknown mmlu subtask"):
-        select(BENCHMARKS["mmlu"], task_manager(), ["anatomy", "astrology"], None)
+        select(TASKS["mmlu"].harness, "mmlu", task_manager(), ["anatomy", "astrology"], None)
 
 
 def test_task_definitions_cover_the_benchmarks():
-    from tunelab.evals.harness import BENCHMARKS, leaves, task_manager
+    from tunelab.evals.harness import leaves, task_manager
+    from tunelab.registries import TASKS
 
     tm = task_manager()
-    assert len(leaves(BENCHMARKS["mmlu"], tm)) == 57
-    assert len(leaves(BENCHMARKS["bbh"], tm)) == 27 == len(leaves(BENCHMARKS["bbh_smoke"], tm))
+    assert len(leaves(TASKS["mmlu"].harness, tm)) == 57
+    assert len(leaves(TASKS["bbh"].harness, tm)) == 27 == len(leaves(TASKS["bbh_smoke"].harness, tm))
 
 
 def test_shipped_exemplars_are_parsed_into_the_hub_schema():

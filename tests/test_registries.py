@@ -35,7 +35,9 @@ def test_registry_errors_list_the_known_names_and_lazy_entries_load_on_use():
                                  registries.OPTIMIZERS, registries.PEFT, registries.ENGINES, registries.TASKS])
 def test_every_lazy_entry_imports(reg):
     for name, entry in reg.items():
-        for target in (getattr(entry, f, None) for f in ("folder", "wrap", "load_kwargs", "stepper", "run")):
+        harness = getattr(entry, "harness", None)
+        for target in (*(getattr(entry, f, None) for f in ("folder", "wrap", "load_kwargs", "stepper", "run")),
+                       *((harness.items, harness.notes) if harness else ())):
             if target is not None:
                 assert callable(target.load()), (name, target)
         if isinstance(entry, registries.OptimizerSpec):
@@ -46,9 +48,8 @@ def test_the_schema_and_the_registries_agree():
     assert set(typing.get_args(config.PeftMethod)) == set(registries.PEFT)
     backends = typing.get_args(config.ParallelCfg.model_fields["backend"].annotation)
     assert set(backends) == set(registries.ENGINES)
-    from tunelab.evals.harness import BENCHMARKS
-
-    assert set(BENCHMARKS) == {n for n, t in registries.TASKS.items() if t.run.target.endswith(":harness_task")}
+    benchmarks = {n for n, t in registries.TASKS.items() if t.harness is not None}
+    assert benchmarks == {n for n, t in registries.TASKS.items() if t.run.target.endswith(":harness_task")}
 
 
 def test_the_docs_table_is_the_registry():
