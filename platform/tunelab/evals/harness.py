@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from tunelab.errors import UserError
-from tunelab.evals import exemplars, lmdata, sources
+from tunelab.evals import exemplars, lmdata, nltk_data, sources
 from tunelab.evals.results import collect, item_stderr  # noqa: F401 - item_stderr: tests
 from tunelab.paths import REPO_ROOT
 from tunelab.plan import lmtasks
@@ -136,6 +136,7 @@ def evaluate(name: str, lm, cfg, samples_path: Path | None) -> dict:
 def _setup(name: str, h: Harness, cfg, scratch: Path) -> Setup | str:
     """The task manager, the subset, the data folder; the tasks built with their data loaded. A string says why
     the test set is unavailable."""
+    nltk_data.ensure()  # before lm-eval imports a task's checker that wants NLTK data (ifeval's)
     builtin = lmdata.folders(h.lm_task, cfg.include_path) if h.builtin else []
     extra = [Path(cfg.include_path).expanduser()] if cfg.include_path else []
     setup = Setup(name, h, select(h, name, task_manager(builtin=builtin, extra=extra), cfg.subtasks.get(name),
