@@ -31,8 +31,28 @@ def _content(kind: str) -> list[tuple[str, str]]:
     return out
 
 
-def rows(kind: str) -> list[tuple[str, str]]:
-    """(name, one-line description) of every choice of `kind` (one of KINDS)."""
+def lm_eval_rows(include_path: str | None = None) -> list[tuple[str, str]]:
+    """(name, kind and output type) of every task and group lm-eval ships (and include_path holds), for
+    `exp ls tasks --all`: what `eval.tasks` can name besides tunelab's own. Tags are left out: they are not
+    runnable as one task."""
+    from tunelab.plan import lmtasks
+
+    index = {**lmtasks.builtin(), **lmtasks.local(include_path)}
+    out = []
+    for name in sorted(index):
+        t = index[name]
+        taken = "; the name is tunelab's task above" if name in registries.TASKS else ""
+        if t.kind == "task":
+            out.append((name, f"lm-eval task, {t.output_type or '?'}{taken}"))
+        elif t.kind == "group":
+            out.append((name, f"lm-eval group of {len(lmtasks.leaves(name, index))} tasks, "
+                              f"{lmtasks.output_types(name, index)}{taken}"))
+    return out
+
+
+def rows(kind: str, everything: bool = False) -> list[tuple[str, str]]:
+    """(name, one-line description) of every choice of `kind` (one of KINDS); `everything`: with lm-eval's tasks
+    and groups after tunelab's tasks."""
     if kind == "models":
         return [(n, a.description) for n, a in registries.MODELS.items()]
     if kind == "recipes":
@@ -42,7 +62,7 @@ def rows(kind: str) -> list[tuple[str, str]]:
     if kind == "experiments":
         return _content("experiments")
     if kind == "tasks":
-        return [(n, t.description) for n, t in registries.TASKS.items()]
+        return [(n, t.description) for n, t in registries.TASKS.items()] + (lm_eval_rows() if everything else [])
     if kind == "peft":
         return [(n, p.description) for n, p in registries.PEFT.items()]
     if kind == "optimizers":
