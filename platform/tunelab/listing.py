@@ -39,14 +39,13 @@ def lm_eval_rows(include_path: str | None = None) -> list[tuple[str, str]]:
 
     index = {**lmtasks.builtin(), **lmtasks.local(include_path)}
     out = []
-    for name in sorted(index):
+    for name in sorted(set(index) - set(registries.TASKS)):  # a name tunelab's tasks take means tunelab's
         t = index[name]
-        taken = "; the name is tunelab's task above" if name in registries.TASKS else ""
         if t.kind == "task":
-            out.append((name, f"lm-eval task, {t.output_type or '?'}{taken}"))
+            out.append((name, f"lm-eval task, {t.output_type or '?'}"))
         elif t.kind == "group":
             out.append((name, f"lm-eval group of {len(lmtasks.leaves(name, index))} tasks, "
-                              f"{lmtasks.output_types(name, index)}{taken}"))
+                              f"{lmtasks.output_types(name, index)}"))
     return out
 
 

@@ -171,8 +171,11 @@ def _load(setup: Setup) -> Setup | str:
         if not setup.h.builtin:
             raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        return (f"lm-eval could not load {setup.h.lm_task}'s data ({type(e).__name__}: {first}); offline, put its "
-                f"splits under eval.data_dir as <dir>/<task>/<split>.jsonl")
+        ran = [t.name for t in lmtasks.leaves(setup.h.lm_task, lmtasks.convert(setup.tm.task_index))]
+        files = lmdata.expected(setup.tm, ran)
+        return (f"lm-eval could not load {setup.h.lm_task}'s data ({type(e).__name__}: {first}); offline, put "
+                f"{', '.join(files[:3])}{', ...' if len(files) > 3 else ''} under eval.data_dir "
+                "(<dir>/<task>/<split>.jsonl)")
     setup.loaded = (loaded["groups"] or loaded["tasks"])[setup.h.lm_task]
     return setup
 

@@ -59,6 +59,15 @@ def overrides(tm, leaves: list[str], root: Path, scratch: Path) -> str | None:
     return None
 
 
+def expected(tm, leaves: list[str]) -> list[str]:
+    """The files eval.data_dir would need for these leaves' scored splits, as <task>/<split>.jsonl."""
+    out = []
+    for leaf in leaves:
+        cfg = tm.task_index[leaf].cfg or {}
+        out.append(f"{leaf}/{cfg.get('test_split') or cfg.get('validation_split')}.jsonl")
+    return out
+
+
 def described(configs: dict[str, dict]) -> str:
     """Where the leaves' data came from, in words (results.json's data_source)."""
     out: dict[str, list[str]] = {}
