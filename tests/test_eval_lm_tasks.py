@@ -159,3 +159,25 @@ def test_ifeval_without_its_test_set_is_unavailable(tiny, tmp_path):
     gone = evals.run(*tiny, EvalCfg(tasks=["ifeval"], data_dir=str(tmp_path / "none")),
                      evals.Context(out_dir=tmp_path / "b"))["tasks"]["ifeval"]
     assert gone["status"] == "unavailable" and "ifeval/train.jsonl is missing" in gone["reason"]
+
+
+def test_adding_a_benchmark_is_one_task_yaml_and_one_registry_entry(tiny, folder, tmp_path, monkeypatch):
+    """docs/ARCHITECTURE.md's recipe, followed: the task YAML (here in an include_path folder, standing in for
+    tasks/<name>/) and one TaskSpec in the TASKS registry; plan, results, the marks and the leaderboard follow."""
+    from tunelab.plan import eval_config
+    from tunelab.registries import TASKS, Harness, TaskSpec
+    from tunelab.registry import Lazy
+    from tunelab.report.scores import Score
+
+    monkeypatch.setattr(TASKS, "_entries", dict(TASKS._entries))  # the entry below lives for this test only
+    TASKS.add("tiny_bench", TaskSpec(
+        Lazy("tunelab.evals.engine:harness_task"), "a five-question multiple-choice benchmark", official_n=10,
+        harness=Harness("tl_mc", "acc", "none", "acc", "accuracy over the questions", also=(("acc_norm", "none"),),
+                        made_from="tests/lm_tasks.py")))
+    cfg = eval_config({"tasks": ["tiny_bench"], "include_path": str(folder), "batch_size": 4})
+    r = evals.run(*tiny, cfg, evals.Context(out_dir=tmp_path))["tasks"]["tiny_bench"]
+    assert r["status"] == "ok" and r["metric"] == "acc" and r["n"] == len(MC) and set(r["also"]) == {
+        "acc_norm (none)"}
+    assert r["subset"] is True and r["data_source"] == "tests/lm_tasks.py"  # 5 of the official 10 items
+    score = Score.of("tiny_bench", r)
+    assert score.header == "tiny_bench acc" and score.subset and not score.stand_in
