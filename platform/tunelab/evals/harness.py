@@ -139,13 +139,13 @@ def _setup(name: str, h: Harness, cfg, scratch: Path) -> Setup | str:
     nltk_data.ensure()  # before lm-eval imports a task's checker that wants NLTK data (ifeval's)
     builtin = lmdata.folders(h.lm_task, cfg.include_path) if h.builtin else []
     extra = [Path(cfg.include_path).expanduser()] if cfg.include_path else []
-    setup = Setup(name, h, select(h, name, task_manager(builtin=builtin, extra=extra), cfg.subtasks.get(name),
-                                  scratch))
+    tm = task_manager(builtin=builtin, extra=extra)
+    setup = Setup(name, h, select(h, name, tm, cfg.subtasks.get(name), scratch))
     if h.builtin:
         root = sources.user_root(cfg.data_dir)
         if root is not None and name not in lmtasks.local(cfg.include_path):
-            tm = task_manager(builtin=builtin, extra=[*extra, scratch])
-            ran = [t.name for t in lmtasks.leaves(h.lm_task, lmtasks.convert(tm.task_index))]
+            index = lmtasks.convert(tm.task_index)
+            ran = sorted({t.name for member in setup.chosen for t in lmtasks.leaves(member, index)})
             if why := lmdata.overrides(tm, ran, root, scratch):
                 return why
             setup.root, setup.source = root, f"local:{root}"

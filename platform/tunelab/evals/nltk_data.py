@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from tunelab.paths import cache_dir
@@ -47,11 +48,15 @@ def _write(folder: Path) -> None:
 
 @functools.cache
 def ensure() -> Path:
-    """The folder NLTK now searches first; its punkt_tab/english written on first use."""
-    import nltk
-
+    """The folder NLTK searches first (its punkt_tab/english written on first use). Importing NLTK takes seconds,
+    so while it is not imported the folder goes into $NLTK_DATA, which NLTK reads when it is."""
     base = root()
     folder = base / "tokenizers" / "punkt_tab" / LANGUAGE
+    if (folder / "ortho_context.tab").is_file() and "nltk" not in sys.modules:
+        os.environ["NLTK_DATA"] = os.pathsep.join([str(base), *filter(None, [os.environ.get("NLTK_DATA")])])
+        return base
+    import nltk
+
     if str(base) not in nltk.data.path:  # first: NLTK also writes only inside its data folders
         nltk.data.path.insert(0, str(base))
     if not (folder / "ortho_context.tab").is_file():

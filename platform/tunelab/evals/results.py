@@ -106,7 +106,8 @@ def collect(setup, out: dict, base: dict, cfg, samples_path: Path | None) -> dic
     return {
         **base, "metric": setup.h.label or (metric if filt == "none" else f"{metric} ({filt})"),
         "headline": setup.h.headline or f"lm-eval's {metric} ({filt}) of {setup.h.lm_task}",
-        "status": "ok", "value": value, "stderr": stderr, "n": sum(v["n"] for v in per_leaf.values()),
+        "lm_eval_metric": f"{metric},{filt}", "status": "ok", "value": value, "stderr": stderr,
+        "n": sum(v["n"] for v in per_leaf.values()),
         "shots": shots[0] if len(shots) == 1 else shots, "limit": cfg.limit_for(setup.name),
         "subset": bool(cfg.subtasks.get(setup.name)) or cfg.limit_for(setup.name) is not None or cut,
         "macro": statistics.fmean(values) if values else None, "average": _average(setup, metric),
