@@ -68,7 +68,8 @@ def tunelab_run(args, subsets: list[str]) -> dict:
 
     cfg = EvalCfg(tasks=[args.task], limit=args.limit, data_dir=str(args.data_dir) if args.data_dir else None,
                   batch_size=args.batch_size, subtasks={args.task: subsets} if subsets else {},
-                  max_new_tokens=args.max_new_tokens, include_path=str(args.include_path) if args.include_path else None)
+                  max_new_tokens=args.max_new_tokens,
+                  include_path=str(args.include_path) if args.include_path else None)
     result = evals.run(model, tok, cfg, evals.Context(out_dir=args.out))["tasks"][args.task]
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     if result["status"] != "ok":
@@ -249,7 +250,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", default="mmlu", help="mmlu, gsm8k, bbh, humaneval, or any lm-eval task with local data "
                     "(--include-path, or --data-dir as <dir>/<task>/<split>.jsonl)")
-    ap.add_argument("--include-path", type=Path, default=None, help="a folder of lm-eval task YAMLs (eval.include_path)")
+    ap.add_argument("--include-path", type=Path, default=None,
+                    help="a folder of lm-eval task YAMLs (eval.include_path)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--data-dir", type=Path, default=None,
                     help="local test files (<dir>/gsm8k/main/test.jsonl, <dir>/bbh/<task>/test.jsonl, "
