@@ -246,7 +246,8 @@ def subsets_for(args) -> list[str]:
     return []
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line, with each task's defaults filled in."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", default="mmlu", help="mmlu, gsm8k, bbh, humaneval, or any lm-eval task with local data "
                     "(--include-path, or --data-dir as <dir>/<task>/<split>.jsonl)")
@@ -272,13 +273,6 @@ def main() -> None:
                     help="pad tunelab's passes to a multiple of this many rows (default: the engine's own, 4)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/tunelab-eval-speed"))
     args = ap.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-
-    torch.set_num_threads(args.threads)
-    from tunelab.evals import packed
-
-    packed.ROW_QUANTUM = args.row_quantum or packed.ROW_QUANTUM
     defaults = {"mmlu": 7, "gsm8k": 32, "bbh": 2, "humaneval": 16}
     args.limit = args.limit or defaults.get(args.task)
     args.subsets = args.subsets or {"mmlu": 57, "bbh": 8}.get(args.task)
@@ -296,6 +290,18 @@ def main() -> None:
             pull_mmlu(args.data_dir)
     if args.task in ("gsm8k", "bbh") and args.data_dir is None:
         ap.error(f"--task {args.task} needs --data-dir (its test set has no offline source)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from tunelab.evals import packed
+
+    packed.ROW_QUANTUM = args.row_quantum or packed.ROW_QUANTUM
     subsets = subsets_for(args)
     peers = [int(b) for b in args.peer_batch_sizes.split(",")]
     load = os.getloadavg()

@@ -62,12 +62,16 @@ def by_doc(samples: list[dict], task: str) -> dict[int, dict]:
     return {s["doc_id"]: s for s in samples if s["task"] == task}
 
 
+def paired(samples: list[dict], theirs: dict, task: str, n: int) -> list[tuple[dict, dict]]:
+    """(our record, lm-eval's sample) of each of the task's n items."""
+    mine = by_doc(samples, task)
+    assert len(mine) == len(theirs["samples"][task]) == n
+    return [(mine[d["doc_id"]], d) for d in theirs["samples"][task]]
+
+
 def test_loglikelihood_requests_match_lm_eval(runs):
     (res, samples), theirs, _ = runs
-    mine = by_doc(samples, "tl_mc")
-    assert len(mine) == len(MC)
-    for d in theirs["samples"]["tl_mc"]:
-        r = mine[d["doc_id"]]
+    for r, d in paired(samples, theirs, "tl_mc", len(MC)):
         assert r["prompt_hash"] == d["prompt_hash"] and r["acc"] == d["acc"]
         assert [x[0] for x in r["response"]] == pytest.approx([x[0][0] for x in d["resps"]], abs=1e-4)
     assert res["tl_mc"]["value"] == theirs["results"]["tl_mc"]["acc,none"]
@@ -76,10 +80,7 @@ def test_loglikelihood_requests_match_lm_eval(runs):
 
 def test_generations_match_lm_eval_with_the_tasks_stops_and_filters(runs):
     (res, samples), theirs, _ = runs
-    mine = by_doc(samples, "tl_gen")
-    assert len(mine) == len(GEN)
-    for d in theirs["samples"]["tl_gen"]:
-        r = mine[d["doc_id"]]
+    for r, d in paired(samples, theirs, "tl_gen", len(GEN)):
         assert r["raw"] == d["resps"][0][0] and "\n" not in r["raw"]  # generated to the task's stop sequence
         assert r["response"] == d["filtered_resps"]  # the task's regex filter applied to the same text
     assert res["tl_gen"]["metric"] == "exact_match (first-word)" and res["tl_gen"]["shots"] == 2
