@@ -182,3 +182,14 @@ def test_adding_a_benchmark_is_one_task_yaml_and_one_registry_entry(tiny, folder
     assert r["subset"] is True and r["data_source"] == "tests/lm_tasks.py"  # 5 of the official 10 items
     score = Score.of("tiny_bench", r)
     assert score.header == "tiny_bench acc" and score.subset and not score.stand_in
+
+
+def test_a_groups_members_and_limits_make_a_marked_subset(tiny, folder, runs, tmp_path):
+    (res, _), _, _ = runs
+    cfg = EvalCfg(tasks=["tl_group", "tl_mc"], include_path=str(folder), subtasks={"tl_group": ["tl_mc2"]},
+                  limits={"tl_mc": 2}, batch_size=4)
+    out = evals.run(*tiny, cfg, evals.Context(out_dir=tmp_path))["tasks"]
+    group, mc = out["tl_group"], out["tl_mc"]
+    assert set(group["subtasks"]) == {"tl_mc2"} and group["n"] == 3 and group["subset"] is True
+    assert group["value"] == res["tl_group"]["subtasks"]["tl_mc2"]["value"]  # the group's aggregate of one member
+    assert mc["n"] == 2 and mc["subset"] is True and mc["limit"] == 2
