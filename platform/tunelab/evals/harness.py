@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from tunelab.config import EvalCfg
 from tunelab.errors import UserError
 from tunelab.evals import exemplars, lmdata, nltk_data, sources
 from tunelab.evals.results import collect, item_stderr  # noqa: F401 - item_stderr: tests
@@ -44,7 +45,7 @@ def mmlu_notes(root: Path | None, leaves: list[str]) -> str:
             f"ships (mmlu/flan_cot_fewshot), which are the MMLU dev questions{few}")
 
 
-SMOKE_GSM8K = {"generator": "arithmetic", "n": 200, "seed": 1000, "held_out": True}  # = its task YAML's kwargs
+SMOKE_GSM8K: dict[str, Any] = {"generator": "arithmetic", "n": 200, "seed": 1000, "held_out": True}  # = the YAML's
 
 
 def smoke_gsm8k_items() -> list[str]:
@@ -56,7 +57,7 @@ def smoke_bbh_items() -> list[str]:
 
 
 def task_manager(roots: dict[str, str] | None = None, extra: list[Path] | tuple[Path, ...] = (),
-                 builtin: list[Path] | tuple[Path, ...] = ()):
+                 builtin: list[Path] | tuple[Path, ...] = ()) -> Any:
     """tunelab's tasks/, after the folders of lm-eval's own tasks a run needs (`builtin`: indexing all of
     lm-eval's ~15k tasks takes many seconds) and before `extra` (include_path, then the scratch folder), which
     may redefine a task or group (a subset of a group's leaves, a task pointed at local files)."""
@@ -66,7 +67,7 @@ def task_manager(roots: dict[str, str] | None = None, extra: list[Path] | tuple[
     return TaskManager(include_path=paths, include_defaults=False, metadata={"tunelab_roots": roots or {}})
 
 
-def leaves(h: Harness, tm) -> dict[str, str]:
+def leaves(h: Harness, tm: Any) -> dict[str, str]:
     """{lm-eval task: alias} that a subset can be chosen from: a benchmark's leaves (its leaf tags), an lm-eval
     group's members, or the task itself; in a stable order."""
     if h.leaf_tags:
@@ -76,7 +77,7 @@ def leaves(h: Harness, tm) -> dict[str, str]:
     return {m: m for m in task.members} if task.kind == "group" else {h.lm_task: h.lm_task}
 
 
-def select(h: Harness, name: str, tm, subtasks: list[str] | None, scratch: Path) -> dict[str, str]:
+def select(h: Harness, name: str, tm: Any, subtasks: list[str] | None, scratch: Path | None) -> dict[str, str]:
     """The leaves to run. For a subset, a group YAML of the same name that holds only the chosen leaves (and the
     group's aggregation) is written to `scratch`, to be indexed last."""
     all_leaves = leaves(h, tm)
@@ -89,6 +90,7 @@ def select(h: Harness, name: str, tm, subtasks: list[str] | None, scratch: Path)
                         f"{', '.join(by_alias) if len(by_alias) > 1 else 'none (not a group)'}",
                         key=f"eval.subtasks.{name}")
     chosen = {by_alias[s]: s for s in subtasks}
+    assert scratch is not None, "a subset needs a scratch folder"
     group_cfg = tm.task_index[h.lm_task].cfg or {}
     spec = {"group": h.lm_task, "task": list(chosen), "metadata": group_cfg.get("metadata", {}),
             **({"aggregate_metric_list": group_cfg["aggregate_metric_list"]}
@@ -115,7 +117,7 @@ def _unavailable(base: dict, reason: str) -> dict:
     return {**base, "status": "unavailable", "reason": reason, "value": None, "stderr": None, "n": 0}
 
 
-def evaluate(name: str, lm, cfg, samples_path: Path | None) -> dict:
+def evaluate(name: str, lm: Any, cfg: EvalCfg, samples_path: Path | None) -> dict:
     """Score one task or group; a dict for results.json (status ok or unavailable)."""
     h = harness_of(name)
     base = {"task": name, "metric": h.label, "headline": h.headline, "lm_eval_task": h.lm_task}
@@ -133,7 +135,7 @@ def evaluate(name: str, lm, cfg, samples_path: Path | None) -> dict:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _setup(name: str, h: Harness, cfg, scratch: Path) -> Setup | str:
+def _setup(name: str, h: Harness, cfg: EvalCfg, scratch: Path) -> Setup | str:
     """The task manager, the subset, the data folder; the tasks built with their data loaded. A string says why
     the test set is unavailable."""
     nltk_data.ensure()  # before lm-eval imports a task's checker that wants NLTK data (ifeval's)
@@ -180,7 +182,7 @@ def _load(setup: Setup) -> Setup | str:
     return setup
 
 
-def _run(setup: Setup, lm, cfg) -> dict:
+def _run(setup: Setup, lm: Any, cfg: EvalCfg) -> dict:
     import lm_eval
 
     gen = {"max_gen_toks": cfg.max_new_tokens} if cfg.max_new_tokens else None

@@ -107,11 +107,11 @@ class SharedPrefixLM(HFLM):
             return "think_end_token"
         return (generation_config_issue(self.model) or "") if generate else ""
 
-    def loglikelihood(self, requests, disable_tqdm: bool = False):
+    def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         self._kind = "loglikelihood"
         return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
 
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         """Perplexity: HFLM cuts each document into its rolling windows and scores them through
         `_loglikelihood_tokens`, that is on the engine's packed passes (every position of a window scored)."""
         self._kind = "loglikelihood_rolling"

@@ -12,6 +12,7 @@ is `unavailable` with lm-eval's reason.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -43,7 +44,7 @@ def folders(name: str, include_path: str | None) -> list[Path]:
     return sorted(d for d in found if not any(o != d and o in d.parents for o in found))
 
 
-def overrides(tm, leaves: list[str], root: Path, scratch: Path) -> str | None:
+def overrides(tm: Any, leaves: list[str], root: Path, scratch: Path) -> str | None:
     """Point each leaf at `<root>/<leaf>/<split>.jsonl`; returns why not (the first missing test file), or None."""
     for leaf in leaves:
         entry = tm.task_index[leaf]
@@ -59,7 +60,7 @@ def overrides(tm, leaves: list[str], root: Path, scratch: Path) -> str | None:
     return None
 
 
-def expected(tm, leaves: list[str]) -> list[str]:
+def expected(tm: Any, leaves: list[str]) -> list[str]:
     """The files eval.data_dir would need for these leaves' scored splits, as <task>/<split>.jsonl."""
     out = []
     for leaf in leaves:
@@ -79,7 +80,7 @@ def described(configs: dict[str, dict]) -> str:
         else:
             out.setdefault(f"hub:{cfg.get('dataset_path')}", []).append(str(cfg.get("dataset_name") or ""))
     shown = []
-    for where, configs in out.items():
-        names = sorted({n for n in configs if n})
+    for where, found in out.items():
+        names = sorted({n for n in found if n})
         shown.append(where + (f" ({names[0]})" if len(names) == 1 else f" ({len(names)} configs)" if names else ""))
     return "; ".join(shown)

@@ -11,9 +11,13 @@ import json
 import math
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tunelab.evals import lmdata
+
+if TYPE_CHECKING:
+    from tunelab.config import EvalCfg
+    from tunelab.evals.harness import Setup
 
 
 def num(x: Any) -> float | None:
@@ -40,17 +44,17 @@ def metrics(head: dict) -> list[tuple[str, str]]:
     return [tuple(k.split(",", 1)) for k in head if "," in k and "_stderr," not in k]  # type: ignore[misc]
 
 
-def _also(setup, head: dict, metric: str, filt: str) -> dict[str, float | None]:
+def _also(setup: Setup, head: dict, metric: str, filt: str) -> dict[str, float | None]:
     if setup.h.metric:
         return {(a[2] if len(a) > 2 else f"{a[0]} ({a[1]})"): num(head.get(f"{a[0]},{a[1]}")) for a in setup.h.also}
     return {f"{m} ({f})": num(head.get(f"{m},{f}")) for m, f in metrics(head) if (m, f) != (metric, filt)}
 
 
-def _alias(setup, leaf: str) -> str:
+def _alias(setup: Setup, leaf: str) -> str:
     return leaf.removeprefix(setup.h.lm_task + "_") if setup.h.leaf_tags else leaf
 
 
-def _average(setup, metric: str) -> str:
+def _average(setup: Setup, metric: str) -> str:
     """micro (a mean over items) or macro (a mean of the subtasks' values), as lm-eval's group aggregates."""
     if setup.h.metric:
         from tunelab.registries import TASKS
@@ -62,7 +66,7 @@ def _average(setup, metric: str) -> str:
     return "micro" if agg is None or agg.get("weight_by_size") else "macro"
 
 
-def records(setup, out: dict, metric: str, filt: str) -> list[dict]:
+def records(setup: Setup, out: dict, metric: str, filt: str) -> list[dict]:
     """One samples.jsonl record per scored item of the headline's filter; `item_metric` names its score's key."""
     rows = []
     for leaf in sorted(out["samples"]):
@@ -77,7 +81,7 @@ def records(setup, out: dict, metric: str, filt: str) -> list[dict]:
     return rows
 
 
-def _leaves(setup, out: dict, metric: str, filt: str) -> dict[str, dict]:
+def _leaves(setup: Setup, out: dict, metric: str, filt: str) -> dict[str, dict]:
     res = out["results"]
     return {_alias(setup, leaf): {"value": num(res[leaf].get(f"{metric},{filt}")),
                                   "stderr": num(res[leaf].get(f"{metric}_stderr,{filt}")),
@@ -85,7 +89,7 @@ def _leaves(setup, out: dict, metric: str, filt: str) -> dict[str, dict]:
             for leaf in sorted(out["configs"])}
 
 
-def collect(setup, out: dict, base: dict, cfg, samples_path: Path | None) -> dict:
+def collect(setup: Setup, out: dict, base: dict, cfg: EvalCfg, samples_path: Path | None) -> dict:
     """The results.json entry of one task (status ok); appends its items to samples_path."""
     import lm_eval
 
