@@ -13,6 +13,11 @@ BBH task with its 3. HFLM runs them all again for every question.
 - generation (`generate_until`): each prefix once, continuous batching, every row stopping at its own
   stop string; contexts encoded, stopped, decoded and cut exactly as HFLM does, so greedy outputs are
   HFLM's up to float rounding (a near-tie can flip).
+- perplexity (`loglikelihood_rolling`): HFLM's own rolling windows, scored as log-likelihood requests above
+  (every position of a window).
+
+`served` counts the requests of each type by the code that served them (the engine, or HFLM and why), for
+results.json.
 
 HFLM's own code runs where the engine does not serve: `share_prefixes=False`, a model that fails the
 engine's self-check, and generation requests with sampling or other generation arguments.
@@ -48,6 +53,7 @@ class SharedPrefixLM(HFLM):
         self.progress: Callable[[int, int], None] | None = None
         # requests served, by (request type, "engine" or "hf: why"): results.json says which code ran
         self.served: Counter[tuple[str, str]] = Counter()
+        self._kind = "loglikelihood"  # the request type `_loglikelihood_tokens` is serving (rolling: windows)
 
     def engine(self) -> Decoder | None:
         """tunelab's engine for this model, or None where HFLM's own code must run (share_prefixes off, a
@@ -107,10 +113,6 @@ class SharedPrefixLM(HFLM):
             return "think_end_token"
         return (generation_config_issue(self.model) or "") if generate else ""
 
-    def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        self._kind = "loglikelihood"
-        return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
-
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         """Perplexity: HFLM cuts each document into its rolling windows and scores them through
         `_loglikelihood_tokens`, that is on the engine's packed passes (every position of a window scored)."""
@@ -122,7 +124,7 @@ class SharedPrefixLM(HFLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         decoder = self.engine()
-        kind = getattr(self, "_kind", "loglikelihood")
+        kind = self._kind
         if decoder is None:
             self.served[kind, f"hf: {self._hf_reason(decoder)}"] += len(requests)
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
