@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -109,8 +109,7 @@ class Setup:
     root: Path | None = None  # the local data folder
     source: str = ""  # data_source; "" = read from the tasks' configs after the run
     loaded: Any = None  # the Task or Group built by lm-eval (its data loaded)
-    tm: Any = None
-    extra: dict = field(default_factory=dict)
+    tm: Any = None  # lm-eval's TaskManager: tunelab's tasks, the folders above, include_path, the scratch folder
 
 
 def _unavailable(base: dict, reason: str) -> dict:
