@@ -142,7 +142,7 @@ class SharedPrefixLM(HFLM):
         logprobs: dict[tuple, torch.Tensor] = {}  # input -> log-softmax over its last `need` positions
         with decoder.running():
             # The prefix may not reach into any position whose logits are scored.
-            for p, members in decoder.plan(unique, own=[need[s] for s in unique]):
+            for p, members in _pooled(decoder.plan(unique, own=[need[s] for s in unique])):
                 logprobs.update(self._score_group(decoder, [unique[i] for i in members], p, need))
                 if self.progress is not None:
                     self.progress(len(logprobs), len(unique))
@@ -177,3 +177,11 @@ class SharedPrefixLM(HFLM):
                 out[s] = F.log_softmax(logits[at:at + need[s]], dim=-1, dtype=self.softmax_dtype)
                 at += need[s]
         return out
+
+
+def _pooled(plan: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+    """The plan with every request that shares no prefix in one group: they then fill packed passes together
+    (`batch_size` at a time) instead of a pass each (0-shot multiple choice: every choice is its own request).
+    A request's numbers do not depend on the others in its pass, so this changes no result."""
+    alone = sorted(i for p, members in plan if not p for i in members)
+    return [(p, members) for p, members in plan if p] + ([(0, alone)] if alone else [])

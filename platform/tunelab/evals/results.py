@@ -106,7 +106,7 @@ def collect(setup: Setup, out: dict, base: dict, cfg: EvalCfg, samples_path: Pat
     if stderr is None:
         stderr = item_stderr(value, [r[metric] for r in rows])
     cut = any(n["effective"] < n["original"] for n in out["n-samples"].values())
-    grouped = bool(setup.h.leaf_tags) or len(per_leaf) > 1
+    grouped = bool(setup.h.leaf_tags) or setup.h.lm_task not in out["configs"]  # a group: per-member values
     return {
         **base, "metric": setup.h.label or (metric if filt == "none" else f"{metric} ({filt})"),
         "headline": setup.h.headline or f"lm-eval's {metric} ({filt}) of {setup.h.lm_task}",
