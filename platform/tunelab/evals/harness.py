@@ -57,13 +57,14 @@ def smoke_bbh_items() -> list[str]:
 
 
 def task_manager(roots: dict[str, str] | None = None, extra: list[Path] | tuple[Path, ...] = (),
-                 builtin: list[Path] | tuple[Path, ...] = ()) -> Any:
-    """tunelab's tasks/, after the folders of lm-eval's own tasks a run needs (`builtin`: indexing all of
-    lm-eval's ~15k tasks takes many seconds) and before `extra` (include_path, then the scratch folder), which
-    may redefine a task or group (a subset of a group's leaves, a task pointed at local files)."""
+                 builtin: list[Path] | tuple[Path, ...] = (), own: bool = True) -> Any:
+    """tunelab's tasks/ (unless not `own`: lm-eval's tasks need none of them), after the folders of lm-eval's own
+    tasks a run needs (`builtin`: indexing all of lm-eval's ~15k tasks takes many seconds) and before `extra`
+    (include_path, then the scratch folder), which may redefine a task or group (a subset of a group's leaves, a
+    task pointed at local files)."""
     from lm_eval.tasks import TaskManager
 
-    paths = [str(p) for p in (*builtin, TASKS_DIR, *extra)]
+    paths = [str(p) for p in (*builtin, *([TASKS_DIR] if own else []), *extra)]
     return TaskManager(include_path=paths, include_defaults=False, metadata={"tunelab_roots": roots or {}})
 
 
@@ -140,7 +141,7 @@ def _setup(name: str, h: Harness, cfg: EvalCfg, scratch: Path) -> Setup | str:
     nltk_data.ensure()  # before lm-eval imports a task's checker that wants NLTK data (ifeval's)
     builtin = lmdata.folders(h.lm_task, cfg.include_path) if h.builtin else []
     extra = [Path(cfg.include_path).expanduser()] if cfg.include_path else []
-    tm = task_manager(builtin=builtin, extra=extra)
+    tm = task_manager(builtin=builtin, extra=extra, own=not h.builtin)
     setup = Setup(name, h, select(h, name, tm, cfg.subtasks.get(name), scratch))
     if h.builtin:
         root = sources.user_root(cfg.data_dir)
@@ -159,7 +160,7 @@ def _setup(name: str, h: Harness, cfg: EvalCfg, scratch: Path) -> Setup | str:
     else:
         setup.source = h.made_from
     roots = {h.local: str(setup.root)} if h.local and setup.root and not h.builtin else {}
-    setup.tm = task_manager(roots, builtin=builtin, extra=[*extra, scratch])
+    setup.tm = task_manager(roots, builtin=builtin, extra=[*extra, scratch], own=not h.builtin)
     return _load(setup)
 
 
