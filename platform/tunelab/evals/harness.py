@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import yaml
 from tunelab.config import EvalCfg
 from tunelab.errors import UserError
 from tunelab.evals import exemplars, lmdata, nltk_data, sources
-from tunelab.evals.results import collect, item_stderr  # noqa: F401 - item_stderr: tests
+from tunelab.evals.results import Setup, collect, item_stderr  # noqa: F401 - item_stderr: tests
 from tunelab.paths import REPO_ROOT
 from tunelab.plan import lmtasks
 from tunelab.registries import TASKS, Harness
@@ -98,19 +97,6 @@ def select(h: Harness, name: str, tm: Any, subtasks: list[str] | None, scratch: 
                if "aggregate_metric_list" in group_cfg else {})}
     (scratch / f"{h.lm_task}_subset.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     return chosen
-
-
-@dataclass
-class Setup:
-    """What one run of an lm-eval task needs, decided before any data is loaded."""
-
-    name: str
-    h: Harness
-    chosen: dict[str, str]  # leaves the subset was chosen from (all of them without one)
-    root: Path | None = None  # the local data folder
-    source: str = ""  # data_source; "" = read from the tasks' configs after the run
-    loaded: Any = None  # the Task or Group built by lm-eval (its data loaded)
-    tm: Any = None  # lm-eval's TaskManager: tunelab's tasks, the folders above, include_path, the scratch folder
 
 
 def _unavailable(base: dict, reason: str) -> dict:

@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,20 @@ from tunelab.evals import lmdata
 
 if TYPE_CHECKING:
     from tunelab.config import EvalCfg
-    from tunelab.evals.harness import Setup
+    from tunelab.registries import Harness
+
+
+@dataclass
+class Setup:
+    """What one run of an lm-eval task needs, decided before any data is loaded."""
+
+    name: str
+    h: Harness
+    chosen: dict[str, str]  # leaves the subset was chosen from (all of them without one)
+    root: Path | None = None  # the local data folder
+    source: str = ""  # data_source; "" = read from the tasks' configs after the run
+    loaded: Any = None  # the Task or Group built by lm-eval (its data loaded)
+    tm: Any = None  # lm-eval's TaskManager: tunelab's tasks, the folders above, include_path, the scratch folder
 
 
 def num(x: Any) -> float | None:
