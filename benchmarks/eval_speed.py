@@ -1,8 +1,13 @@
 """tunelab's evaluation engine vs lm-eval's `hf` model, same model, same data, same prompts, in one run.
 
-    python benchmarks/eval_speed.py --task mmlu|gsm8k|bbh|humaneval [--data-dir DIR] [--limit L]
-        [--subsets N] [--batch-size B] [--peer-batch-sizes 1,8,16] [--max-new-tokens N] [--threads T]
+    python benchmarks/eval_speed.py --task mmlu|gsm8k|bbh|humaneval|NAME [--data-dir DIR] [--include-path DIR]
+        [--limit L] [--subsets N] [--batch-size B] [--peer-batch-sizes 1,8,16] [--max-new-tokens N] [--threads T]
         [--row-quantum Q]
+
+NAME: any other lm-eval task or group with local data: one of an --include-path folder whose YAML names local
+files (`benchmarks/lm_task_fixtures.py` writes a multiple-choice and a generation task from local test sets), or
+one of lm-eval's own with its splits under --data-dir as <dir>/<task>/<split>.jsonl. Both sides run the same
+task definition: tunelab through `evals.run` (eval.tasks: [NAME]), lm-eval through its own `hf` model.
 
 tunelab: the model loaded once, then `evals.run` with tunelab's task definitions (`SharedPrefixLM`:
 few-shot prefixes run once; generation on tunelab's decoding engine) or, for HumanEval,
@@ -32,6 +37,7 @@ import time
 from pathlib import Path
 
 NEAR_TIE = 1e-4
+BENCHMARKS = ("mmlu", "gsm8k", "bbh", "humaneval")  # tunelab's, with their own peer task definitions below
 
 
 def load_model(name: str):
@@ -60,19 +66,22 @@ def tunelab_run(args, subsets: list[str]) -> dict:
                 "raw": {("humaneval", i): o[0] for i, o in enumerate(outs)}, "model": (model, tok)}
     from tunelab.config import EvalCfg
 
-    cfg = EvalCfg(tasks=[args.task], limit=args.limit, data_dir=str(args.data_dir), batch_size=args.batch_size,
-                  subtasks={args.task: subsets} if args.task != "gsm8k" else {},
-                  max_new_tokens=args.max_new_tokens)
+    cfg = EvalCfg(tasks=[args.task], limit=args.limit, data_dir=str(args.data_dir) if args.data_dir else None,
+                  batch_size=args.batch_size, subtasks={args.task: subsets} if subsets else {},
+                  max_new_tokens=args.max_new_tokens,
+                  include_path=str(args.include_path) if args.include_path else None)
     result = evals.run(model, tok, cfg, evals.Context(out_dir=args.out))["tasks"][args.task]
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if result["status"] != "ok":
+        raise SystemExit(f"{args.task} is unavailable: {result['reason']}")
     raw = {}
     for line in (args.out / "samples.jsonl").read_text().splitlines():
         r = json.loads(line)
         if "raw" in r:
-            raw[(r["subtask"] if args.task == "bbh" else args.task, r["doc_id"])] = r["raw"]
+            raw[(r["subtask"] if args.task not in ("gsm8k", "mmlu") else args.task, r["doc_id"])] = r["raw"]
     # mmlu's headline is weighted by subject size, bbh's the macro average over tasks: as lm-eval's groups
     return {"seconds": seconds, "cpu": cpu, "n": result["n"], "score": result["value"], "raw": raw,
-            "model": (model, tok)}
+            "model": (model, tok), "metric": result.get("lm_eval_metric"), "served": result.get("served")}
 
 
 def pass_at_1(problems: list[dict], completions: list[str]) -> float:
@@ -96,6 +105,8 @@ def peer_tasks(args, subsets: list[str]):
         return {"dataset_path": "json", "dataset_name": None,
                 "dataset_kwargs": {"data_files": {s: str(path / f"{s}.jsonl") for s in splits}}}
 
+    if args.task not in BENCHMARKS:
+        return generic_peer_tasks(args)
     if args.task == "mmlu":
         tasks = []
         for s in subsets:
@@ -115,6 +126,26 @@ def peer_tasks(args, subsets: list[str]):
     return [{"group": "speed", "task": tasks}], tm, names
 
 
+def generic_peer_tasks(args):
+    """lm-eval's own definition of the task: from --include-path, or lm-eval's with its splits under --data-dir
+    (a member of a group takes the override of its dataset)."""
+    from lm_eval.tasks import TaskManager
+
+    from tunelab.plan import lmtasks
+
+    if args.include_path:
+        tm = TaskManager(include_defaults=False, include_path=str(args.include_path))
+        leaves = [t.name for t in lmtasks.leaves(args.task, lmtasks.convert(tm.task_index))]
+        return [args.task], tm, {t: t for t in leaves}
+    tm = TaskManager(include_defaults=False, include_path=[str(Path(lmtasks.builtin()[args.task].yaml).parent)])
+    cfg = tm.task_index[args.task].cfg
+    splits = {cfg[k]: str(args.data_dir / args.task / f"{cfg[k]}.jsonl") for k in
+              ("training_split", "validation_split", "test_split", "fewshot_split") if cfg.get(k)}
+    files = {"dataset_path": "json", "dataset_name": None,
+             "dataset_kwargs": {"data_files": {s: f for s, f in splits.items() if Path(f).is_file()}}}
+    return [{"group": "speed", "task": [{"task": args.task, **files}]}], tm, {args.task: args.task}
+
+
 def peer_run(args, subsets: list[str], batch_size: int) -> dict:
     import lm_eval
 
@@ -130,9 +161,12 @@ def peer_run(args, subsets: list[str], batch_size: int) -> dict:
                                   batch_size=batch_size, log_samples=True, gen_kwargs=gen)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     counts = {t: out["n-samples"][t]["effective"] for t in names}
-    metric = {"mmlu": "acc,none", "gsm8k": "exact_match,strict-match", "bbh": "exact_match,get-answer"}[args.task]
+    metric = {"mmlu": "acc,none", "gsm8k": "exact_match,strict-match", "bbh": "exact_match,get-answer"}.get(
+        args.task, args.metric)
     values = {t: out["results"][t][metric] for t in names}
-    if args.task == "bbh":
+    if args.task not in BENCHMARKS and args.task in out["results"]:
+        score = out["results"][args.task][metric]  # the task itself, or its group's own aggregate
+    elif args.task == "bbh":
         score = sum(values.values()) / len(values)
     else:
         score = sum(values[t] * counts[t] for t in names) / sum(counts.values())
@@ -212,9 +246,13 @@ def subsets_for(args) -> list[str]:
     return []
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line, with each task's defaults filled in."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--task", choices=["mmlu", "gsm8k", "bbh", "humaneval"], default="mmlu")
+    ap.add_argument("--task", default="mmlu", help="mmlu, gsm8k, bbh, humaneval, or any lm-eval task with local data "
+                    "(--include-path, or --data-dir as <dir>/<task>/<split>.jsonl)")
+    ap.add_argument("--include-path", type=Path, default=None,
+                    help="a folder of lm-eval task YAMLs (eval.include_path)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--data-dir", type=Path, default=None,
                     help="local test files (<dir>/gsm8k/main/test.jsonl, <dir>/bbh/<task>/test.jsonl, "
@@ -235,17 +273,12 @@ def main() -> None:
                     help="pad tunelab's passes to a multiple of this many rows (default: the engine's own, 4)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/tunelab-eval-speed"))
     args = ap.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-
-    torch.set_num_threads(args.threads)
-    from tunelab.evals import packed
-
-    packed.ROW_QUANTUM = args.row_quantum or packed.ROW_QUANTUM
     defaults = {"mmlu": 7, "gsm8k": 32, "bbh": 2, "humaneval": 16}
-    args.limit = args.limit or defaults[args.task]
+    args.limit = args.limit or defaults.get(args.task)
     args.subsets = args.subsets or {"mmlu": 57, "bbh": 8}.get(args.task)
     args.peer_batch_sizes = args.peer_batch_sizes or ("8,16,32" if args.task == "mmlu" else "1,8,16")
+    if args.task not in BENCHMARKS and not (args.include_path or args.data_dir):
+        ap.error(f"--task {args.task} needs its local data: --include-path (a task folder) or --data-dir")
     if args.task == "humaneval":
         args.max_new_tokens = args.max_new_tokens or 256
     if args.task == "mmlu" and args.data_dir is None:
@@ -257,6 +290,18 @@ def main() -> None:
             pull_mmlu(args.data_dir)
     if args.task in ("gsm8k", "bbh") and args.data_dir is None:
         ap.error(f"--task {args.task} needs --data-dir (its test set has no offline source)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from tunelab.evals import packed
+
+    packed.ROW_QUANTUM = args.row_quantum or packed.ROW_QUANTUM
     subsets = subsets_for(args)
     peers = [int(b) for b in args.peer_batch_sizes.split(",")]
     load = os.getloadavg()
@@ -266,8 +311,13 @@ def main() -> None:
           f"{peers}, {torch.get_num_threads()} threads, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}",
           flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    import lm_eval.tasks  # noqa: F401 - imported before either side is timed: both then start warm
+
+    from tunelab.evals import harness  # noqa: F401
     runs = {"tunelab": tunelab_run(args, subsets)}
-    print(f"tunelab done: {runs['tunelab']['seconds']:.1f} s", flush=True)
+    args.metric = runs["tunelab"].get("metric")
+    print(f"tunelab done: {runs['tunelab']['seconds']:.1f} s; requests served by {runs['tunelab'].get('served')}",
+          flush=True)
     for bs in peers:
         runs[f"lm-eval bs {bs}"] = peer_run(args, subsets, bs)
         print(f"lm-eval batch size {bs} done: {runs[f'lm-eval bs {bs}']['seconds']:.1f} s", flush=True)
@@ -286,7 +336,7 @@ def main() -> None:
     diffs = {n: abs(ours["score"] - r["score"]) for n, r in runs.items() if n != "tunelab"}
     print("score difference: " + ", ".join(f"{n} {d:.2e}" for n, d in diffs.items())
           + (" (identical)" if not any(diffs.values()) else ""))
-    if args.task != "mmlu" and "lm-eval bs 1" in runs:
+    if runs["tunelab"]["raw"] and "lm-eval bs 1" in runs:
         print("\n".join(parity(ours, runs["lm-eval bs 1"], args)))
     load = os.getloadavg()
     print(f"load average at the end {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")

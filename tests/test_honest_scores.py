@@ -38,10 +38,10 @@ def test_contamination_check_reports_overlap_with_the_cells_training_set(tmp_pat
     from tunelab.config import DataCfg
     from tunelab.data.build import build
     from tunelab.evals.contamination import overlap
-    from tunelab.evals.harness import BENCHMARKS
+    from tunelab.registries import TASKS
 
     _, tok = models.load(models_cfg())
-    smoke = BENCHMARKS["gsm8k_smoke"].items()
+    smoke = TASKS["gsm8k_smoke"].harness.items.load()()
     clean = build(DataCfg(recipe="arithmetic", max_length=256), tok, tmp_path)["train"]
     assert overlap(smoke, clean, tok)["overlapping_items"] == 0
     rows = [{"instruction": q, "input": "", "output": "42"} for q in smoke[:7]]

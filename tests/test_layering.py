@@ -150,7 +150,9 @@ def test_every_registry_has_a_stage_and_its_implementations_sit_at_or_below_it()
 
 
 def test_config_is_pure_data():
+    """config reads the registries' names and facts for its defaults and help texts, no implementation."""
     assert graph()["tunelab.config"] <= {"tunelab.errors", "tunelab.registry", "tunelab.registries"}
+    assert graph()["tunelab.registries"] <= {"tunelab.registry", "tunelab.errors"}
 
 
 def test_no_import_circles():

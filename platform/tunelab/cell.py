@@ -197,7 +197,7 @@ def _load_trained(run: CellRun) -> tuple[Any, Any, dict | None, float | None]:
     val = Validation.of(run.cfg.eval)
     # The training stage's final validation loss counts when it was measured the way this evaluation asks.
     same = summary.get("validation") == val.settings()
-    stand_ins = any(TASKS[t].stand_in for t in run.cfg.eval.tasks)  # checked against the training set
+    stand_ins = any(t in TASKS and TASKS[t].stand_in for t in run.cfg.eval.tasks)  # checked against training
     datasets = build_data(run.cfg.data, tokenizer, cache_dir()) if val.final or stand_ins else None
     return model, tokenizer, datasets, summary.get("val_loss") if same else None
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tunelab.registries import DEFAULT_ENGINE
+from tunelab.registries import DEFAULT_ENGINE, TASKS  # names of the help texts
 
 
 class Section(BaseModel):
@@ -136,13 +136,17 @@ class EvalCfg(Section):
     suite: str | None = Field(None, description="a suite in evals/ (paper, quick, full) or a path to one: its keys "
                               "are the defaults of this section; keys set here override them")
     tasks: list[str] = Field(default_factory=lambda: ["val_loss", "humaneval"], description="tasks to score: "
-                             "val_loss, humaneval, mmlu, gsm8k, bbh, gsm8k_smoke, bbh_smoke")
+                             f"tunelab's ({', '.join(TASKS)}), any lm-eval task or group (`exp ls tasks --all`), "
+                             "or a task of include_path")
+    include_path: str | None = Field(None, description="a folder of lm-eval task YAMLs (as lm_eval's --include_path): "
+                                     "its tasks and groups can be named in tasks; relative to where exp runs")
     limit: int | None = Field(None, gt=0, description="examples per task (per MMLU subject / BBH task); null = all")
     limits: dict[str, int] = Field(default_factory=dict, description="per-task limit, overriding `limit`")
     subtasks: dict[str, list[str]] = Field(default_factory=dict, description="run only these MMLU subjects / "
-                                           "BBH tasks, e.g. {mmlu: [anatomy]}")
-    data_dir: str | None = Field(None, description="local benchmark data (<dir>/<task>/<subset>/<split>.jsonl) "
-                                 "instead of the hub; $TUNELAB_EVAL_DATA sets it too")
+                                           "BBH tasks / members of an lm-eval group, e.g. {mmlu: [anatomy]}")
+    data_dir: str | None = Field(None, description="local benchmark data instead of the hub (tunelab's tasks: "
+                                 "<dir>/<task>/<subset>/<split>.jsonl; lm-eval's: <dir>/<task>/<split>.jsonl); "
+                                 "$TUNELAB_EVAL_DATA sets it too")
     val_batches: int | None = Field(None, gt=0, description="validation batches for val_loss; null = all")
     batch_size: int = Field(8, gt=0)
     max_new_tokens: int | None = Field(None, gt=0, description="cap on generated tokens; null = each task's own "
@@ -167,8 +171,13 @@ class EvalCfg(Section):
         return self.limits.get(task, self.limit)
 
     def id(self) -> str:
-        """Names this evaluation's results: eval/<id>/results.json in a cell's folder."""
-        return content_id(self.model_dump(mode="json"))
+        """Names this evaluation's results: eval/<id>/results.json in a cell's folder. Keys added later are left
+        out while at their default, so evaluations made before them keep their ids (as LATER_KEYS below)."""
+        dump = self.model_dump(mode="json")
+        return content_id({k: v for k, v in dump.items() if k not in EVAL_LATER_KEYS or v != EVAL_LATER_KEYS[k]})
+
+
+EVAL_LATER_KEYS = {"include_path": None}
 
 
 class TrackingCfg(Section):

@@ -31,29 +31,48 @@ def _content(kind: str) -> list[tuple[str, str]]:
     return out
 
 
+def lm_eval_rows(include_path: str | None = None) -> list[tuple[str, str]]:
+    """(name, kind and output type) of every task and group lm-eval ships (and include_path holds), for
+    `exp ls tasks --all`: what `eval.tasks` can name besides tunelab's own. Tags are left out: they are not
+    runnable as one task."""
+    from tunelab.plan import lmtasks
+
+    index = {**lmtasks.builtin(), **lmtasks.local(include_path)}
+    out = []
+    for name in sorted(set(index) - set(registries.TASKS)):  # a name tunelab's tasks take means tunelab's
+        t = index[name]
+        if t.kind == "task":
+            out.append((name, f"lm-eval task, {t.output_type or '?'}"))
+        elif t.kind == "group":
+            out.append((name, f"lm-eval group of {len(lmtasks.leaves(name, index))} tasks, "
+                              f"{lmtasks.output_types(name, index)}"))
+    return out
+
+
 def _registered(registry: registries.Registry) -> list[tuple[str, str]]:
     return [(n, entry.description) for n, entry in registry.items()]
 
 
-# kind -> its (name, one-line description) rows
-ROWS: dict[str, Callable[[], list[tuple[str, str]]]] = {
-    "models": lambda: _registered(registries.MODELS),
-    "recipes": lambda: _content("data_recipes"),
-    "suites": lambda: _content("evals"),
-    "tasks": lambda: _registered(registries.TASKS),
-    "optimizers": lambda: _registered(registries.OPTIMIZERS),
-    "peft": lambda: _registered(registries.PEFT),
-    "engines": lambda: _registered(registries.ENGINES),
-    "experiments": lambda: _content("experiments"),
+# kind -> its (name, one-line description) rows; everything: lm-eval's tasks and groups after tunelab's tasks
+ROWS: dict[str, Callable[[bool], list[tuple[str, str]]]] = {
+    "models": lambda _: _registered(registries.MODELS),
+    "recipes": lambda _: _content("data_recipes"),
+    "suites": lambda _: _content("evals"),
+    "tasks": lambda everything: _registered(registries.TASKS) + (lm_eval_rows() if everything else []),
+    "optimizers": lambda _: _registered(registries.OPTIMIZERS),
+    "peft": lambda _: _registered(registries.PEFT),
+    "engines": lambda _: _registered(registries.ENGINES),
+    "experiments": lambda _: _content("experiments"),
 }
 KINDS = tuple(ROWS)
 
 
-def rows(kind: str) -> list[tuple[str, str]]:
-    """(name, one-line description) of every choice of `kind` (one of KINDS)."""
+def rows(kind: str, everything: bool = False) -> list[tuple[str, str]]:
+    """(name, one-line description) of every choice of `kind` (one of KINDS); `everything`: with lm-eval's tasks
+    and groups after tunelab's tasks."""
     if kind not in ROWS:
         raise ValueError(f"unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
-    return ROWS[kind]()
+    return ROWS[kind](everything)
 
 
 def optimizer_table() -> str:

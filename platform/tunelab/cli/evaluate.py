@@ -26,9 +26,12 @@ def run_cmd(
     model: Annotated[str, typer.Argument(help="catalog alias, local folder (a cell's final/) or hub id")],
     suite: Annotated[str, typer.Option(help="suite in evals/ (paper, quick, full) or a suite YAML")] = "quick",
     out: Annotated[Path, typer.Option(help="folder for results.json and samples.jsonl")] = Path("eval-out"),
-    tasks: Annotated[str | None, typer.Option(help="comma-separated tasks, replacing the suite's")] = None,
+    tasks: Annotated[str | None, typer.Option(help="comma-separated tasks (tunelab's, lm-eval's, include-path's), "
+                                              "replacing the suite's")] = None,
     limit: Annotated[int | None, typer.Option(help="examples per task (per subject), replacing the suite's")] = None,
     data_dir: Annotated[str | None, typer.Option(help="local benchmark data instead of the hub")] = None,
+    include_path: Annotated[str | None, typer.Option(help="a folder of lm-eval task YAMLs whose tasks --tasks "
+                                                     "may name")] = None,
     batch_size: Annotated[int | None, typer.Option(help="batch size, replacing the suite's")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
 ) -> None:
@@ -41,7 +44,7 @@ def run_cmd(
     from tunelab.report.scores import fmt
     from tunelab.runtime import device_of
 
-    given = {"limit": limit, "data_dir": data_dir, "batch_size": batch_size}
+    given = {"limit": limit, "data_dir": data_dir, "batch_size": batch_size, "include_path": include_path}
     raw: dict[str, object] = {"suite": suite, **{k: v for k, v in given.items() if v is not None}}
     if limit is not None:
         raw["limits"] = {}  # the suite's per-task limits too: --limit is the one limit

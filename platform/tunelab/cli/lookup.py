@@ -18,7 +18,9 @@ from tunelab.train.parallel.memory import DTYPE_BYTES, GB, SHAPES, Estimate, Set
 @app.command("ls", rich_help_panel=INSPECT)
 def ls(kind: Annotated[str | None, typer.Argument(help="models, recipes, suites, tasks, optimizers, peft, engines or "
                                                   "experiments; all of them when left out")] = None,
-       as_json: Json = False) -> None:
+       as_json: Json = False,
+       everything: Annotated[bool, typer.Option("--all", help="tasks: also every task and group of lm-eval, with "
+                                                "its output type")] = False) -> None:
     """List what a matrix can name, one line each: registered names and the content folders' files."""
     from tunelab.listing import KINDS, rows
 
@@ -26,12 +28,12 @@ def ls(kind: Annotated[str | None, typer.Argument(help="models, recipes, suites,
         raise UserError(f"exp ls {kind!r}: allowed are {', '.join(KINDS)}")
     kinds = [kind] if kind else list(KINDS)
     if as_json:
-        return print_json({k: dict(rows(k)) for k in kinds})
+        return print_json({k: dict(rows(k, everything)) for k in kinds})
     for k in kinds:
         table = Table(title=k, title_justify="left")
         table.add_column("name")
         table.add_column("what")
-        for name, what in rows(k):
+        for name, what in rows(k, everything):
             table.add_row(name, what)
         print_wide(table)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,7 +96,7 @@ AUTO_PULL = {"mmlu": pull_mmlu}  # benchmarks with an offline source
 
 
 # Splits that may be missing locally and are then taken from the exemplars lm-eval ships.
-SHIPPED = {
+SHIPPED: dict[tuple[str, str], Callable[[str], tuple[dict, ...]]] = {
     ("mmlu", "dev"): exemplars.mmlu,
     ("gsm8k", "fewshot"): lambda name: exemplars.gsm8k(),
     ("bbh", "fewshot"): exemplars.bbh,

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 from tunelab import paths
 from tunelab.config import CellConfig, DataCfg, EvalCfg, ModelCfg
 from tunelab.errors import Problem, did_you_mean, load_yaml
+from tunelab.plan import lmtasks
 from tunelab.registries import MODELS, PEFT, TASKS, TEMPLATES
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -66,11 +68,17 @@ def load_suite(name: str) -> dict:
 
 
 def eval_section(cfg: EvalCfg) -> list[Problem]:
+    """Every task name is tunelab's (the TASKS registry), or lm-eval's, or one of eval.include_path's: the latter
+    two checked against lm-eval's task index (plan/lmtasks.py), which reads YAML and loads no data."""
+    if cfg.include_path and not Path(cfg.include_path).expanduser().is_dir():
+        return [Problem(("eval", "include_path"), "no such folder (a folder of lm-eval task YAMLs, as lm_eval's "
+                        "--include_path)", cfg.include_path)]
     out = []
     for key, names in (("tasks", cfg.tasks), ("limits", list(cfg.limits)), ("subtasks", list(cfg.subtasks))):
-        unknown = [t for t in names if t not in TASKS]
-        if unknown:
-            out.append(Problem(("eval", key), f"unknown task(s) {unknown}; known: {', '.join(TASKS)}"))
+        why = {n: lmtasks.refused(n, cfg.include_path) for n in names if n not in TASKS}
+        out += [Problem(("eval", key), w) for w in why.values() if w]
+        if missing := [n for n, w in why.items() if w == ""]:
+            out.append(Problem(("eval", key), lmtasks.unknown(missing, cfg.include_path, TASKS.names())))
     return out
 
 

@@ -18,7 +18,7 @@ from tunelab.cellfolder import CellFolder
 from tunelab.errors import UserError
 from tunelab.registries import TASKS
 from tunelab.report.records import TRAIN_FIGURES, Record, collect, read
-from tunelab.report.stats import Paired, paired
+from tunelab.report.stats import RATIOS, Paired, paired
 from tunelab.store import read_jsonl
 
 ITEM_SCORE_FIELDS = ("acc", "exact_match", "passed")  # the per-item score in samples.jsonl, by task kind
@@ -41,33 +41,44 @@ class Comparison:
     figures: dict[str, tuple] = field(default_factory=dict)  # column -> (A, B)
 
 
+def _score(value):
+    """An item's score: a number (a bool is 0/1), or the (log-likelihood, words or bytes) pair of a perplexity
+    item, whose task's headline is a ratio of sums (stats.RATIOS); None when it is neither."""
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(x, (int, float)) for x in value):
+        return (float(value[0]), float(value[1]))
+    return None
+
+
 def items(rec: Record) -> dict[str, dict[tuple, tuple[str, float]]]:
-    """{task: {item key: (subtask, score)}}; HumanEval's score is the pass rate of a problem's samples."""
+    """{task: {item key: (subtask, score)}}; HumanEval's score is the pass rate of a problem's samples. An lm-eval
+    record names its score's key (`item_metric`); older records hold acc or exact_match."""
     path = rec.folder.samples_file(rec.eval_id)
     out: dict[str, dict] = defaultdict(dict)
     passes: dict[tuple, list[float]] = defaultdict(list)
     for r in read_jsonl(path) if path else []:
-        field_ = next((f for f in ITEM_SCORE_FIELDS if f in r), None)
-        if field_ is None:
+        field_ = r.get("item_metric") or next((f for f in ITEM_SCORE_FIELDS if f in r), None)
+        if field_ is None or (score := _score(r.get(field_))) is None:
             continue
         if r["task"] == "humaneval":
-            passes[(r["task"], r["task_id"])].append(float(r["passed"]))
+            passes[(r["task"], r["task_id"])].append(score)
             continue
         key = (r.get("subtask"), r.get("doc_id"), r.get("doc_hash"))
-        out[r["task"]][key] = (str(r.get("subtask")), float(r[field_]))
+        out[r["task"]][key] = (str(r.get("subtask")), score)
     for (task, tid), ps in passes.items():
         out[task][(tid,)] = ("", sum(ps) / len(ps))
     return out
 
 
-def _task(task: str, a: dict, b: dict, resamples: int, seed: int) -> TaskComparison:
+def _task(task: str, a: dict, b: dict, resamples: int, seed: int, average: str = "micro") -> TaskComparison:
     if set(a) != set(b):
         return TaskComparison(task, refused=f"the two sides scored different items ({len(a)} and {len(b)}, "
                               f"{len(set(a) & set(b))} in common): a paired test needs the same items; "
                               "evaluate both with the same eval settings")
     keys = sorted(a, key=repr)
     groups = np.array([a[k][0] for k in keys])
-    average = TASKS[task].average if task in TASKS else "micro"
+    average = TASKS[task].average if task in TASKS else average
     sa, sb = (np.array([side[k][1] for k in keys]) for side in (a, b))
     return TaskComparison(task, paired(sa, sb, groups, average, resamples, seed))
 
@@ -84,7 +95,11 @@ def compare_cells(a: Record, b: Record, resamples: int = 10_000, seed: int = 0) 
             why = "no per-item results" if task == "val_loss" else "scored on one side only, or no samples"
             out.tasks.append(TaskComparison(task, refused=why, values=values))
         else:
-            out.tasks.append(_task(task, ia[task], ib[task], resamples, seed))
+            res = (a.results.get("tasks") or {}).get(task, {})
+            # how the task's headline is made from its items: lm-eval's groups say (micro or macro), a perplexity
+            # is a ratio of sums (stats.RATIOS)
+            average = res.get("metric") if res.get("metric") in RATIOS else res.get("average") or "micro"
+            out.tasks.append(_task(task, ia[task], ib[task], resamples, seed, average))
             out.tasks[-1].values = values
     for key, (header, _) in TRAIN_FIGURES.items():
         out.figures[header] = (a.train.get(key), b.train.get(key))

@@ -29,10 +29,13 @@ def marks(s: Score) -> str:
 
 
 def _harness(res: dict, versions: dict) -> str:
-    """lm-eval for the benchmarks it runs (version as the task recorded it); tunelab's own code otherwise
-    (val_loss, HumanEval's generator and sandbox)."""
+    """lm-eval for the tasks it runs (version as the task recorded it, and which code served the requests: the
+    engine, or lm-eval's hf code and why); tunelab's own code otherwise (val_loss, HumanEval's generator and
+    sandbox)."""
     if "lm_eval_task" in res:
-        return f"lm-eval {res.get('lm_eval_version') or versions.get('lm_eval') or '?'}"
+        served = sorted({path for paths in (res.get("served") or {}).values() for path in paths})
+        how = f" ({', '.join('tunelab engine' if p == 'engine' else p for p in served)})" if served else ""
+        return f"lm-eval {res.get('lm_eval_version') or versions.get('lm_eval') or '?'}{how}"
     return f"tunelab {versions.get('tunelab') or '?'}"
 
 

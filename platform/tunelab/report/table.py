@@ -39,6 +39,7 @@ class Column:
     kind: str  # score | figure
     higher_is_better: bool | None = None
     source: str = ""  # the task of a score column, the train/summary.json key of a figure
+    field: str = ""  # a score column of one of the task's other values (Score.columns), not its headline
 
 
 @dataclass
@@ -90,8 +91,9 @@ def _row(group: list[Record], keys: list[str], columns: list[Column], label: str
         if col.kind == "score":
             scores = [s for r in done if (s := r.scores.get(col.source)) is not None]
             ok = [s for s in scores if s.ok]
-            values = [s.value for s in ok if s.value is not None]  # all of them: ok means a value
-            row[col.name] = _stat(values, [s.stderr for s in ok], any(s.subset for s in scores),
+            values = [s.value if not col.field else dict(s.columns).get(col.field) for s in ok]
+            row[col.name] = _stat([v for v in values if v is not None],
+                                  [s.stderr for s in ok] if not col.field else [], any(s.subset for s in scores),
                                   bool(scores) and not ok, any(s.stand_in for s in scores))
         else:
             vals = [float(r.train[col.source]) for r in done if isinstance(r.train.get(col.source), (int, float))]
@@ -104,6 +106,9 @@ def _columns(records: list[Record]) -> list[Column]:
     for r in records:
         for s in r.scores.values():
             scores.setdefault(s.header, Column(s.header, "score", s.higher_is_better, s.task))
+            for label, _ in s.columns:
+                name = f"{s.task} {label}"
+                scores.setdefault(name, Column(name, "score", s.higher_is_better, s.task, label))
     figures = [Column(h, "figure", hib, k) for k, (h, hib) in TRAIN_FIGURES.items()
                if any(k in r.train for r in records)]
     return list(scores.values()) + figures
