@@ -10,11 +10,12 @@ learned from one run whether a guess was right could keep that in any state that
 the run and pass a later sample). So the calls it gets cannot depend on its answers, and
 the judge works in three phases:
 
-1. plan: the tests run here with every call answered None, asserts that fail (or raise)
-   recorded rather than raised, `and`/`or`, `x if c else y` and all()/any() over a
-   generator evaluated in full. The arguments of every call the tests could make, in
-   order, are the plan. `random` is seeded from a secret drawn per run, the same for
-   the plan and the check.
+1. plan: the tests run here with every call answered by a stand-in that takes part in any
+   operation without raising (it iterates as empty, compares unequal, is false), asserts
+   that fail (or raise) ignored rather than raised, `and`/`or`, `x if c else y` and
+   all()/any() over a generator evaluated in full. The arguments of every call the tests
+   could make, in order, are the plan. The tests' randomness (`random`, os.urandom) comes
+   from a secret drawn per run, the same for the plan and the check.
 2. ask: the planned calls go to the program one after the other, each sent as soon as the
    previous answer arrived, none decoded, whatever the answers are. At the deadline the
    judge stops asking; the program's run then ends (the evaluator kills it) before:
@@ -121,13 +122,39 @@ def _recorder(name: str, plan: list[bytes]):
     def call(*args, **kwargs):
         try:
             plan.append(encode((name, args, kwargs)))  # noqa: F821 (sandbox_wire.py, prepended)
-        except TypeError:  # not data: never sent, and the check raises the same TypeError
-            return None
+        except TypeError:  # not data (a stand-in among them): not asked; the check meets the call anew
+            return _ANYTHING
         if len(plan) > MAX_CALLS:
             raise _Stop("failed", f"the tests would call the program more than {MAX_CALLS} times")
-        return None
+        return _ANYTHING
 
     return call
+
+
+class _Anything:
+    """The planner's answer to every call: whatever the tests do with it, they go on (HumanEval/33
+    compares tuple(candidate(x)) with tuple(sort_third(x)): a None answer would stop the
+    assert before its second call)."""
+
+    def _same(self, *args, **kwargs):
+        return self
+
+    __getattr__ = __call__ = __getitem__ = __neg__ = __pos__ = __abs__ = __invert__ = __round__ = _same
+    __iter__ = lambda self: iter(())  # noqa: E731
+    __len__ = __index__ = __int__ = __hash__ = lambda self: 0  # noqa: E731
+    __float__ = lambda self: 0.0  # noqa: E731
+    __complex__ = lambda self: 0j  # noqa: E731
+    __bool__ = __eq__ = __lt__ = __le__ = __gt__ = __ge__ = __contains__ = lambda self, *other: False  # noqa: E731
+    __ne__ = lambda self, other: True  # noqa: E731
+    __setitem__ = __delitem__ = __enter__ = __exit__ = lambda self, *args: None  # noqa: E731
+    __str__ = __repr__ = __format__ = lambda self, *spec: "<planned answer>"  # noqa: E731
+
+
+for _op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "divmod", "pow", "lshift", "rshift", "and",
+            "xor", "or"):  # fmt: skip
+    for _form in ("__{}__", "__r{}__"):
+        setattr(_Anything, _form.format(_op), _Anything._same)
+_ANYTHING = _Anything()
 
 
 class _Planning(ast.NodeTransformer):
