@@ -80,7 +80,7 @@ _SANDBOX_UID = 65534  # the program's uid inside a user namespace
 _DEVICES = ("null", "zero", "full", "random", "urandom")
 # Bounds the pipes and sockets one process can hold (each with a kernel buffer) and file
 # descriptors in flight; far above what a HumanEval program opens.
-_MAX_OPEN_FILES = 256
+_MAX_OPEN_FILES = 64
 _EXIT_GRACE_S = 0.5  # after its last call, the time a program has to exit before it is killed
 _JUDGE_MIN_MEMORY_MB = 512
 # Throwaway uids for root evaluators: random in a range no distribution hands out, and
