@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "platform"))
@@ -44,7 +45,7 @@ def problems(n: int) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()][:n]
 
 
-def former_sandbox(commit: str, file: str | None):
+def former_sandbox(commit: str, file: str | None) -> types.ModuleType:
     if file:  # a user who may not run git in this checkout
         source = pathlib.Path(file).read_text()
     else:

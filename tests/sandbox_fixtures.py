@@ -27,16 +27,13 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 from sandbox_evaluator import sandboxed_tasks
+from sandbox_hostile import ENV_SECRET, FILE_SECRET, NOBODY
 
 from tunelab.evals import sandbox
 from tunelab.evals.sandbox import check_available, run_program, run_tests
 
-NOBODY = 65534
-ENV_SECRET = "env-secret-4711-do-not-leak"
-FILE_SECRET = "file-secret-0815-do-not-leak"
 ROOT = os.geteuid() == 0
 
-needs_sandbox = pytest.mark.skipif(check_available() is not None, reason=f"no kernel containment: {check_available()}")
 
 
 # --------------------------------------------------------------------------- evaluators

@@ -20,6 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PREAMBLE = "import os, sys, signal, socket, time\n"
+NOBODY = 65534  # the unprivileged evaluator's uid, and the owner of what the programs aim at
+ENV_SECRET = "env-secret-4711-do-not-leak"
+FILE_SECRET = "file-secret-0815-do-not-leak"
 LIBC = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
 
 

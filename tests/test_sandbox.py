@@ -7,7 +7,6 @@ import errno
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import warnings
@@ -16,13 +15,15 @@ from string import Template
 
 import pytest
 from sandbox_evaluator import sandboxed_tasks
-from sandbox_fixtures import ENV_SECRET, FILE_SECRET, NOBODY, ROOT, arena, evaluator, needs_sandbox  # noqa: F401
-from sandbox_hostile import FORGERIES, HOSTILE, PREAMBLE
+from sandbox_hostile import ENV_SECRET, FILE_SECRET, FORGERIES, HOSTILE, NOBODY, PREAMBLE
 
 from tunelab.errors import UserError
 from tunelab.evals import sandbox, sandbox_wire
 from tunelab.evals.sandbox import check_available, run_program
 
+pytest_plugins = ("sandbox_fixtures",)  # the fixtures `arena` and `evaluator`
+ROOT = os.geteuid() == 0
+needs_sandbox = pytest.mark.skipif(check_available() is not None, reason=f"no kernel containment: {check_available()}")
 
 # --------------------------------------------------------------------------- checks
 
@@ -168,7 +169,8 @@ def test_only_unix_sockets_whatever_the_family(evaluator):
         "for family in range(1, 64):\n"
         "    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_RAW, socket.SOCK_SEQPACKET):\n"
         "        for make in (socket.socket, socket.socketpair):\n"
-        "            try:\n                made = make(family, kind)\n                seen[f'{family} {kind} {make.__name__}'] = 0\n"
+        "            try:\n                made = make(family, kind)\n"
+        "                seen[f'{family} {kind} {make.__name__}'] = 0\n"
         "                for s in made if isinstance(made, tuple) else [made]:\n                    s.close()\n"
         "            except OSError as e:\n                seen[f'{family} {kind} {make.__name__}'] = e.errno\n"
         "others = [v for k, v in seen.items() if int(k.split()[0]) != socket.AF_UNIX]\n"

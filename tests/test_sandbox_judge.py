@@ -13,10 +13,11 @@ import warnings
 from string import Template
 
 import pytest
-from sandbox_fixtures import arena, evaluator  # noqa: F401 (fixtures)
 from sandbox_hostile import ORACLE
 
 from tunelab.evals.sandbox import run_tests
+
+pytest_plugins = ("sandbox_fixtures",)  # the fixtures `arena` and `evaluator`
 
 RECORDER = "import sys\ndef f(x):\n    print('call', repr(x), file=sys.stderr, flush=True)\n    return {answer}\n"
 # Every way Python skips a call depending on a value: and, or, all() over a generator, x if c else y,
@@ -39,7 +40,8 @@ def _calls(answer: dict) -> list[str]:
 def test_the_calls_a_program_gets_do_not_depend_on_its_answers(evaluator):
     programs = {"right": "2 * x", "first answer wrong": "2 * x + (x == 1)", "None": "None", "raises": "1 // 0",
                 "wrong type": "str(x)"}  # fmt: skip
-    runs = {name: evaluator.run(RECORDER.format(answer=a), SEQUENCE_TESTS, calls=("f",)) for name, a in programs.items()}
+    runs = {name: evaluator.run(RECORDER.format(answer=a), SEQUENCE_TESTS, calls=("f",))
+            for name, a in programs.items()}  # fmt: skip
     assert {name: r["status"] for name, r in runs.items()} == {name: "passed" if name == "right" else "failed"
                                                                for name in programs}  # fmt: skip
     assert {name: _calls(r) for name, r in runs.items()} == {name: EVERY_CALL for name in programs}
@@ -90,7 +92,8 @@ def test_an_oracle_program_with_a_perfect_memory_never_passes(monkeypatch, tmp_p
     secret = [secrets.randbits(1) for _ in range(BITS)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # WITHOUT a sandbox, as asked
-        runs = [run_tests(_oracle(str(carrier)), _tests(secret), calls=("f",), allow_unsandboxed=True) for _ in range(N)]
+        program = _oracle(str(carrier))
+        runs = [run_tests(program, _tests(secret), calls=("f",), allow_unsandboxed=True) for _ in range(N)]
     assert [r.status for r in runs] == ["failed"] * N, runs[-1].stderr_tail
     called = [line for line in carrier.read_text().split() if line.startswith("C")]
     assert called == [f"C{i}" for i in range(BITS)] * N
@@ -109,9 +112,15 @@ def test_the_oracle_passes_where_the_judge_stops_at_the_first_wrong_answer(tmp_p
     assert True in passed[: BITS + 2], passed
 
 
-@pytest.mark.parametrize("tests", ["import secrets\nx = secrets.randbelow(10**9)\n", "import random, os, uuid\n"
-                                   "x = random.randrange(10**9) ^ int.from_bytes(os.urandom(4), 'big') ^ uuid.uuid4().int\n"],
-                         ids=["secrets", "random, os.urandom, uuid4"])  # fmt: skip
-def test_random_inputs_are_the_same_when_planned_and_checked(tests, evaluator):
-    answer = evaluator.run("def triple(x):\n    return 3 * x\n", tests + "assert triple(x) == 3 * x\n", calls=("triple",))
+RANDOM_INPUTS = {
+    "secrets": "import secrets\nx = secrets.randbelow(10**9)\n",
+    "random, os.urandom, uuid4": "import random, os, uuid\n"
+    "x = random.randrange(10**9) ^ int.from_bytes(os.urandom(4), 'big') ^ uuid.uuid4().int\n",
+}
+
+
+@pytest.mark.parametrize("source", RANDOM_INPUTS)
+def test_random_inputs_are_the_same_when_planned_and_checked(source, evaluator):
+    tests = RANDOM_INPUTS[source] + "assert triple(x) == 3 * x\n"
+    answer = evaluator.run("def triple(x):\n    return 3 * x\n", tests, calls=("triple",))
     assert answer["status"] == "passed", answer["stderr_tail"]

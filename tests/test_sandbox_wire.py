@@ -160,7 +160,8 @@ def test_decoding_never_amplifies_past_its_budget(shape):
     decodes within that or is refused once its count passes it. Measured as the rise of the
     peak resident memory of a process of its own, which decodes nothing else."""
     here = os.path.dirname(os.path.abspath(__file__))  # python -c imports sandbox_wire_worst from here
-    out = subprocess.run([sys.executable, "-c", _DECODE_ONE, shape], capture_output=True, text=True, check=True, cwd=here)
+    argv = [sys.executable, "-c", _DECODE_ONE, shape]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=here)
     got = json.loads(out.stdout)
     assert got["peak_kb"] - got["before_kb"] <= (COST_FACTOR * got["frame"] + COST_SLACK) / 1024, (shape, got)
     # Most are refused: their objects cost more than COST_FACTOR per byte. The others show that a frame
@@ -169,7 +170,7 @@ def test_decoding_never_amplifies_past_its_budget(shape):
 
 
 REFUSED = ("empty lists", "empty dicts", "empty sets", "iterators", "a set of ints", "a frozenset of ints",
-           "a dict of ints", "one-character strs", "tuples of one")
+           "a dict of ints", "one-character strs", "tuples of one")  # fmt: skip
 _DECODE_ONE = """
 import json, sys
 from sandbox_wire_worst import WORST

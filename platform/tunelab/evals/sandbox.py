@@ -60,10 +60,10 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from tunelab.evals import sandbox_cgroup, sandbox_seccomp
+from tunelab.evals import sandbox_cgroup, sandbox_seccomp, sandbox_wire
 from tunelab.evals.sandbox_cgroup import Cgroup
 from tunelab.evals.sandbox_view import python_view
 
@@ -267,7 +267,7 @@ class _Ends:
     call: int  # the judge's calls come in here
     answer: int  # and their answers go out here
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         return iter((self.ready, self.call, self.answer))
 
 
@@ -318,14 +318,15 @@ def _run(program: str, job: dict, limits: _Limits, bwrap: str | None) -> Sandbox
     try:
         pipes = _Pipes.open(fds)
         err, judge_err = fds.memfd("stderr", b""), fds.memfd("judge-stderr", b"")
+        # The judge first: it plans while the sandbox is set up.
+        judge = _start_judge(job, pipes.judge_ends(), limits.judge_args(deadline), judge_err, fds)
+        fds.release(*pipes.judge_ends())
         try:
             start_program = _start_plain if bwrap is None else functools.partial(_start_contained, bwrap=bwrap)
             started = start_program(program, limits, pipes.program_ends(), err, fds)
         except OSError as e:
             return SandboxResult("error", None, f"could not start the program: {e}", 0.0, None)
         fds.release(*pipes.program_ends())
-        judge = _start_judge(job, pipes.judge_ends(), limits.judge_args(deadline), judge_err, fds)
-        fds.release(*pipes.judge_ends())
         select.select([pipes.done[0]], [], [], max(0.0, deadline + _EXIT_GRACE_S - time.monotonic()))
         with contextlib.suppress(subprocess.TimeoutExpired):
             started.proc.wait(timeout=_EXIT_GRACE_S)
@@ -356,7 +357,7 @@ def _result(started: _Started, judge: subprocess.Popen, judge_overran: bool, pip
     status = _status(verdict, judge_overran, rc, _read_all(pipes.ready[0]))
     tail = _tail(errs[0])
     if started.oom_killed:
-        tail += f"\n[sandbox] the program was killed: its processes held more than its memory limit together"
+        tail += "\n[sandbox] the program was killed: its processes held more than its memory limit together"
     if t := _tail(errs[1]).strip():
         tail += "\n[tests] " + t
     return SandboxResult(status, rc, tail[-_TAIL_CHARS:], duration, started.host_uid, started.memory_peak, peak_kb)
@@ -365,7 +366,7 @@ def _result(started: _Started, judge: subprocess.Popen, judge_overran: bool, pip
 def _start_judge(job: dict, ends: tuple[int, ...], limits: list[str], err: int, fds: _Fds) -> subprocess.Popen:
     """The judge runs trusted code (the task's tests) on plain data: a process of the
     evaluator's, with a clean environment, in a new session, outside the sandbox."""
-    stdin = fds.memfd("job", json.dumps(job).encode("utf-8"))
+    stdin = fds.memfd("job", sandbox_wire.encode(job))
     argv = [os.path.realpath(sys.executable), "-I", "-S", "-c", _JUDGE, *map(str, ends), *limits]
     return subprocess.Popen(
         argv, cwd="/", env=_child_env("/nonexistent"), stdin=stdin, stdout=subprocess.DEVNULL, stderr=err,
@@ -442,7 +443,7 @@ def _enter_cgroup(group: Cgroup, init: tuple[int, int] | None, block_w: int) -> 
 
 
 def _ender(started: _Started, init: tuple[int, int] | None, lock: socket.socket | None) -> Callable[[], None]:
-    ended = []
+    ended: list[bool] = []
 
     def end() -> None:
         if not ended:  # once: the pidfd is closed by the first

@@ -23,6 +23,9 @@ import os
 import resource
 import sys
 
+if TYPE_CHECKING:  # noqa: F821 (sandbox_wire.py, prepended)
+    import ctypes
+
 _WORK = "/work"
 
 
@@ -80,10 +83,10 @@ def _read(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def _libc():
+def _libc() -> ctypes.CDLL:  # noqa: F821 (ctypes is imported to set the sandbox up, not for the plain fallback)
     import ctypes
 
-    return ctypes, ctypes.CDLL(None, use_errno=True)
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _check(rc: int, what: str) -> None:
@@ -95,7 +98,7 @@ def _check(rc: int, what: str) -> None:
 
 
 def _mount_work(uid: int, disk: int, files: int, source: bytes) -> None:
-    ctypes, libc = _libc()
+    libc = _libc()
     owner = uid if uid >= 0 else os.getuid()
     options = f"size={disk},nr_inodes={files},mode=0700,uid={owner},gid={owner}"
     _check(libc.mount(b"tmpfs", _WORK.encode(), b"tmpfs", 0x2 | 0x4, options.encode()), "mount /work")  # nosuid, nodev
@@ -115,14 +118,19 @@ def _give_up_privileges(uid: int) -> None:
         os.setgid(uid)
         os.setuid(uid)
         return
-    ctypes, libc = _libc()
-    _check(libc.prctl(*map(ctypes.c_ulong, (47, 4, 0, 0, 0))), "clear the ambient capabilities")  # PR_CAP_AMBIENT, CLEAR_ALL
+    import ctypes
+
+    libc = _libc()
+    ambient_clear_all = map(ctypes.c_ulong, (47, 4, 0, 0, 0))  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+    _check(libc.prctl(*ambient_clear_all), "clear the ambient capabilities")
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
     _check(libc.capset(header, (ctypes.c_uint32 * 6)()), "drop the capabilities")
 
 
 def _install_filter(program: bytes) -> None:
-    ctypes, libc = _libc()
+    import ctypes
+
+    libc = _libc()
 
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]

@@ -25,6 +25,7 @@ import functools
 import os
 import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 _PREFIX = "tunelab-sandbox-"
@@ -126,7 +127,7 @@ def _parent() -> _Parent | None:
     return None
 
 
-def _candidates():
+def _candidates() -> Iterator[_Parent]:
     mounts = _mounts()
     ours = _own_cgroups()
     v2 = mounts.get("cgroup2")

@@ -31,15 +31,14 @@ go_fd deadline (time.monotonic) cpu_s memory_bytes.
 import ast
 import bisect
 import builtins
-import json
 import os
 import random
 import resource
-import secrets
-import signal
 import sys
-import time
-import traceback
+
+if TYPE_CHECKING:  # noqa: F821 (sandbox_wire.py, prepended)
+    from collections.abc import Callable
+    from typing import Any
 
 MAX_CALLS = 100_000  # calls one run's tests may plan
 MAX_ANSWER_BYTES = 16 << 20  # answers kept in total: past that, an answer is refused
@@ -59,15 +58,15 @@ def main() -> None:
     deadline, cpu_s, memory = float(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8])
     for res, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(res, (value, value))
-    job = json.loads(sys.stdin.read())
-    seed = secrets.randbits(64)
-    plan, complete = _plan(job, seed, deadline)
+    job = decode(sys.stdin.buffer.read())  # noqa: F821 (the evaluator's, in the wire's format)
+    seed = int.from_bytes(os.urandom(8), "little")
+    plan, cut = _plan(job, seed)
     answers = _ask(plan, call_fd, answer_fd, deadline)
     os.close(call_fd)  # the program reads the end of its calls and exits
     os.close(answer_fd)
     os.write(done_fd, b"D")
     os.read(go_fd, 1)  # returns once the evaluator has ended the program: nothing below reaches it
-    verdict = _check(job, seed, plan, answers, complete)
+    verdict = _check(job, seed, plan, answers, cut)
     os.write(verdict_fd, f"{verdict} {_peak_kb()}".encode())
 
 
@@ -84,7 +83,7 @@ def _namespace(job: dict, seed: int) -> dict:
     that the plan and the check draw the same inputs, which the program cannot foresee."""
     random.seed(seed)
     stream = random.Random(seed ^ 0x5EED)
-    os.urandom = random._urandom = lambda n: stream.randbytes(n)  # type: ignore[attr-defined]
+    os.urandom = random._urandom = stream.randbytes  # type: ignore[attr-defined]
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     exec(compile(job["context"], "context.py", "exec"), namespace)
     return namespace
@@ -93,15 +92,10 @@ def _namespace(job: dict, seed: int) -> dict:
 # --------------------------------------------------------------------------- 1. plan
 
 
-def _plan(job: dict, seed: int, deadline: float) -> tuple[list[bytes], bool]:
-    """The calls the tests could make, in order, and False if planning ran out of time."""
+def _plan(job: dict, seed: int) -> tuple[list[bytes], str | None]:
+    """The calls the tests could make, in order, and why the plan stopped early, if it did.
+    (Planning that never ends is ended by the evaluator, at the deadline plus its margins.)"""
     plan: list[bytes] = []
-
-    def alarm(signum, frame):
-        raise _Stop("timeout", "planning the calls ran out of time")
-
-    signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, max(0.001, deadline - time.monotonic()))
     try:
         namespace = _namespace(job, seed)
         namespace.update(__tunelab_and=_and, __tunelab_or=_or, __tunelab_ifexp=_ifexp)
@@ -109,17 +103,15 @@ def _plan(job: dict, seed: int, deadline: float) -> tuple[list[bytes], bool]:
             namespace[name] = _recorder(name, plan)
         tree = _Planning().visit(ast.parse(job["tests"], "tests.py"))
         exec(compile(ast.fix_missing_locations(tree), "tests.py", "exec"), namespace)
-    except _Stop as stop:  # out of time, or too many calls
-        return plan, stop.verdict != "timeout"
+    except _Stop as stop:  # too many calls
+        return plan, str(stop)
     except BaseException:  # an error of the tests outside any assert: the check meets it too
         pass
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    return plan, True
+    return plan, None
 
 
-def _recorder(name: str, plan: list[bytes]):
-    def call(*args, **kwargs):
+def _recorder(name: str, plan: list[bytes]) -> Callable[..., object]:
+    def call(*args: object, **kwargs: object) -> object:
         try:
             plan.append(encode((name, args, kwargs)))  # noqa: F821 (sandbox_wire.py, prepended)
         except TypeError:  # not data (a stand-in among them): not asked; the check meets the call anew
@@ -136,7 +128,7 @@ class _Anything:
     compares tuple(candidate(x)) with tuple(sort_third(x)): a None answer would stop the
     assert before its second call)."""
 
-    def _same(self, *args, **kwargs):
+    def _same(self, *args: object, **kwargs: object) -> object:
         return self
 
     __getattr__ = __call__ = __getitem__ = __neg__ = __pos__ = __abs__ = __invert__ = __round__ = _same
@@ -147,7 +139,8 @@ class _Anything:
     __bool__ = __eq__ = __lt__ = __le__ = __gt__ = __ge__ = __contains__ = lambda self, *other: False  # noqa: E731
     __ne__ = lambda self, other: True  # noqa: E731
     __setitem__ = __delitem__ = __enter__ = __exit__ = lambda self, *args: None  # noqa: E731
-    __str__ = __repr__ = __format__ = lambda self, *spec: "<planned answer>"  # noqa: E731
+    __str__ = __repr__ = lambda self: "<planned answer>"  # noqa: E731
+    __format__ = lambda self, spec: "<planned answer>"  # noqa: E731
 
 
 for _op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "divmod", "pow", "lshift", "rshift", "and",
@@ -196,7 +189,7 @@ def _thunks(node: ast.expr, helper: str, operands: list[ast.expr]) -> ast.expr:
     return ast.copy_location(call, node)
 
 
-def _eager(thunks) -> list:
+def _eager(thunks: tuple[Callable[[], object], ...]) -> list[tuple[bool, Any]]:
     """Every operand's value, or the Exception it raised."""
     results = []
     for thunk in thunks:
@@ -207,7 +200,7 @@ def _eager(thunks) -> list:
     return results
 
 
-def _pick(results: list, stop_at_truth: bool):
+def _pick(results: list[tuple[bool, Any]], stop_at_truth: bool) -> object:
     for ok, value in results:  # what the short-circuit would have given, from full results
         if not ok:
             raise value
@@ -216,15 +209,15 @@ def _pick(results: list, stop_at_truth: bool):
     return value
 
 
-def _and(*thunks):
+def _and(*thunks: Callable[[], object]) -> object:
     return _pick(_eager(thunks), False)
 
 
-def _or(*thunks):
+def _or(*thunks: Callable[[], object]) -> object:
     return _pick(_eager(thunks), True)
 
 
-def _ifexp(test, body, orelse):
+def _ifexp(test: Callable[[], object], body: Callable[[], object], orelse: Callable[[], object]) -> object:
     (ok, cond), *branches = _eager((test, body, orelse))
     if not ok:
         raise cond
@@ -245,6 +238,7 @@ def _ask(plan: list[bytes], call_fd: int, answer_fd: int, deadline: float) -> li
     answers: list = []
     kept, gone = 0, None
     for message in plan:
+        frame = None
         if gone is None:
             try:
                 send(call_fd, message, deadline)  # noqa: F821
@@ -256,7 +250,7 @@ def _ask(plan: list[bytes], call_fd: int, answer_fd: int, deadline: float) -> li
                 gone = "ended"
             except WireError:  # noqa: F821
                 gone = "garbled"
-        if gone is not None:
+        if frame is None:
             answers.append(gone)
         elif kept + len(frame) > MAX_ANSWER_BYTES:
             answers.append("too large")
@@ -269,7 +263,7 @@ def _ask(plan: list[bytes], call_fd: int, answer_fd: int, deadline: float) -> li
 # --------------------------------------------------------------------------- 3. check
 
 
-def _check(job: dict, seed: int, plan: list[bytes], answers: list, complete: bool) -> str:
+def _check(job: dict, seed: int, plan: list[bytes], answers: list, cut: str | None) -> str:
     namespace = _namespace(job, seed)
     where: dict[bytes, list[int]] = {}
     for i, message in enumerate(plan):
@@ -279,28 +273,30 @@ def _check(job: dict, seed: int, plan: list[bytes], answers: list, complete: boo
     # COST_FACTOR x the bytes kept + COST_SLACK of objects, whatever the tests keep alive.
     budget = Budget(sum(len(a) for a in answers if isinstance(a, bytes)))  # noqa: F821
     for name in job["calls"]:
-        namespace[name] = _replay(name, where, answers, cursor, (complete, budget))
+        namespace[name] = _replay(name, where, answers, cursor, (cut, budget))
     try:
         exec(compile(job["tests"], "tests.py", "exec"), namespace)
     except _Stop as stop:
         print(f"{stop}", file=sys.stderr)
         return stop.verdict
     except BaseException as e:  # shown from the tests' frame on, as a whole-program run would show it
-        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        import traceback  # only now: the judge starts in every run
+
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
         return "failed"
     return "passed"
 
 
-def _replay(name: str, where: dict, answers: list, cursor: list, state: tuple):
-    complete, budget = state
+def _replay(name: str, where: dict, answers: list, cursor: list, state: tuple) -> Callable[..., object]:
+    cut, budget = state
 
-    def call(*args, **kwargs):
+    def call(*args: object, **kwargs: object) -> object:
         key = encode((name, args, kwargs))  # noqa: F821 (a TypeError for what is not data, as before)
         places = where.get(key, [])
         k = bisect.bisect_left(places, cursor[0])
         if k == len(places):
-            if not complete:
-                raise _Stop("timeout", f"{name}() was not asked: the tests could not be planned in time")
+            if cut is not None:
+                raise _Stop("failed", f"{name}() was not asked: {cut}")
             raise _Stop("failed", f"the tests called {name}() with arguments that planning them (every call "
                                   "answered None) did not produce: their inputs depend on the program's answers, "
                                   "or on randomness other than `random`, `secrets` and os.urandom, which the judge "
@@ -321,7 +317,7 @@ _GONE = {
 }
 
 
-def _answer(name: str, frame, budget):
+def _answer(name: str, frame: bytes | str, budget: Budget) -> object:  # noqa: F821
     if isinstance(frame, str):
         verdict, why = _GONE[frame]
         raise _Stop(verdict, why.format(name))
@@ -334,7 +330,7 @@ def _answer(name: str, frame, budget):
     if type(answer) is tuple and len(answer) == 3 and answer[0] == "raise" and all(type(x) is str for x in answer):
         kind, text = answer[1:]
         cls = getattr(builtins, kind, None)
-        error = RuntimeError(f"{name}() raised {kind}: {text}")
+        error: Exception = RuntimeError(f"{name}() raised {kind}: {text}")
         if isinstance(cls, type) and issubclass(cls, Exception):
             try:  # a builtin exception the tests may expect, e.g. ValueError
                 error = cls(text)

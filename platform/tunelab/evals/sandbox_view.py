@@ -35,6 +35,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 # Runs outside the sandbox, as the evaluator; trusted code only (the stdlib's own modules).
@@ -120,7 +121,7 @@ class _View:
         if not _under(real, self.bound):
             self.bound = [b for b in self.bound if not _under(b, [real])] + [real]
 
-    def entries(self):
+    def entries(self) -> Iterator[str]:
         """Every file, folder and symlink to show, as paths; folders left out are not entered."""
         for root in sorted(self.bound):
             yield root
@@ -283,7 +284,7 @@ def _left_out(path: str) -> bool:
     return name in _LEFT_OUT or name.startswith("config-")
 
 
-def _under(path: str, roots) -> bool:
+def _under(path: str, roots: Iterable[str]) -> bool:
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 

@@ -17,10 +17,16 @@ Stdlib only, no imports of tunelab: `sandbox.py` prepends this file's text to th
 and judge scripts, which run with `python -I -S`.
 """
 
+from __future__ import annotations  # first in the boot's and the judge's text too: no annotation runs
+
 import os
 import select
 import struct
 import time
+
+TYPE_CHECKING = False  # typing costs the boot and the judge milliseconds each to import
+if TYPE_CHECKING:
+    from typing import Any
 
 MAX_FRAME = 16 << 20  # one message: a call's arguments or one answer
 MAX_DEPTH = 100  # containers inside containers
@@ -46,7 +52,7 @@ class WireError(Exception):
     """A frame that is not one this module wrote: the program ended early or forged it."""
 
 
-def encode(value) -> bytes:
+def encode(value: object) -> bytes:
     # Runs in the program's process too, where it defends nothing: `decode`, in the judge's,
     # does. A subclass of a builtin is sent as its base type's value.
     out = bytearray()
@@ -54,7 +60,7 @@ def encode(value) -> bytes:
     return bytes(out)
 
 
-def _put(out: bytearray, value, depth: int) -> None:
+def _put(out: bytearray, value: Any, depth: int) -> None:
     if value is None or value is True or value is False:
         out += b"N" if value is None else b"T" if value else b"F"
     elif isinstance(value, int):
@@ -74,7 +80,7 @@ def _put(out: bytearray, value, depth: int) -> None:
         _put_container(out, value, depth + 1)
 
 
-def _put_container(out: bytearray, value, depth: int) -> None:
+def _put_container(out: bytearray, value: Any, depth: int) -> None:
     tag = next((t for kind, t in _TAGS if isinstance(value, kind)), None)
     items = [x for kv in value.items() for x in kv] if tag == b"d" else value
     if tag is None and hasattr(type(value), "__next__") and hasattr(type(value), "__iter__"):
@@ -104,7 +110,7 @@ class Budget:
         self.total = self.left
 
 
-def decode(data: bytes, budget: Budget | None = None):
+def decode(data: bytes, budget: Budget | None = None) -> Any:
     """The value in one frame; WireError for anything `encode` did not write, for nesting
     deeper than MAX_DEPTH and for a value that would cost more than `budget` (by default,
     the frame's own: COST_FACTOR x its size + COST_SLACK)."""
@@ -119,13 +125,13 @@ class _Decoder:
         self.data = memoryview(data)  # slices of a memoryview copy nothing
         self.budget = budget
 
-    def value(self):
+    def value(self) -> Any:
         try:
             return self._value()
         finally:
             self.budget.left = self.left
 
-    def _value(self):
+    def _value(self) -> Any:
         data, size, pos, unpack = self.data, len(self.data), 0, _U32.unpack_from
         self.left = left = self.budget.left
         stack: list[list] = []  # per open container: [kind, items still to come, items, set or dict, key]
@@ -143,7 +149,8 @@ class _Decoder:
                     raise WireError(f"nested deeper than {MAX_DEPTH}" if pos + 5 <= size else "the frame ends early")
                 kind, count = _CONTAINERS[tag], unpack(data, pos + 1)[0]
                 pos, left = pos + 5, left - _EMPTY_COST[kind]
-                stack.append([kind, count * (2 if kind is dict else 1), [], kind() if kind in (set, dict) else None, None])
+                made = kind() if kind in (set, dict) else None
+                stack.append([kind, count * (2 if kind is dict else 1), [], made, None])
                 if count:
                     continue
                 value = _close(stack.pop())
@@ -165,7 +172,8 @@ class _Decoder:
                 value = _close(stack.pop())
             if left < 0:
                 self.left = left
-                raise WireError(f"a frame of {size} bytes that would take decoded objects past {self.budget.total} bytes")
+                raise WireError(f"a frame of {size} bytes that would take decoded objects past "
+                                f"{self.budget.total} bytes")  # fmt: skip
 
 
 _BULK = frozenset(b"isb")
@@ -178,7 +186,7 @@ def _bulk_cost(tag: int, raw: memoryview) -> int:
     return 48 + 2 * n  # an int's 30-bit digits in 4 bytes each; bytes: n
 
 
-def _bulk(tag: int, raw: memoryview):
+def _bulk(tag: int, raw: memoryview) -> object:
     if tag == 0x73:  # "s"
         try:
             return str(raw, "utf-8", "surrogatepass")
@@ -200,7 +208,7 @@ def _fixed(data: memoryview, tag: int, pos: int) -> tuple:
     raise WireError("the frame ends inside a value" if tag in b"fc" else f"not a value this wire encodes (tag {tag})")
 
 
-def _add(frame: list, value) -> None:
+def _add(frame: list, value: object) -> None:
     kind = frame[0]
     try:
         if kind is list or kind is tuple or kind is iter or kind is frozenset:
@@ -216,7 +224,7 @@ def _add(frame: list, value) -> None:
         raise WireError(str(e)) from None
 
 
-def _close(frame: list):
+def _close(frame: list) -> object:
     kind = frame[0]
     return frame[3] if kind is set or kind is dict else frame[2] if kind is list else kind(frame[2])
 
@@ -268,4 +276,3 @@ def _wait(fd: int, deadline: float | None, write: bool) -> None:
     ready = select.select([], [fd], [], left) if write else select.select([fd], [], [], left)
     if not any(ready):
         raise TimeoutError
-
