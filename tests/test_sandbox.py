@@ -296,6 +296,7 @@ def test_describe_says_which_containment_ran(evaluator):
     d = answer["describe"]
     assert d["kind"] == "bubblewrap" and d["unsandboxed"] is False and d["version"]
     assert d["mode"] == ("throwaway uid (root evaluator)" if evaluator.uid == 0 else "user namespace")
+    assert d["view"] in ("tmpfs copy", "host files") and d["cgroup"] in (None, "v1 memory", "v2 memory")
 
 
 @needs_sandbox

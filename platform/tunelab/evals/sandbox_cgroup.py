@@ -115,7 +115,7 @@ def _parent() -> _Parent | None:
         if not os.access(os.path.join(parent.path, "cgroup.procs"), os.W_OK):
             continue
         _sweep(parent.path)
-        trial = Cgroup(os.path.join(parent.path, f"{_PREFIX}{os.getpid()}-trial"), parent.version)
+        trial = Cgroup(os.path.join(parent.path, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"), parent.version)
         try:
             os.mkdir(trial.path)
             trial._write("memory.max" if parent.version == 2 else "memory.limit_in_bytes", 64 << 20)

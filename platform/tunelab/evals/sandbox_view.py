@@ -35,6 +35,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -205,6 +206,7 @@ def _private_copy(view: _View, exe: str) -> str | None:
     final = os.path.join(base, f"tunelab-view-{os.geteuid()}-{digest.hexdigest()[:20]}")
     if _complete(final):
         return final
+    _sweep_unfinished(base)
     try:
         work = tempfile.mkdtemp(prefix=".tunelab-view-", dir=base)
     except OSError:
@@ -236,6 +238,18 @@ def _fill(work: str, view: _View, entries: list[str]) -> None:
         os.chmod(folder, 0o755)  # world-searchable: the throwaway uid of a root evaluator reads it
     with open(os.path.join(work, ".complete"), "w"):
         pass
+
+
+def _sweep_unfinished(base: str) -> None:
+    """Remove copies of ours that a killed process left half made (an hour old: none is still being made)."""
+    for name in os.listdir(base):
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if name.startswith(".tunelab-view-") and st.st_uid == os.geteuid() and time.time() - st.st_mtime > 3600:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _complete(folder: str) -> bool:
