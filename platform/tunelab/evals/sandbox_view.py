@@ -22,11 +22,13 @@ reads would be a memory that outlives each run. A tmpfs file is always in memory
 folders keep no entries for missing names, and its read-only mounts keep no access
 times: nothing a program does to it can be seen by the next one. Where no tmpfs that
 allows executing files is writable (a container's /dev/shm mounted noexec, say), the
-host's files are bound instead and `PythonView.kind` says so.
+host's files are bound instead and `PythonView.kind` says so. A copy no process holds any more
+(each holds a shared lock on its own) is removed when a process finds a newer one.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -192,7 +194,8 @@ class _View:
 
 def _private_copy(view: _View, exe: str) -> str | None:
     """The folder of a complete copy of the view on a tmpfs, made now if need be; None where
-    there is no usable tmpfs or the copy failed (then the host's files are bound)."""
+    there is no usable tmpfs or the copy failed (then the host's files are bound). The copy is
+    named after the files it holds, so a change on the host (a new ld.so.cache) makes another."""
     base = os.environ.get("TUNELAB_SANDBOX_VIEW_DIR", "/dev/shm")
     if not _usable_tmpfs(base):
         return None
@@ -204,19 +207,72 @@ def _private_copy(view: _View, exe: str) -> str | None:
     for path, target in sorted(view.links.items()):
         digest.update(f"{path}\0{target}\n".encode())
     final = os.path.join(base, f"tunelab-view-{os.geteuid()}-{digest.hexdigest()[:20]}")
-    if _complete(final):
-        return final
-    _sweep_unfinished(base)
+    if not _hold(final):
+        _sweep(base, unfinished=True)
+        try:
+            work = tempfile.mkdtemp(prefix=".tunelab-view-", dir=base)
+        except OSError:
+            return None
+        try:
+            _fill(work, view, entries)
+            os.rename(work, final)
+        except OSError:  # no space, or another process renamed its copy in first
+            shutil.rmtree(work, ignore_errors=True)
+        if not _hold(final):
+            return None
+    _sweep(base, unfinished=False)
+    return final
+
+
+_HELD: list[int] = []  # a shared lock on each copy this process uses, for as long as it lives
+
+
+def _hold(folder: str) -> bool:
+    """Take a shared lock on a complete copy, so that no other process removes it while this one
+    (and the sandboxes it starts, which die with it) may still use it."""
     try:
-        work = tempfile.mkdtemp(prefix=".tunelab-view-", dir=base)
+        fd = os.open(os.path.join(folder, ".complete"), os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return None
+        return False
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    if _complete(folder) and os.fstat(fd).st_ino == os.lstat(os.path.join(folder, ".complete")).st_ino:
+        _HELD.append(fd)
+        return True
+    os.close(fd)  # removed meanwhile
+    return False
+
+
+def _sweep(base: str, unfinished: bool) -> None:
+    """Remove copies of ours that no process holds (made for files the host has since changed),
+    or, with `unfinished`, copies a killed process left half made (an hour old: none is being made)."""
+    for name in os.listdir(base):
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid != os.geteuid() or not os.path.isdir(path) or os.path.islink(path):
+            continue
+        if unfinished and name.startswith(".tunelab-view-") and time.time() - st.st_mtime > 3600:
+            shutil.rmtree(path, ignore_errors=True)
+        elif not unfinished and name.startswith(f"tunelab-view-{os.geteuid()}-") and _unused(path):
+            gone = tempfile.mkdtemp(prefix=".tunelab-view-", dir=base)
+            os.rename(path, os.path.join(gone, name))  # out of every name at once, then removed
+            shutil.rmtree(gone, ignore_errors=True)
+
+
+def _unused(folder: str) -> bool:
     try:
-        _fill(work, view, entries)
-        os.rename(work, final)
-    except OSError:  # no space, or another process renamed its copy in first
-        shutil.rmtree(work, ignore_errors=True)
-    return final if _complete(final) else None
+        fd = os.open(os.path.join(folder, ".complete"), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False  # not finished, or not a copy: not ours to judge
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True  # the lock goes with the folder
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _fill(work: str, view: _View, entries: list[str]) -> None:
@@ -238,18 +294,6 @@ def _fill(work: str, view: _View, entries: list[str]) -> None:
         os.chmod(folder, 0o755)  # world-searchable: the throwaway uid of a root evaluator reads it
     with open(os.path.join(work, ".complete"), "w"):
         pass
-
-
-def _sweep_unfinished(base: str) -> None:
-    """Remove copies of ours that a killed process left half made (an hour old: none is still being made)."""
-    for name in os.listdir(base):
-        path = os.path.join(base, name)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if name.startswith(".tunelab-view-") and st.st_uid == os.geteuid() and time.time() - st.st_mtime > 3600:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def _complete(folder: str) -> bool:
