@@ -1,7 +1,8 @@
 """The seccomp filter of the sandbox: kernel interfaces a HumanEval program never needs.
 
 The namespaces of `sandbox.py` decide what a program can *see*; this filter narrows which
-kernel code it can *reach*, as container runtimes do. It refuses (EPERM):
+kernel code it can *reach*, as container runtimes do. `sandbox_boot.py` installs it just
+before the program runs. It refuses (EPERM):
 
 - new namespaces (unshare, setns, clone with a CLONE_NEW* flag) and mounting: a nested
   user namespace would hand the program capabilities over its own namespaces, the usual
@@ -9,13 +10,22 @@ kernel code it can *reach*, as container runtimes do. It refuses (EPERM):
 - kernel keyrings (keyctl, add_key, request_key): keyrings are not namespaced, and a
   process possesses its parent's session keyring, where logins keep credentials;
 - debugging and memory access to other processes (ptrace, process_vm_*, pidfd_getfd);
-- large, rarely needed kernel surfaces (bpf, perf_event_open, userfaultfd, io_uring),
-  file handles (open_by_handle_at), and administration calls that need capabilities
-  anyway (modules, kexec, reboot, swap, quotas, acct, syslog).
+- large, rarely needed kernel surfaces (bpf, perf_event_open, userfaultfd, io_uring,
+  fanotify), file handles (open_by_handle_at), and administration calls that need
+  capabilities anyway (modules, kexec, reboot, swap, quotas, acct, syslog);
+- memory that RLIMIT_AS does not count: memfd_create, memfd_secret, System V shared memory,
+  semaphores and message queues, POSIX message queues;
+- ways to read or change the page cache's state of a file (mincore, cachestat,
+  posix_fadvise, readahead, preadv2/pwritev2 with RWF_NOWAIT, process_madvise), which
+  would make shared read-only files a memory that outlives a run;
+- sockets of any address family but AF_UNIX (socket and socketpair): no AF_VSOCK, whose
+  port space is the host's, no netlink, packet or anything else;
+- larger socket or pipe buffers (SO_SNDBUF, SO_RCVBUF and their FORCE forms, F_SETPIPE_SZ):
+  kernel memory that, with RLIMIT_NOFILE, bounds what a process can hold in buffers.
 
 clone3 answers ENOSYS: its flags sit in memory that a filter cannot read, and glibc then
 falls back to clone, whose flags it can. Everything else is allowed. The filter is raw
-classic BPF (what bwrap's --seccomp takes), built here so that no libseccomp is needed.
+classic BPF (what prctl(PR_SET_SECCOMP) takes), built here so that no libseccomp is needed.
 """
 
 from __future__ import annotations
@@ -46,8 +56,13 @@ _DENIED = (
     "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
     "open_by_handle_at", "name_to_handle_at", "acct", "reboot", "syslog", "swapon", "swapoff", "quotactl",
-    "lookup_dcookie", "modify_ldt", "uselib", "iopl", "ioperm",
+    "lookup_dcookie", "modify_ldt", "uselib", "iopl", "ioperm", "fanotify_init",
+    "memfd_create", "memfd_secret", "shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semctl", "semtimedop",
+    "msgget", "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify",
+    "mq_getsetattr",
+    "mincore", "cachestat", "fadvise64", "readahead", "preadv2", "pwritev2", "process_madvise",
 )  # fmt: skip
+_AF_UNIX = 1
 
 # Numbers from the kernel's unistd headers; calls an architecture lacks are left out.
 _TABLES = {
@@ -60,7 +75,13 @@ _TABLES = {
         "kexec_load": 246, "kexec_file_load": 320, "init_module": 175, "finit_module": 313, "delete_module": 176,
         "open_by_handle_at": 304, "name_to_handle_at": 303, "acct": 163, "reboot": 169, "syslog": 103,
         "swapon": 167, "swapoff": 168, "quotactl": 179, "lookup_dcookie": 212, "modify_ldt": 154, "uselib": 134,
-        "iopl": 172, "ioperm": 173, "clone": 56, "clone3": 435,
+        "iopl": 172, "ioperm": 173, "fanotify_init": 300, "clone": 56, "clone3": 435, "socket": 41, "socketpair": 53,
+        "setsockopt": 54, "fcntl": 72,
+        "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "shmat": 30, "shmctl": 31, "shmdt": 67, "semget": 64,
+        "semop": 65, "semctl": 66, "semtimedop": 220, "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71,
+        "mq_open": 240, "mq_unlink": 241, "mq_timedsend": 242, "mq_timedreceive": 243, "mq_notify": 244,
+        "mq_getsetattr": 245, "mincore": 27, "cachestat": 451, "fadvise64": 221, "readahead": 187, "preadv2": 327,
+        "pwritev2": 328, "process_madvise": 440,
     }),
     "aarch64": (0xC00000B7, {
         "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "pidfd_getfd": 438,
@@ -70,13 +91,23 @@ _TABLES = {
         "userfaultfd": 282, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
         "kexec_load": 104, "kexec_file_load": 294, "init_module": 105, "finit_module": 273, "delete_module": 106,
         "open_by_handle_at": 265, "name_to_handle_at": 264, "acct": 89, "reboot": 142, "syslog": 116,
-        "swapon": 224, "swapoff": 225, "quotactl": 60, "lookup_dcookie": 18, "clone": 220, "clone3": 435,
+        "swapon": 224, "swapoff": 225, "quotactl": 60, "lookup_dcookie": 18, "fanotify_init": 262, "clone": 220,
+        "clone3": 435, "socket": 198, "socketpair": 199, "setsockopt": 208, "fcntl": 25,
+        "memfd_create": 279, "memfd_secret": 447, "shmget": 194, "shmat": 196, "shmctl": 195, "shmdt": 197,
+        "semget": 190, "semop": 193, "semctl": 191, "semtimedop": 192, "msgget": 186, "msgsnd": 189, "msgrcv": 188,
+        "msgctl": 187, "mq_open": 180, "mq_unlink": 181, "mq_timedsend": 182, "mq_timedreceive": 183,
+        "mq_notify": 184, "mq_getsetattr": 185, "mincore": 232, "cachestat": 451, "fadvise64": 223, "readahead": 213,
+        "preadv2": 286, "pwritev2": 287, "process_madvise": 440,
     }),
 }  # fmt: skip
 
 
 def _op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
     return struct.pack("<HBBI", code, jt, jf, k)
+
+
+_SOL_SOCKET, _F_SETPIPE_SZ = 1, 1031
+_SO_BUFFERS = (7, 8, 32, 33)  # SO_SNDBUF, SO_RCVBUF and their FORCE forms
 
 
 def program(machine: str | None = None) -> bytes | None:
@@ -93,12 +124,28 @@ def program(machine: str | None = None) -> bytes | None:
         if name in nr:
             ops += [_op(_JEQ_K, nr[name], 0, 1), _op(_RET_K, eperm)]
     ops += [_op(_JEQ_K, nr["clone3"], 0, 1), _op(_RET_K, _errno(errno.ENOSYS))]
-    # Last, because it replaces the syscall number in the accumulator with the flags.
-    ops += [
-        _op(_JEQ_K, nr["clone"], 0, 3),
-        _op(_LD_W_ABS, _ARG0_LOW),
-        _op(_JSET_K, _CLONE_NEW_FLAGS, 0, 1),
-        _op(_RET_K, eperm),
-        _op(_RET_K, _ALLOW),
-    ]
-    return b"".join(ops)
+    return b"".join(ops + _argument_checks(nr, eperm))
+
+
+def _argument_checks(nr: dict, eperm: int) -> list[bytes]:
+    """Calls refused for some arguments only. Last, because loading an argument replaces the
+    syscall number in the accumulator. Offsets count the instructions a jump skips."""
+    allow, refuse = _op(_RET_K, _ALLOW), _op(_RET_K, eperm)
+    arg = [_ARG0_LOW + 8 * i for i in range(3)]  # the low 32 bits of the first three arguments
+    return [
+        _op(_JEQ_K, nr["socket"], 5, 0),  # -> family
+        _op(_JEQ_K, nr["socketpair"], 4, 0),  # -> family
+        _op(_JEQ_K, nr["clone"], 7, 0),  # -> flags
+        _op(_JEQ_K, nr["setsockopt"], 10, 0),  # -> level
+        _op(_JEQ_K, nr["fcntl"], 19, 0),  # -> command
+        allow,
+        # family: AF_UNIX only (no AF_VSOCK, whose port space is the host's, no netlink, no packet)
+        _op(_LD_W_ABS, arg[0]), _op(_JEQ_K, _AF_UNIX, 0, 1), allow, refuse,
+        # flags: no new namespaces
+        _op(_LD_W_ABS, arg[0]), _op(_JSET_K, _CLONE_NEW_FLAGS, 0, 1), refuse, allow,
+        # level, option: socket buffers stay at their default size (each is kernel memory)
+        _op(_LD_W_ABS, arg[1]), _op(_JEQ_K, _SOL_SOCKET, 1, 0), allow,
+        _op(_LD_W_ABS, arg[2]), *(_op(_JEQ_K, v, 4 - i, 0) for i, v in enumerate(_SO_BUFFERS)), allow, refuse,
+        # command: pipe buffers too
+        _op(_LD_W_ABS, arg[1]), _op(_JEQ_K, _F_SETPIPE_SZ, 0, 1), refuse, allow,
+    ]  # fmt: skip
