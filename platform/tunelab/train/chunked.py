@@ -40,13 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-CHUNK_BYTES = 64 * 2**20  # a chunk's fp32 logits and one temporary of their size
+from tunelab.train.parallel.memory import CHUNK_BYTES, auto_chunk
+
 CHUNK_ATTR = "tunelab_loss_chunk"  # the head module's attribute holding train.loss_chunk
-
-
-def auto_chunk(vocab: int) -> int:
-    """Positions per chunk: a chunk's logits and one temporary (2 x 4 bytes per value) within CHUNK_BYTES."""
-    return max(16, CHUNK_BYTES // (8 * vocab))
+__all__ = ["CHUNK_ATTR", "CHUNK_BYTES", "auto_chunk", "chunked_loss", "computing_loss", "head_loss", "set_chunk"]
 
 
 def set_chunk(head: nn.Module, chunk: int | None) -> None:

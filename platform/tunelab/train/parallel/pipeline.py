@@ -43,8 +43,8 @@ class Pipeline:
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         n = torch.tensor(self._n_items, device=logits.device)
-        if self._at_labels:  # the last stage returned the summed loss itself
-            return logits / n * self._scale
+        if self._at_labels:  # the last stage returned the summed loss itself (1 element)
+            return logits.sum() / n * self._scale
         loss = self._loss_function(logits=logits, labels=labels, vocab_size=self._vocab, num_items_in_batch=n)
         return loss * self._scale
 

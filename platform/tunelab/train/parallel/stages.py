@@ -53,7 +53,8 @@ class Stage(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor | None = None):
         """`targets` (the last stage): the shifted labels; the stage then returns the summed token loss at the
-        labelled positions, the head and the loss in chunks (train/chunked.py), instead of the logits."""
+        labelled positions, the head and the loss in chunks (train/chunked.py), instead of the logits: as a
+        1-element tensor, which the schedule can concatenate over micro-batches as it does outputs."""
         p = self.parts
         h = p.embed(x) if p.first else x
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
@@ -64,7 +65,7 @@ class Stage(nn.Module):
             h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos)
         if p.last and targets is not None:
             keep = targets != IGNORE
-            return head_loss(p.lm_head, p.norm(h[keep]), targets[keep])
+            return head_loss(p.lm_head, p.norm(h[keep]), targets[keep]).reshape(1)
         if p.last:
             return p.lm_head(p.norm(h))
         return h, attention_mask
