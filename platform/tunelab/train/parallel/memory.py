@@ -22,8 +22,8 @@ attention: nothing quadratic in the sequence):
   inputs) + 3h + 2kv + 4i split under tp (query, attention output and its copy, key, value;
   gate, SiLU, up, product); plus 3h per token at the head (final norm's input and output, the labelled
   rows' copy). The head and loss run in chunks recomputed in backward (train/chunked.py): one chunk's fp32
-  logits and one temporary of their size (2 x chunk x v fp32 values) instead of the whole batch's logits and
-  their gradient, and, as backward starts with all activations alive, the head weight's fp32 gradient
+  logits (chunk x v fp32 values; measured, its temporaries do not meet the peak) instead of the whole batch's
+  logits and their gradient, and, as backward starts with all activations alive, the head weight's fp32 gradient
   being summed (v x h; not under LOMO/AdaLomo with a tied embedding, whose lookup builds it at the end of
   backward). Checked against measured peaks in tests/test_parallel_memory.py.
 """
@@ -277,12 +277,12 @@ def _activations(shape: Shape, s: Setup) -> float:
 
 def _head(shape: Shape, s: Setup, tokens: float) -> float:
     """The chunked head and loss (train/chunked.py) as backward starts, in values of the model's dtype: one
-    chunk's fp32 logits and a temporary, and the head weight's fp32 gradient being summed (for a trainable
+    chunk's fp32 logits, and the head weight's fp32 gradient being summed (for a trainable
     head, unless a fused optimizer's tied lookup builds it later)."""
     fp32 = 4 / DTYPE_BYTES[s.dtype]
     chunk = min(tokens, s.loss_chunk or auto_chunk(shape.vocab))
     trainable_head = s.peft == "none" and s.pp == 1 and not (OPTIMIZERS[s.optim].fused and shape.tied)
-    return (2 * chunk * shape.vocab + (shape.vocab * shape.hidden if trainable_head else 0)) * fp32
+    return (chunk * shape.vocab + (shape.vocab * shape.hidden if trainable_head else 0)) * fp32
 
 
 def devices_needed(shape: Shape, s: Setup, device_gb: float, max_devices: int = 4096) -> int | None:
