@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from tunelab.train.chunked import computing_loss, head_loss
+from tunelab.train.chunked import CHUNK_ATTR, auto_chunk, computing_loss, head_loss
 
 IGNORE = -100
 # Causal-LM classes whose forward is exactly body -> lm_head -> transformers' ForCausalLMLoss
@@ -98,6 +98,34 @@ def causal_lm_loss(model, batch: dict, n_items: int | torch.Tensor) -> torch.Ten
     hidden = body(**{k: v for k, v in batch.items() if k != "labels"}).last_hidden_state
     loss = head_loss(lm.get_output_embeddings(), hidden.flatten(0, 1)[rows], shift[rows])
     return loss / n_items
+
+
+def sampled_label_loss(model, batch: dict) -> tuple[torch.Tensor | None, int]:
+    """(mean cross-entropy against labels sampled from the model's own predictions at the labelled positions,
+    their count): SophiaG's Gauss-Newton-Bartlett estimate. Where the head-at-labels path is exact, the head
+    runs in chunks for the sampling and for the loss, so no (positions, vocabulary) tensor is whole."""
+    labels = batch["labels"]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    lm = _causal_lm(model)
+    if lm is None or not set(inputs) <= _BODY_INPUTS:
+        logits = model(**inputs).logits
+        # Prompt-learning PEFT methods prepend virtual tokens to the logits: keep the real positions.
+        picked = logits[:, -labels.size(1):][:, :-1][labels[:, 1:] != IGNORE].float()
+        if not picked.numel():
+            return None, 0
+        sampled = torch.distributions.Categorical(logits=picked.detach()).sample()
+        return torch.nn.functional.cross_entropy(picked, sampled), picked.shape[0]
+    shift = shifted_labels(labels).flatten()
+    rows = (shift != IGNORE).nonzero().squeeze(1)
+    if not rows.numel():
+        return None, 0
+    hidden = getattr(lm, lm.base_model_prefix)(**inputs).last_hidden_state.flatten(0, 1)[rows]
+    head = lm.get_output_embeddings()
+    chunk = getattr(head, CHUNK_ATTR, None) or auto_chunk(lm.config.vocab_size)
+    with torch.no_grad():
+        sampled = torch.cat([torch.distributions.Categorical(logits=head(hidden[a:a + chunk]).float()).sample()
+                             for a in range(0, rows.numel(), chunk)])
+    return head_loss(head, hidden, sampled) / rows.numel(), rows.numel()
 
 
 def root_forward_loss(model, batch: dict, n_items: int | torch.Tensor, inner=None) -> torch.Tensor:
