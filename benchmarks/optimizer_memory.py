@@ -181,8 +181,10 @@ def code_revision(ref: str | None) -> tuple[str, Path]:
     changes under platform/), or git revision `ref` extracted once into the temp folder."""
     git = ["git", "-C", str(REPO)]
     if ref is None:
-        head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(git + ["status", "--porcelain", "platform"], capture_output=True, text=True).stdout
+        head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(git + ["status", "--porcelain", "platform"], capture_output=True, text=True,
+                               check=True).stdout
         return head + ("+dirty" if dirty.strip() else ""), REPO / "platform"
     rev = subprocess.run(git + ["rev-parse", "--short", ref], capture_output=True, text=True, check=True).stdout.strip()
     folder = Path(tempfile.gettempdir()) / f"tunelab-{rev}"

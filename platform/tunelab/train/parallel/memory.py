@@ -263,7 +263,7 @@ def _unsaved_inputs(shape: Shape, s: Setup) -> float:
 
 
 def _activations(shape: Shape, s: Setup) -> float:
-    h, kv, i, v = shape.hidden, shape.kv, shape.inter, shape.vocab
+    h, kv, i = shape.hidden, shape.kv, shape.inter
     rows = s.batch / s.dp
     if s.pp > 1:  # the first stage holds the most micro-batches in flight
         in_flight = s.microbatches if s.pp_schedule == "gpipe" else min(s.pp, s.microbatches)
