@@ -56,7 +56,8 @@ def _compute_dtype(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
-def _probs_minus_onehot(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, first: int = 0):
+def _probs_minus_onehot(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor,
+                        first: int = 0) -> torch.Tensor:
     """d(summed cross-entropy)/d(logits) in place of fp32 `logits` (rows x columns first..): softmax - one-hot."""
     g = logits.sub_(lse.unsqueeze(1)).exp_()
     hit = (targets >= first) & (targets < first + g.shape[1])
@@ -68,7 +69,8 @@ def _probs_minus_onehot(logits: torch.Tensor, lse: torch.Tensor, targets: torch.
 class HeadFactors:
     """What the head weight's gradient is made of, kept instead of it (tied embeddings under LOMO/AdaLomo)."""
 
-    def __init__(self, hidden, weight, targets, lse, scale, dtype):
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                 scale: torch.Tensor, dtype: torch.dtype | None) -> None:
         self.hidden, self.weight, self.targets, self.lse, self.scale, self.dtype = \
             hidden, weight, targets, lse, scale, dtype
 
@@ -86,7 +88,8 @@ class HeadFactors:
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, dtype, link):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,  # type: ignore[override]
+                dtype: torch.dtype | None, link: object) -> torch.Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
             dt = dtype or hidden.dtype
             w = weight.to(dt)
@@ -102,7 +105,7 @@ class _ChunkedLoss(torch.autograd.Function):
         return rows.sum()
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
         hidden, weight, targets, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if need_w and ctx.link is not None:  # the lookup's backward builds the shared weight's gradient
@@ -119,9 +122,9 @@ class _ChunkedLoss(torch.autograd.Function):
             logits = F.linear(h, w).float()
             g = _probs_minus_onehot(logits, lse[a:a + ctx.chunk], targets[a:a + ctx.chunk]).mul_(grad)
             gd = g.to(dt)
-            if need_h:
+            if grad_h is not None:
                 grad_h[a:a + ctx.chunk] = torch.mm(gd, w)
-            if need_w:
+            if grad_w is not None:
                 grad_w.addmm_(gd.t().float() if dt != torch.float32 else gd.t(), h.float())
             del logits, g, gd
         if grad_w is not None:
@@ -139,14 +142,15 @@ def _cce() -> Callable | None:
 
 
 def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int | None = None,
-                 link=None) -> torch.Tensor:
+                 link: object = None) -> torch.Tensor:
     """Summed fp32 cross-entropy of `hidden @ weight.T` (rows x vocabulary, never whole) against `targets`.
     `link`: the tied lookup's (optimizers/tied.py) that the weight's gradient is deferred to."""
     dtype = _compute_dtype(hidden.device)
     half = (dtype or weight.dtype) in (torch.bfloat16, torch.float16)
-    if hidden.is_cuda and half and link is None and _cce() is not None:
+    cce = _cce() if hidden.is_cuda and half and link is None else None
+    if cce is not None:
         dt = dtype or weight.dtype
-        return _cce()(hidden.to(dt), weight.to(dt), targets, reduction="sum", filter_eps=None, impl="cce").float()
+        return cce(hidden.to(dt), weight.to(dt), targets, reduction="sum", filter_eps=None, impl="cce").float()
     chunk = chunk or auto_chunk(weight.shape[0])
     return _ChunkedLoss.apply(hidden, weight, targets, chunk, dtype, link)
 
@@ -162,7 +166,7 @@ def _checkpointed(forward: Callable, hidden: torch.Tensor, targets: torch.Tensor
     """Any head module (LoRA on the head): each chunk's logits recomputed in backward by checkpointing."""
     from torch.utils.checkpoint import checkpoint
 
-    def part(h, t):
+    def part(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(forward(h).float(), t, reduction="sum")
 
     parts = [checkpoint(part, hidden[a:a + chunk], targets[a:a + chunk], use_reentrant=False)
@@ -179,7 +183,8 @@ def _head_loss(head: nn.Module, forward: Callable, hidden: torch.Tensor, targets
     chunk = getattr(head, CHUNK_ATTR, None)
     if weight is None:
         return _checkpointed(forward, h, targets, chunk or auto_chunk(getattr(head, "out_features", 65536)))
-    link = head.tied_link(hidden) if hasattr(head, "tied_link") else None
+    tied_link = getattr(head, "tied_link", None)  # set by optimizers/tied.py prepare_for_fused
+    link = tied_link(hidden) if callable(tied_link) else None
     return chunked_loss(h, weight, targets, chunk, link)
 
 
@@ -192,7 +197,7 @@ def computing_loss(head: nn.Module, targets: torch.Tensor, rows: torch.Tensor | 
     plain = own or type(head).forward.__get__(head)
     ran = []
 
-    def forward(hidden):
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
         ran.append(True)
         return _head_loss(head, plain, hidden, targets, rows)
 
