@@ -218,6 +218,7 @@ def main() -> None:
     ap.add_argument("--before", help="also measure with the tunelab of this git revision")
     ap.add_argument("--code", help="measure the tunelab of this git revision instead of this checkout's")
     ap.add_argument("--results", type=Path, help="a JSON-lines file of measurements, reused and extended")
+    ap.add_argument("--report-only", action="store_true", help="print what --results holds, measure nothing")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--rows", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--seq", type=int, default=64, help=argparse.SUPPRESS)
@@ -236,13 +237,17 @@ def main() -> None:
             for method in args.only.split(","):
                 for when, (rev, code) in codes.items():
                     key = json.dumps([rev, args.model, shape, allocator, method, args.steps, args.checkpointing])
+                    if key not in known and args.report_only:
+                        continue
                     if key not in known:
                         known[key] = measure(method, args, shape, allocator, code)
                         _save(args.results, key, known[key])
                         print(f"measured {method} ({args.model}, {shape}, {allocator} allocator, {rev})",
                               file=sys.stderr)
                     rows.setdefault(method, {})[when] = known[key]
-            report(rows, args, shape, allocator, {w: r for w, (r, _) in codes.items()})
+            rows = {m: r for m, r in rows.items() if "after" in r}
+            if rows:
+                report(rows, args, shape, allocator, {w: r for w, (r, _) in codes.items()})
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
 
 
@@ -275,11 +280,12 @@ def report(rows: dict[str, dict], args, shape: str, allocator: str, revs: dict) 
     for m, r in after.items():
         pred = predicted_mb(m, args.model, n_rows, seq, args.checkpointing)
         cells = [m, METHODS[m], f"{r['trainable'] / 1e6:.2f}M"]
+        was = rows[m].get("before")
         if before:
-            cells.append(f"{rows[m]['before']['peak_mb']:,.0f}")
+            cells.append("not measured" if was is None else f"{was['peak_mb']:,.0f}")
         cells.append(f"{r['peak_mb']:,.0f}")
         if before:
-            cells.append(f"{r['peak_mb'] / rows[m]['before']['peak_mb']:.2f}")
+            cells.append("-" if was is None else f"{r['peak_mb'] / was['peak_mb']:.2f}")
         cells += [f"{r['peak_mb'] / base['peak_mb']:.2f}", f"{r['tensors_mb']:,.0f}",
                   "-" if pred is None else f"{pred:,.0f}", "-" if pred is None else f"{pred / r['tensors_mb']:.2f}"]
         print("| " + " | ".join(cells) + " |")
