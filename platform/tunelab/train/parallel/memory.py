@@ -148,10 +148,11 @@ class Estimate:
     total_params: int
     buffers: float = 0.0  # the engine's gathered weights and communication buckets
     load: float = 0.0  # what a process holds while the model loads, before the engine shards it
+    step: float = 0.0  # the optimizer step's temporaries, beside the gradients
 
     @property
     def train(self) -> float:
-        return self.params + self.optimizer + self.buffers + max(self.grads, self.activations)
+        return self.params + self.optimizer + self.buffers + max(self.grads + self.step, self.activations)
 
     @property
     def peak(self) -> float:
@@ -200,7 +201,13 @@ def estimate(shape: Shape, s: Setup) -> Estimate:
     # DeepSpeed's ZeRO optimizer keeps one of its partitions whatever the weights' dtype.
     master = trainable_here if not opt.fused and (s.dtype != "float32" or s.backend == "deepspeed") else 0
     optimizer = (opt_values + master) * 4 / s.dp  # FSDP2 and every ZeRO stage shard optimizer state
-    return Estimate(params=params, grads=grads, optimizer=optimizer, activations=_activations(shape, s) * b,
+    # A per-parameter step with moments (torch's AdamW on CPU, tunelab's) builds its update of one parameter
+    # beside the moments: about two fp32 temporaries of the largest matrix (measured: AdamW under gradient
+    # checkpointing, where the step and not the activations sets the peak).
+    per_param = not opt.fused and isinstance(opt.states, (int, float)) and opt.states > 0
+    step = 2 * max(a * c for a, c in matrices + [(shape.vocab, shape.hidden)] * (s.peft == "none")) * 4 / s.dp \
+        if per_param else 0.0
+    return Estimate(params=params, grads=grads, optimizer=optimizer, activations=_activations(shape, s) * b, step=step,
                     trainable=int(trainable), total_params=shape.total(), buffers=_buffers(shape, s, opt, stage),
                     load=_load(shape, s, stage))
 
