@@ -85,6 +85,8 @@ CASES: dict[str, Case] = {
         "m.yaml": GOOD.replace("steps: 2", "steps: ten")}),
     "matrix_negative_steps": Case(RUN, ("m.yaml", "base.train.steps", "greater than 0"), {
         "m.yaml": GOOD.replace("steps: 2", "steps: -3")}),
+    "matrix_zero_loss_chunk": Case(PLAN, ("m.yaml", "base.train.loss_chunk", "greater than 0"), {
+        "m.yaml": GOOD.replace("steps: 2,", "steps: 2, loss_chunk: 0,")}),
     "matrix_fractional_batch": Case(RUN, ("m.yaml", "base.train.batch_size", "integer"), {
         "m.yaml": GOOD.replace("batch_size: 2", "batch_size: 2.5")}),
     "matrix_unknown_model": Case(RUN, ("m.yaml", "base.model.name", "not a catalog alias", "tiny-random-llama"), {

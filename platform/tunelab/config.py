@@ -124,6 +124,11 @@ class TrainCfg(Section):
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="bf16 = autocast forward in bfloat16 (CPU or GPU); auto = bf16 on CUDA, else fp32")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    loss_chunk: int | None = Field(
+        None, gt=0, description="labelled positions per chunk of the output head and loss, which run in chunks "
+                                "recomputed in backward (the logits and their gradient are never whole); null = "
+                                "chosen from the vocabulary (a chunk's fp32 logits about 32 MiB). Changes memory "
+                                "and speed, not results (float summation order only)")
     eval_every: int | None = Field(
         None, gt=0, description="validation loss every N steps (eval.batch_size, eval.val_batches); null = off")
     save_every: int | None = Field(
@@ -191,7 +196,7 @@ class TrackingCfg(Section):
 
 # Training keys added after cells were first run, left out of a cell's identity while at their default (which
 # trains as before the key existed), so that run folders made earlier keep their ids and are not trained again.
-LATER_KEYS = {("train", "group_by_length"): False}
+LATER_KEYS = {("train", "group_by_length"): False, ("train", "loss_chunk"): None}
 
 
 class CellConfig(Section):

@@ -13,8 +13,8 @@ on that batch when step % k == 0. Until the first estimate h is 0 and the step i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from tunelab.train.loss import sampled_label_loss
 from tunelab.train.optimizers.closure import evaluate
 
 
@@ -79,21 +79,12 @@ def gnb_gradients(model, batch: dict, params: list[torch.Tensor]) -> tuple[list,
     """Gradients of the mean loss on labels sampled from the model, over the batch's label positions.
 
     Returns (one gradient or None per param, B = number of positions). Uses torch.autograd.grad so the
-    training gradients (.grad) are never touched.
+    training gradients (.grad) are never touched. The head runs in chunks (train/loss.py `sampled_label_loss`).
     """
-    labels = batch["labels"]
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
     with torch.enable_grad():
-        logits = model(**inputs).logits
-        # Prompt-learning PEFT methods prepend virtual tokens to the logits: keep the real positions.
-        logits = logits[:, -labels.size(1):][:, :-1]
-        mask = labels[:, 1:] != -100  # the positions the training loss covers (causal shift)
-        n = int(mask.sum())
+        loss, n = sampled_label_loss(model, batch)
         if n == 0:
             return [None] * len(params), 0
-        picked = logits[mask].float()
-        sampled = torch.distributions.Categorical(logits=picked.detach()).sample()
-        loss = F.cross_entropy(picked, sampled)
         trainable = [p for p in params if p.requires_grad]
         grads = iter(torch.autograd.grad(loss, trainable, allow_unused=True))
     return [next(grads) if p.requires_grad else None for p in params], n

@@ -87,9 +87,10 @@ class NativeStepper(Stepper):
         self.optimizer = optim_builder(self.params)
 
     def _loss(self, batch: dict, n_items) -> torch.Tensor:
-        """The step's share of the loss, the head only where a label is (train/loss.py): through the root
-        forward, whose hooks FSDP2 needs; under tensor parallelism the head is replicated and the body's
-        outputs are whole tensors, so the same holds."""
+        """The step's share of the loss, the head only where a label is and in chunks (train/loss.py,
+        train/chunked.py): through the root forward, whose hooks FSDP2 needs; under tensor parallelism the
+        head is replicated (tp.py splits the decoder layers only) and the body's outputs are whole tensors,
+        so the same holds."""
         return root_forward_loss(self._model, batch, n_items)
 
     # -- training -------------------------------------------------------------------------

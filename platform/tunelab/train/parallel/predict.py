@@ -26,7 +26,8 @@ def setup_of(cell, dtype: str) -> Setup | None:
     return Setup(optim=cell.optim.name, peft=cell.peft.method, lora_r=cell.peft.r, lora_targets=targets, dtype=dtype,
                  dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, seq=cell.data.max_length, batch=t.batch_size,
                  microbatches=p.microbatches, pp_schedule=p.pp_schedule,
-                 activation_checkpointing=p.activation_checkpointing or t.gradient_checkpointing)
+                 activation_checkpointing=p.activation_checkpointing or t.gradient_checkpointing,
+                 loss_chunk=t.loss_chunk)
 
 
 def predicted_peak_mb(model_config, cell, dtype: str) -> float | None:

@@ -6,6 +6,8 @@ from tunelab.errors import UserError
 from tunelab.layouts import check_layout
 from tunelab.registries import ENGINES, uses_engine
 from tunelab.runtime import Layout
+from tunelab.train.chunked import set_chunk
+from tunelab.train.parallel.anatomy import causal_lm
 from tunelab.train.parallel.deferred import Deferred, needs_whole
 from tunelab.train.parallel.stepper import Stepper
 
@@ -56,6 +58,9 @@ def prepare(model, optim_builder, cell, layout: Layout, precision: str = "fp32",
         raise UserError(str(e), key="parallel") from None
     if cell.train.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    head = causal_lm(model).get_output_embeddings()
+    if head is not None:  # the chunk of the head's loss (train/chunked.py), read by every layout's head call
+        set_chunk(head, cell.train.loss_chunk)
     if not (layout.distributed or uses_engine(cell.parallel)):
         from tunelab.train.parallel.local import LocalStepper
 
