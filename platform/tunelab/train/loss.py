@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from tunelab.train.chunked import CHUNK_ATTR, auto_chunk, computing_loss, head_loss
+from tunelab.train.optimizers.sophia import sampled_loss_whole
 
 IGNORE = -100
 # Causal-LM classes whose forward is exactly body -> lm_head -> transformers' ForCausalLMLoss
@@ -108,13 +109,7 @@ def sampled_label_loss(model, batch: dict) -> tuple[torch.Tensor | None, int]:
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     lm = _causal_lm(model)
     if lm is None or not set(inputs) <= _BODY_INPUTS:
-        logits = model(**inputs).logits
-        # Prompt-learning PEFT methods prepend virtual tokens to the logits: keep the real positions.
-        picked = logits[:, -labels.size(1):][:, :-1][labels[:, 1:] != IGNORE].float()
-        if not picked.numel():
-            return None, 0
-        sampled = torch.distributions.Categorical(logits=picked.detach()).sample()
-        return torch.nn.functional.cross_entropy(picked, sampled), picked.shape[0]
+        return sampled_loss_whole(model, batch)
     shift = shifted_labels(labels).flatten()
     rows = (shift != IGNORE).nonzero().squeeze(1)
     if not rows.numel():

@@ -20,7 +20,7 @@ from torch import nn
 from tunelab.registries import optimizer_spec as optim_spec
 from tunelab.runtime import Layout
 from tunelab.train.data import label_tokens
-from tunelab.train.loss import causal_lm_loss
+from tunelab.train.loss import causal_lm_loss, sampled_label_loss
 from tunelab.train.optimizers.tied import prepare_for_fused
 from tunelab.train.parallel.stepper import Stepper
 
@@ -86,7 +86,8 @@ class LocalStepper(Stepper):
         opt.step()
         opt.zero_grad(set_to_none=True)
         if hasattr(opt, "after_step"):  # e.g. Sophia refreshes its Hessian estimate
-            opt.after_step(step=step, model=model, batch={k: v.to(device) for k, v in micro_batches[-1].items()})
+            opt.after_step(step=step, model=model, batch={k: v.to(device) for k, v in micro_batches[-1].items()},
+                           sampled_loss=sampled_label_loss)  # the head in chunks
         loss_f, norm_f = torch.stack([loss.float(), norm.float().to(device)]).tolist()  # one device sync
         return loss_f, norm_f
 
