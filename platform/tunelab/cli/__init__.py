@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
-import click
 import typer
 import typer.main
 from rich.markup import escape
@@ -84,7 +83,7 @@ def _say(e: Exception) -> None:
 
 
 @functools.cache
-def _command(commands: int, groups: int) -> click.Command:
+def _command(commands: int, groups: int) -> Any:  # typer's own click Command
     """The click command tree typer builds from the app (once per set of commands: building it reads every
     command's signature, which costs more than most commands take)."""
     return typer.main.get_command(app)
