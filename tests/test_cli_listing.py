@@ -22,7 +22,8 @@ def test_ls_lists_every_kind_with_a_line_each():
     p = exp("ls", "--json")
     assert p.returncode == 0, p.stderr
     kinds = json.loads(p.stdout)
-    assert set(kinds) == {"models", "recipes", "suites", "tasks", "optimizers", "peft", "engines", "experiments"}
+    assert set(kinds) == {"models", "recipes", "suites", "tasks", "optimizers", "peft", "engines", "samplers",
+                          "pruners", "experiments"}
     assert list(kinds["optimizers"]) == list(registries.OPTIMIZERS) and list(kinds["peft"]) == list(registries.PEFT)
     assert {"arithmetic", "alpaca"} <= set(kinds["recipes"]) and {"quick", "paper"} <= set(kinds["suites"])
     assert "quickstart" in kinds["experiments"] and "(no description)" not in kinds["experiments"].values()

@@ -47,7 +47,9 @@ LAYERS: list[tuple[str, set[str]]] = [
 NAMES = [name for name, _ in LAYERS]
 # Which stage loads a registry's implementations (they may live there or lower).
 REGISTRY_STAGE = {"MODELS": "models", "TEMPLATES": "data", "FORMATS": "data", "GENERATORS": "data",
-                  "OPTIMIZERS": "train", "PEFT": "train", "ENGINES": "train", "TASKS": "evals"}
+                  "OPTIMIZERS": "train", "PEFT": "train", "ENGINES": "train", "TASKS": "evals",
+                  # a tune: section's samplers and rung values (tunelab.tune); PRUNERS names no implementation
+                  "SAMPLERS": "orchestrate", "PRUNERS": "orchestrate", "INTERMEDIATES": "orchestrate"}
 
 
 def layer(module: str) -> int | None:
@@ -124,7 +126,7 @@ def graph() -> dict[str, set[str]]:
     g = {name: imports(path, name, known) for name, path in known.items()}
     for reg, targets in registry_targets().items():
         stage = {"models": "tunelab.models", "data": "tunelab.data", "train": "tunelab.train",
-                 "evals": "tunelab.evals"}[REGISTRY_STAGE[reg]]
+                 "evals": "tunelab.evals", "orchestrate": "tunelab.tune"}[REGISTRY_STAGE[reg]]
         g[stage] |= {t for t in targets if t in known and t != stage}
     return g
 

@@ -23,7 +23,8 @@ from tunelab.cellfolder import CellFolder
 from tunelab.config import CellConfig
 from tunelab.errors import UserError
 from tunelab.events import Emit, Stage
-from tunelab.runtime import Layout, Preempted, Runtime
+from tunelab.launch import stop_at_from_env, validate_at_from_env
+from tunelab.runtime import Layout, Paused, Preempted, Runtime
 from tunelab.store import write_json
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class CellRun:
     emit: Emit
     timings: dict[str, float] = field(default_factory=dict)
     tracker: Tracker | None = None  # the main process's W&B run; None on the others
+    stop_at: int | None = None  # this run trains up to this step only (a search's rung; launch.STOP_AT_ENV)
+    validate_at: tuple[int, ...] = ()  # and measures validation loss at these steps (its search's rungs)
 
     def track(self, resuming: bool) -> None:
         """Open the W&B run of this cell; its events reach W&B from now on."""
@@ -155,7 +158,8 @@ def _train(run: CellRun) -> tuple[Any, Any, dict, float | None]:
     run.timings["setup_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     result = train.run(model, tokenizer, datasets, cfg, run.folder, run.emit, runtime=rt,
-                       validation=Validation.of(cfg.eval), weights=weights)
+                       validation=Validation.of(cfg.eval), weights=weights, stop_at=run.stop_at,
+                       validate_at=run.validate_at)
     run.timings["train_s"] = time.perf_counter() - t0
     before = _gather(rss_before)
     if rt.is_main:
@@ -230,7 +234,7 @@ def _start(run: CellRun, evaluate_only: bool) -> None:
         run.timings.update(folder.status().get("timings") or {})
     write_json(folder.env_file, env.snapshot(run.cfg.model.name))
     folder.write_status("running", started_at=time.time(), pid=os.getpid(), timings=run.timings,
-                        world_size=run.rt.world_size, evaluating_only=evaluate_only)
+                        world_size=run.rt.world_size, evaluating_only=evaluate_only, paused_at=None, note=None)
     run.track(resuming=evaluate_only or _has_checkpoint(folder, run.cfg))
 
 
@@ -244,7 +248,8 @@ def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None =
     cfg = cfg or folder.config()
     evaluate_only = folder.is_trained()
     layout = layout or Layout(device=runtime.device_of(cfg.train.device))
-    run = CellRun(folder, cfg, runtime.resolve(cfg, layout), emit)
+    run = CellRun(folder, cfg, runtime.resolve(cfg, layout), emit, stop_at=stop_at_from_env(),
+                  validate_at=validate_at_from_env())
     main = layout.is_main
     if main:
         _start(run, evaluate_only)
@@ -255,6 +260,13 @@ def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None =
             _evaluate(run, *stages)
             run.finish()
             folder.write_status("done", finished_at=time.time(), timings=run.timings)
+        _barrier()
+    except Paused as e:  # a search's rung: validated and checkpointed there; the search decides if it goes on
+        if main:
+            run.finish()
+            folder.write_status("pending", finished_at=time.time(), timings=run.timings, paused_at=e.step,
+                                note=f"paused at step {e.step} by its search (exp tune): it continues from there "
+                                     "if promoted")
         _barrier()
     except Preempted as e:  # a stop signal: checkpoint written (when training), run again later
         _preempted(run, e)

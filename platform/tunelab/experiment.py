@@ -8,17 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from tunelab import inputs, matrix, runner
+from tunelab.config import world_size
 from tunelab.errors import UserError
 from tunelab.launch import Launch, procs_per_node
 from tunelab.matrix import Cell, MatrixFile
 from tunelab.matrixfolder import MatrixFolder
 from tunelab.outcome import Outcome
 from tunelab.store import make_dir
+
+if TYPE_CHECKING:
+    from tunelab.tune.plan import Group
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,9 @@ class Planned:
     chosen: list[Cell]  # the ones this run runs (--only)
     how: Launch
     runs_dir: Path
+    groups: list[Group] = field(default_factory=list)  # every method group of a tune: section (tunelab.tune)
+    chosen_groups: list[Group] = field(default_factory=list)  # the ones this run searches (--only)
+    waiting: list[str] = field(default_factory=list)  # after run: searches that cannot go on yet, and why
 
     @property
     def folder(self) -> MatrixFolder:
@@ -51,16 +58,18 @@ def plan(req: Request) -> Planned:
     req.how.check()
     spec, cells = matrix.load(req.file, req.sets)
     how = replace(req.how, slurm=matrix.with_overrides(spec.launcher, req.slurm_flags))
+    groups, chosen_groups = _searches(spec, req, how)
     chosen = runner.select(cells, req.only)
-    if not chosen:
+    if not chosen and not chosen_groups:
         raise UserError(f"--only {req.only!r} matches none of the cells: {', '.join(c.slug for c in cells)}")
-    for c in chosen:  # what cannot run here fails before anything is written
-        procs_per_node(c.world_size, how)
+    configs = [c.config for c in chosen] + [g.config for g in chosen_groups]
+    for config in configs:  # what cannot run here fails before anything is written
+        procs_per_node(world_size(config.parallel), how)
         if how.launcher == "local":  # a SLURM job runs elsewhere: its machine is checked where it runs
             from tunelab.runtime import check_host
 
-            check_host(c.config, file=req.file)
-    offline = inputs.offline_problems([c.config for c in chosen]) if how.launcher == "local" else []
+            check_host(config, file=req.file)
+    offline = inputs.offline_problems(configs) if how.launcher == "local" else []
     if offline:
         raise UserError("; ".join(offline), file=req.file)
     from tunelab import services, tracking
@@ -70,7 +79,20 @@ def plan(req: Request) -> Planned:
     tracking.check_env()
     make_dir(cache_dir(), "the cache: $TUNELAB_CACHE, else ~/.cache/tunelab")
     make_dir(req.runs_dir / spec.name, "--runs-dir")
-    return Planned(spec, cells, chosen, how, req.runs_dir)
+    return Planned(spec, cells, chosen, how, req.runs_dir, groups, chosen_groups)
+
+
+def _searches(spec: MatrixFile, req: Request, how: Launch) -> tuple[list[Group], list[Group]]:
+    """The method groups of the file's tune: sections, and those --only chooses (docs/tuning.md)."""
+    from tunelab.tune import plan as tune_plan
+
+    groups = tune_plan.groups(spec, req.file, req.sets)
+    chosen = tune_plan.select(groups, req.only)
+    if chosen and (how.launcher != "local" or how.nnodes > 1):
+        raise UserError("a matrix with a tune: section runs its searches with the local launcher on one node per "
+                        "runner (each rung needs the one before it): on a cluster, run `exp run FILE` in one job per "
+                        "node on a shared runs folder; they share the trials (docs/tuning.md)")
+    return groups, chosen
 
 
 def run(req: Request, planned: Planned, console: Console) -> list[Outcome]:
@@ -80,7 +102,15 @@ def run(req: Request, planned: Planned, console: Console) -> list[Outcome]:
     folder = planned.folder
     if planned.how.node_rank == 0:  # node 0 writes the run's folders; the other nodes only join its cells
         folder.write_matrix_file(req.file.read_text(), req.sets)
-        folder.write_index(planned.cells)
+        if not planned.groups:  # a search writes its own (its winners join it as they are found)
+            folder.write_index(planned.cells)
+    if planned.groups:
+        from tunelab.tune import driver
+
+        result = driver.run(planned.groups, planned.chosen_groups, planned.cells, planned.chosen, folder,
+                            console=console, how=planned.how, rerun_failed=req.rerun_failed, fail_fast=req.fail_fast)
+        planned.waiting = result.waiting
+        return result.outcomes
     cells = planned.chosen
     with_view = view(console, planned.spec.name, len(cells))
     return runner.Runner(folder, with_view, planned.how, rerun_failed=req.rerun_failed,

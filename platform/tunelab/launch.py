@@ -5,6 +5,7 @@ Multi-node goes through torchrun's own rendezvous; tunelab never writes a launch
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import sys
@@ -13,6 +14,27 @@ from pathlib import Path
 
 from tunelab.errors import UserError
 from tunelab.matrix import SlurmCfg
+
+# A run of a cell that trains only up to this step, then validates, checkpoints and stops (a search's rung,
+# tunelab.tune), and the steps at which it measures validation loss on the way (every rung of its search): how
+# far one run goes and what it measures there is not what the cell is, so it travels beside the config.
+STOP_AT_ENV = "TUNELAB_STOP_AT"
+VALIDATE_AT_ENV = "TUNELAB_VALIDATE_AT"
+
+
+def stop_at_from_env() -> int | None:
+    value = os.environ.get(STOP_AT_ENV)
+    return int(value) if value else None
+
+
+def validate_at_from_env() -> tuple[int, ...]:
+    return tuple(int(s) for s in os.environ.get(VALIDATE_AT_ENV, "").split(",") if s.strip())
+
+
+def run_env(stop_at: int | None, validate_at: tuple[int, ...]) -> dict[str, str]:
+    """The environment that tells a cell process how far to train and where to validate (empty: all of it)."""
+    out = {STOP_AT_ENV: str(stop_at)} if stop_at is not None else {}
+    return {**out, VALIDATE_AT_ENV: ",".join(map(str, validate_at))} if validate_at else out
 
 
 @dataclass(frozen=True)

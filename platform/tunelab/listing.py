@@ -62,6 +62,8 @@ ROWS: dict[str, Callable[[bool], list[tuple[str, str]]]] = {
     "optimizers": lambda _: _registered(registries.OPTIMIZERS),
     "peft": lambda _: _registered(registries.PEFT),
     "engines": lambda _: _registered(registries.ENGINES),
+    "samplers": lambda _: _registered(registries.SAMPLERS),  # tune.sampler (docs/tuning.md)
+    "pruners": lambda _: _registered(registries.PRUNERS),
     "experiments": lambda _: _content("experiments"),
 }
 KINDS = tuple(ROWS)

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tunelab import inputs, plan
 from tunelab.config import CellConfig, world_size
 from tunelab.errors import UserError, explain, load_yaml
+from tunelab.tune.spec import TuneSpec, merged
 
 _TIME = re.compile(r"^(?:(\d+)-(\d+)(?::(\d+))?(?::(\d+))?|(\d+)(?::(\d+))?(?::(\d+))?)$")
 
@@ -114,6 +115,9 @@ class MatrixFile(BaseModel):
     exclude: list[dict[str, Any]] = Field(default_factory=list, description="drop cells matching all keys")
     seeds: list[int] | None = Field(None, min_length=1, description="run every cell with each train.seed")
     launcher: SlurmCfg = Field(default_factory=SlurmCfg, description="SLURM job settings for --launcher slurm")
+    tune: TuneSpec | None = Field(None, description="search these keys per method group with the same budget "
+                                  "(docs/tuning.md); an include entry's own `tune:` goes over it, `tune: false` "
+                                  "leaves the entry untuned")
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,12 @@ class Cell:
     slug: str
     varying: dict[str, Any] = field(default_factory=dict)
     eval_id: str = ""  # the evaluation's: config.eval.id()
+    # Not part of the cell's identity: how far this run of it may train (a search's rung: it checkpoints there
+    # and stops, tunelab.tune), where it validates on the way (its search's rungs), and what cells.json says of it
+    # besides its id (its role in a search).
+    stop_at: int | None = None
+    validate_at: tuple[int, ...] = ()
+    meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def dirname(self) -> str:
@@ -207,69 +217,137 @@ def load(path: str | Path, sets: dict[str, Any] | None = None) -> tuple[MatrixFi
     except ValidationError as e:
         raise explain(e, MatrixFile, file=path) from None
     sets = dict(sets or {})
-    if "seeds" in sets:  # the one matrix-level key --set may change (a one-seed stand-in of a study)
-        try:
-            spec = MatrixFile.model_validate({**spec.model_dump(), "seeds": sets.pop("seeds")})
-        except ValidationError as e:
-            raise explain(e, MatrixFile, file=path, where=lambda loc: "--set " + ".".join(map(str, loc))) from None
+    spec = _matrix_sets(spec, sets, path)
     cells = expand(spec, path, sets)
     inputs.check([c.config for c in cells], path)
     return spec, cells
 
 
-Combo = tuple[dict[str, Any], dict[str, str]]  # (dotted overrides, dotted key -> where in the file set it)
+def cell_sets(sets: dict[str, Any] | None) -> dict[str, Any]:
+    """The --set keys that go to every cell: all but the matrix-level ones (`seeds`, `tune.*`)."""
+    return {k: v for k, v in (sets or {}).items() if k != "seeds" and not k.startswith("tune.")}
 
 
-def _combos(spec: MatrixFile, path: Path) -> list[Combo]:
-    """The product of the axes, less the excluded combinations, plus the included cells, times the seeds."""
+def _matrix_sets(spec: MatrixFile, sets: dict[str, Any], path: Path) -> MatrixFile:
+    """The matrix-level keys --set may change (a smaller stand-in of a study): `seeds` and the keys of the
+    matrix-level `tune:` section (tune.trials, tune.min_steps, ...). They are taken out of `sets`."""
+    changes: dict[str, Any] = {}
+    if "seeds" in sets:
+        changes["seeds"] = sets.pop("seeds")
+    tune = {k.removeprefix("tune."): sets.pop(k) for k in list(sets) if k.startswith("tune.")}
+    if tune:
+        if spec.tune is None:
+            raise UserError(f"--set tune.{next(iter(tune))}: the file has no matrix-level tune: section", file=path)
+        nested = [k for k in tune if "." in k]
+        if nested:
+            raise UserError(f"--set tune.{nested[0]}: --set changes the tune section's own keys (tune.trials, "
+                            "tune.min_steps, ...), not its space", file=path)
+        changes["tune"] = {**spec.tune.model_dump(exclude_unset=True), **tune}
+    if not changes:
+        return spec
+    try:
+        return MatrixFile.model_validate({**spec.model_dump(exclude_unset=True), **changes})
+    except ValidationError as e:
+        raise explain(e, MatrixFile, file=path, where=lambda loc: "--set " + ".".join(map(str, loc))) from None
+
+
+@dataclass(frozen=True)
+class Combo:
+    """One cell of the matrix before seeds: its keys, where in the file each came from, and its search (a
+    `tune:` section applies: the combo is a method group of tunelab.tune, not a cell)."""
+
+    picks: dict[str, Any]
+    origins: dict[str, str]
+    tune: TuneSpec | None = None
+    tune_at: str = "tune"  # where its tune section is in the file
+
+
+def combos(spec: MatrixFile, path: Path) -> list[Combo]:
+    """The product of the axes, less the excluded combinations, plus the included cells (seeds not applied)."""
     for key, values in spec.matrix.items():
         if not values:
             raise UserError("an axis needs at least one value", file=path, key=f"matrix.{key}")
     axes = list(spec.matrix.items())
-    combos: list[Combo] = []
+    out: list[Combo] = []
     for chosen in itertools.product(*(v for _, v in axes)):
         picks = {k: v for (k, _), v in zip(axes, chosen)}
-        combos.append((picks, {k: f"matrix.{k}[{axes[i][1].index(v)}]" for i, (k, v) in enumerate(picks.items())}))
+        origins = {k: f"matrix.{k}[{axes[i][1].index(v)}]" for i, (k, v) in enumerate(picks.items())}
+        out.append(Combo(picks, origins, spec.tune))
     for j, ex in enumerate(spec.exclude):
         flat = flatten(ex)
         unknown = [k for k in flat if k not in spec.matrix]
         if unknown:
             raise UserError(f"keys {unknown} are not matrix axes; axes: {list(spec.matrix)}",
                             file=path, key=f"exclude[{j}]")
-        kept = [c for c in combos if not all(c[0].get(k) == v for k, v in flat.items())]
-        if len(kept) == len(combos):
+        kept = [c for c in out if not all(c.picks.get(k) == v for k, v in flat.items())]
+        if len(kept) == len(out):
             raise UserError(f"matches no cell: {flat}", file=path, key=f"exclude[{j}]")
-        combos = kept
+        out = kept
     for j, inc in enumerate(spec.include):
-        flat = flatten(inc)
-        combos.append((flat, {k: f"include[{j}].{k}" for k in flat}))
-    if not combos:
+        flat = flatten({k: v for k, v in inc.items() if k != "tune"})
+        tune, at = _include_tune(spec, inc, j, path)
+        out.append(Combo(flat, {k: f"include[{j}].{k}" for k in flat}, tune, at))
+    if not out:
         raise UserError("every cell was excluded", file=path, key="exclude")
+    return out
+
+
+def _include_tune(spec: MatrixFile, inc: dict, j: int, path: Path) -> tuple[TuneSpec | None, str]:
+    """An include entry's search: its own `tune:` over the matrix-level one, none with `tune: false`."""
+    if "tune" not in inc:
+        return spec.tune, "tune"
+    own, at = inc["tune"], f"include[{j}].tune"
+    if own is False or own is None:
+        return None, at
+    if not isinstance(own, dict):
+        raise UserError("a mapping (merged over the matrix-level tune section) or false", file=path, key=at)
+    try:
+        return TuneSpec.model_validate(merged(spec.tune, own)), at
+    except ValidationError as e:
+        raise explain(e, TuneSpec, file=path, where=lambda loc: ".".join((at, *map(str, loc)))) from None
+
+
+def _combos(spec: MatrixFile, path: Path) -> list[tuple[dict[str, Any], dict[str, str]]]:
+    """The cells' combinations: every combo that is no search (or a search's baseline), times the seeds, as
+    (dotted overrides, dotted key -> where in the file set it)."""
+    combos_ = [(c.picks, c.origins) for c in combos(spec, path) if c.tune is None or c.tune.baseline]
     if spec.seeds is None:
-        return combos
-    if any("train.seed" in c[0] for c in combos):
+        return combos_
+    if any("train.seed" in c[0] for c in combos_):
         raise UserError("set train.seed either in 'seeds' or in the matrix, not both", file=path, key="seeds")
     return [({**p, "train.seed": s}, {**o, "train.seed": f"seeds[{i}]"})
-            for p, o in combos for i, s in enumerate(spec.seeds)]
+            for p, o in combos_ for i, s in enumerate(spec.seeds)]
 
 
-def _configs(spec: MatrixFile, path: Path, combos: list[Combo], sets: dict[str, Any]) -> list[tuple[CellConfig, dict]]:
+def raw_cell(spec: MatrixFile, picks: dict[str, Any], sets: dict[str, Any] | None = None) -> dict:
+    """base, then the combo's keys, then --set (a stand-in run of a study without editing its file): the cell as
+    a raw mapping, before any check."""
+    raw = copy.deepcopy(spec.base)
+    for k, v in {**picks, **(sets or {})}.items():
+        set_dotted(raw, k, v)
+    return raw
+
+
+def checked(raw: dict, path: Path, where: dict[str, str], label: str) -> CellConfig:
+    """plan.cell_config, its problems explained against the file (`where`: dotted key -> place in the file)."""
+    try:
+        return plan.cell_config(raw)
+    except plan.Invalid as e:
+        def place(loc: tuple, o: dict[str, str] = where, lb: str = label) -> str:
+            return _origin(loc, o) if loc else lb
+
+        raise explain(e, CellConfig, file=path, where=place) from None
+
+
+def _configs(spec: MatrixFile, path: Path, combos: list[tuple[dict[str, Any], dict[str, str]]],
+             sets: dict[str, Any]) -> list[tuple[CellConfig, dict]]:
     """Each combination checked by the planner (errors name the place in the file); the same training and
     evaluation twice is one cell."""
     out, seen = [], set()
     for picks, origins in combos:
-        raw = copy.deepcopy(spec.base)
-        for k, v in {**picks, **sets}.items():  # --set: a stand-in run of a study without editing its file
-            set_dotted(raw, k, v)
         where = {**origins, **{k: f"--set {k}" for k in sets}}
         label = "cell " + ", ".join(f"{k}={v}" for k, v in picks.items()) if picks else "base"
-        try:
-            config = plan.cell_config(raw)
-        except plan.Invalid as e:
-            def place(loc: tuple, o: dict[str, str] = where, lb: str = label) -> str:
-                return _origin(loc, o) if loc else lb
-
-            raise explain(e, CellConfig, file=path, where=place) from None
+        config = checked(raw_cell(spec, picks, sets), path, where, label)
         if (config.id(), config.eval.id()) not in seen:
             seen.add((config.id(), config.eval.id()))
             out.append((config, picks))
@@ -277,14 +355,18 @@ def _configs(spec: MatrixFile, path: Path, combos: list[Combo], sets: dict[str, 
 
 
 def expand(spec: MatrixFile, path: Path, sets: dict[str, Any] | None = None) -> list[Cell]:
-    configs = _configs(spec, path, _combos(spec, path), sets or {})
+    return named(spec.name, _configs(spec, path, _combos(spec, path), sets or {}))
+
+
+def named(name: str, configs: list[tuple[CellConfig, dict]]) -> list[Cell]:
+    """Cells with their slugs and varying keys, from (config, the combo's keys)."""
     keys = list(dict.fromkeys(k for _, picks in configs for k in picks))
     values = [{k: _get(config.model_dump(mode="json"), k) for k in keys} for config, _ in configs]
     varying = [k for k in keys if len({json.dumps(v[k], sort_keys=True) for v in values}) > 1]
     varying.sort(key=lambda k: k == "train.seed")  # the seed reads best last
-    named = _slug_keys(varying, values)
+    slug_keys = _slug_keys(varying, values)
     return [Cell(config=config, id=config.id(), varying={k: vals[k] for k in varying}, eval_id=config.eval.id(),
-                 slug="-".join(_slug_part(k, vals[k]) for k in named) or spec.name)
+                 slug="-".join(_slug_part(k, vals[k]) for k in slug_keys) or name)
             for (config, _), vals in zip(configs, values)]
 
 

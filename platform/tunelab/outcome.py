@@ -13,7 +13,8 @@ from tunelab.matrix import Cell
 class Outcome:
     cell: Cell
     # done | done-elsewhere (another runner finished it) | failed | interrupted (it will resume) |
-    # skipped-done | skipped-failed | skipped-locked | skipped-queued (SLURM holds its job) | submitted | written
+    # paused (it reached its stop_at: a search's rung) | skipped-done | skipped-reached (it had reached its stop_at) |
+    # skipped-failed | skipped-locked | skipped-queued (SLURM holds its job) | submitted | written
     state: str
     error: str | None = None
 

@@ -251,6 +251,10 @@ class TaskSpec:
     stand_in: bool = False  # a smoke stand-in, not the benchmark
     average: str = "micro"  # the headline over items (micro) or the mean of per-subtask scores (macro)
     harness: Harness | None = None  # an lm-eval benchmark: how lm-eval scores it
+    # Where its items come from: a held-out "validation" split may select hyperparameters (tune.metric); a
+    # "test" set may not, unless tune.allow_test_selection says so (and then its selections are marked).
+    split: Literal["validation", "test"] = "test"
+    lower_is_better: bool = False  # the direction a search optimizes it in by default (tune.mode)
 
     def partial(self, n: int) -> bool:
         """Whether n scored items are fewer than the official test set (whatever the reason: a limit, chosen
@@ -264,7 +268,8 @@ _HARNESS = Lazy("tunelab.evals.engine:harness_task")
 _CHAIN = "exact_match", "flexible-extract"
 TASKS: Registry[TaskSpec] = Registry("task", hint=", or any lm-eval task or group (`exp ls tasks --all`), or a task "
                                      "of eval.include_path")
-TASKS.add("val_loss", TaskSpec(Lazy("tunelab.evals.engine:val_loss_task"), "validation loss of the cell's recipe"))
+TASKS.add("val_loss", TaskSpec(Lazy("tunelab.evals.engine:val_loss_task"), "validation loss of the cell's recipe",
+                               split="validation", lower_is_better=True))
 TASKS.add("humaneval", TaskSpec(Lazy("tunelab.evals.engine:humaneval_task"), "HumanEval pass@k, code run in a sandbox",
                                 official_n=164))
 TASKS.add("mmlu", TaskSpec(_HARNESS, "MMLU 5-shot accuracy (57 subjects)", official_n=14042, harness=Harness(
@@ -302,3 +307,48 @@ TASKS.add("ifeval", TaskSpec(
         builtin=True, board=True, local="ifeval", hub="google/IFEval",
         also=(("inst_level_strict_acc", "none", "inst_strict"), ("prompt_level_loose_acc", "none", "prompt_loose"),
               ("inst_level_loose_acc", "none", "inst_loose")))))
+
+# -- tuning: samplers, pruners and intermediate values of a `tune:` section (docs/tuning.md) --------------------
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    make: Lazy  # (TuneSpec, space: {key: optuna distribution}, first_round: int) -> optuna sampler
+    description: str
+    adaptive: bool = False  # learns from finished trials: sampled in rounds (tune.batch), each seeing the ones before
+    finite: bool = False  # needs a finite space (choice and int distributions only)
+
+
+SAMPLERS: Registry[SamplerSpec] = Registry("sampler")
+SAMPLERS.add("qmc", SamplerSpec(Lazy("tunelab.tune.sampling:qmc"), "scrambled Sobol points, trial by trial number"))
+SAMPLERS.add("random", SamplerSpec(Lazy("tunelab.tune.sampling:random"), "independent uniform draws (seeded)"))
+SAMPLERS.add("grid", SamplerSpec(Lazy("tunelab.tune.sampling:grid"),
+                                 "every point of a finite grid, in a seeded order", finite=True))
+SAMPLERS.add("tpe", SamplerSpec(Lazy("tunelab.tune.sampling:tpe"),
+                                "Tree-structured Parzen Estimator (seeded), fed finished rounds in trial order",
+                                adaptive=True))
+
+
+@dataclass(frozen=True)
+class PrunerSpec:
+    description: str
+    rungs: bool  # stops trials at intermediate rungs (needs tune.eta and tune.min_steps)
+
+
+PRUNERS: Registry[PrunerSpec] = Registry("pruner")
+PRUNERS.add("none", PrunerSpec("every trial trains the full budget", rungs=False))
+PRUNERS.add("halving", PrunerSpec("synchronous successive halving: the best 1/eta of a rung go on", rungs=True))
+PRUNERS.add("hyperband", PrunerSpec("Hyperband: successive-halving brackets from each rung, the trials split "
+                                    "between them", rungs=True))
+
+
+@dataclass(frozen=True)
+class IntermediateSpec:
+    value: Lazy  # (cell folder, step) -> float | None: the trial's value at a rung
+    description: str
+    lower_is_better: bool = True
+
+
+INTERMEDIATES: Registry[IntermediateSpec] = Registry("intermediate value")
+INTERMEDIATES.add("val_loss", IntermediateSpec(Lazy("tunelab.tune.objective:val_loss_at"),
+                                               "validation loss measured at the rung step"))

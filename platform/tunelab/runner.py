@@ -30,7 +30,7 @@ from rich.markup import escape
 
 from tunelab import events, slurm
 from tunelab.cellfolder import CellFolder
-from tunelab.launch import Launch, cell_command
+from tunelab.launch import STOP_AT_ENV, VALIDATE_AT_ENV, Launch, cell_command, run_env
 from tunelab.matrix import Cell
 from tunelab.matrixfolder import MatrixFolder
 from tunelab.outcome import Outcome, exit_cause
@@ -79,10 +79,13 @@ class Interrupts:
 
 
 def launch(folder: CellFolder, on_event: Callable[[events.Event], None], command: list[str],
-           held: CellLock | None = None, log_path: Path | None = None, stop: Interrupts | None = None) -> int:
+           held: CellLock | None = None, log_path: Path | None = None, stop: Interrupts | None = None,
+           cell: Cell | None = None) -> int:
     """Run the cell process; its stdout carries events (tunelab.events), its stderr goes to cell.log (or
-    `log_path`). `held`: the folder's lock, which the cell process inherits (it outlives this process if it must)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    `log_path`). `held`: the folder's lock, which the cell process inherits (it outlives this process if it must).
+    `cell`: its stop_at and validate_at go to the process (launch.run_env: a search's rungs)."""
+    env = {k: v for k, v in os.environ.items() if k not in (STOP_AT_ENV, VALIDATE_AT_ENV)}
+    env.update({"PYTHONUNBUFFERED": "1", **(run_env(cell.stop_at, cell.validate_at) if cell else {})})
     fds: tuple[int, ...] = ()
     if held is not None:
         env[LOCK_HELD_ENV], fds = str(folder.path.resolve()), (held.fileno(),)
@@ -143,6 +146,8 @@ class Runner:
         state = status.get("state")
         if state == "done" and folder.eval_done(cell.eval_id):
             return "skipped-done"
+        if cell.stop_at is not None and (status.get("paused_at") or 0) >= cell.stop_at:
+            return "skipped-reached"  # it trained that far in an earlier run (a search's rung)
         if state == "failed" and not self.rerun_failed and not _input_changed(folder, cell):
             return "skipped-failed"
         if self.how.launcher == "slurm" and state in ("pending", "running") and slurm.queued(status.get("slurm_job")):
@@ -154,12 +159,12 @@ class Runner:
         evaluate_only = folder.is_trained()
         if evaluate_only and self.how.node_rank > 0:  # evaluation runs on one process, on node 0
             return Outcome(cell, "skipped-done", None)
-        steps = cell.config.train.steps
+        steps = min(cell.stop_at or cell.config.train.steps, cell.config.train.steps)
         handle = self.view.start_cell(cell.slug, steps, steps if evaluate_only else 0)
         command = (cell_command(folder.path, 1, Launch()) if evaluate_only
                    else cell_command(folder.path, cell.world_size, self.how))
         rc = launch(folder, lambda ev: self.view.on_event(handle, ev), command, held,
-                    self.matrix.node_log(folder, self.how.node_rank), self.stop)
+                    self.matrix.node_log(folder, self.how.node_rank), self.stop, None if evaluate_only else cell)
         if self.how.node_rank > 0:  # global rank 0 lives on node 0 and owns the cell's status
             return Outcome(cell, "done" if rc == 0 else "failed", None if rc == 0 else exit_cause(rc))
         if rc == LOCKED_EXIT and held is None and folder.status().get("state") != "failed":
@@ -172,6 +177,9 @@ class Runner:
         if status.get("state") == "done":
             self.view.end_cell(handle, "[green]done")
             return Outcome(cell, "done")
+        if status.get("state") == "pending" and status.get("paused_at") is not None:  # a search's rung
+            self.view.end_cell(handle, f"[green]paused at step {status['paused_at']}")
+            return Outcome(cell, "paused")
         if status.get("state") == "pending":
             self.view.end_cell(handle, "[yellow]interrupted: resumes on the next exp run")
             return Outcome(cell, "interrupted", status.get("note") or exit_cause(rc))
@@ -181,8 +189,8 @@ class Runner:
     def claimed(self, folder: CellFolder, cell: Cell, held: CellLock, waited: bool) -> Outcome:
         """Run a cell whose lock this runner holds, unless it turned done or failed before the lock was ours."""
         skip = self.skip_reason(folder, cell, probe_lock=False)
-        if skip == "skipped-done":  # it was not when this runner looked first: another process finished it
-            self.view.say(f"{cell.dirname}: done by another process")
+        if skip in ("skipped-done", "skipped-reached"):  # not when this runner looked first: another process did it
+            self.view.say(f"{cell.dirname}: {'done' if skip == 'skipped-done' else 'paused'} by another process")
             return Outcome(cell, "done-elsewhere")
         if skip:
             self.view.say(f"[dim]{cell.dirname}: failed in another process, skipped")

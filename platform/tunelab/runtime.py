@@ -200,6 +200,15 @@ class Preempted(Exception):  # noqa: N818 - a request, not an error
         self.handled = False  # the cell process has requeued its job (SLURM) already
 
 
+class Paused(Exception):  # noqa: N818 - a planned stop, not an error
+    """Training reached the step this run was asked to stop at (a search's rung: tunelab.tune), validated there
+    and wrote that step's checkpoint; a later run continues from it exactly as if it had never stopped."""
+
+    def __init__(self, step: int):
+        super().__init__(f"paused at step {step} (checkpoint written)")
+        self.step = step
+
+
 @dataclass
 class _Stop:
     installed: bool = False

@@ -7,6 +7,7 @@ over to the code that does the work:
     data.py      data build|stats|preview          recipes
     evaluate.py  eval run|pull, chat               any model on a suite, a conversation
     export.py    export                            a cell as a Hugging Face folder
+    tune.py      tune status                       the searches of a matrix's tune: section
 
 Bad input ends in one paragraph on stderr and exit code 2 (`main`).
 """
@@ -24,7 +25,7 @@ from rich.markup import escape
 # Each group registers its commands when imported, in the order `exp --help` shows the panels.
 from tunelab.cli import run  # noqa: F401  # isort: skip
 from tunelab.cli import results, lookup, data  # noqa: F401  # isort: skip
-from tunelab.cli import evaluate, export  # noqa: F401  # isort: skip
+from tunelab.cli import evaluate, export, tune  # noqa: F401  # isort: skip
 from tunelab.cli.common import app, err  # isort: skip
 from tunelab.errors import UserError
 

@@ -104,21 +104,25 @@ def _as_json(c: Comparison) -> dict:
 
 
 def _named(arg: Path, runs_dir: Path) -> Path:
-    """A folder as given; else a matrix of the runs folder, or the cell the leaderboard names so."""
-    from tunelab.matrixfolder import resolve_cell
+    """A folder as given; else a matrix of the runs folder, a leaderboard row (runs/<matrix>/<label>, e.g. a tuned
+    group), or the cell the leaderboard names so."""
+    from tunelab.matrixfolder import MatrixFolder, resolve_cell
 
     if arg.exists() or (runs_dir / arg).is_dir():
         return arg if arg.exists() else runs_dir / arg
+    if MatrixFolder(arg.parent).index_file.is_file():  # report.compare.pairs reads the row from cells.json
+        return arg
     return resolve_cell(str(arg), "compare", runs_dir)
 
 
 @app.command("compare", rich_help_panel=INSPECT, help="Compare two cells (or two matrices, cell by cell): config, "
              "scores with paired significance tests (McNemar, paired bootstrap), training loss, memory and speed."
+             " Two leaderboard rows (runs/<matrix>/<label>, e.g. two tuned groups) are paired seed by seed."
              "\n\nExample: exp compare runs/quickstart/adamw-none runs/quickstart/adamw-lora")
 def compare_cmd(
     a: Annotated[Path, typer.Argument(help="a cell (folder, or the name the leaderboard prints) or a matrix's run "
                                            "folder")],
-    b: Annotated[Path, typer.Argument(help="the other cell (or matrix)")],
+    b: Annotated[Path, typer.Argument(help="the other cell, leaderboard row (runs/<matrix>/adamw-tuned) or matrix")],
     resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
     seed: Annotated[int, typer.Option(help="seed of the bootstrap")] = 0,
     runs_dir: RunsDir = Path("runs"),

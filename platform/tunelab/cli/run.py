@@ -30,12 +30,20 @@ def _plan_table(name: str, cells: list) -> Table:
 def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets = None, as_json: Json = False) -> None:
     """Expand a matrix file and print its cells; runs nothing."""
     from tunelab import matrix
+    from tunelab.tune import plan as tune_plan
+    from tunelab.tune import show
 
-    spec, cells = matrix.load(file, matrix.parse_sets(sets or []))
-    if as_json:
-        return print_json([{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
-                            "config": c.config.model_dump(mode="json")} for c in cells])
-    print_wide(_plan_table(spec.name, cells))
+    overrides = matrix.parse_sets(sets or [])
+    spec, cells = matrix.load(file, overrides)
+    groups = tune_plan.groups(spec, file, overrides)
+    rows = [{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
+             "config": c.config.model_dump(mode="json")} for c in cells]
+    if as_json:  # a matrix with searches: {"cells": [...], "groups": [...]}
+        return print_json({"cells": rows, "groups": show.plan_rows(groups)} if groups else rows)
+    if cells or not groups:
+        print_wide(_plan_table(spec.name, cells))
+    if groups:
+        print_wide(show.plan_table(spec.name, groups))
     from tunelab.inputs import offline_problems
     from tunelab.plan.later import run_time_checks
 
@@ -103,12 +111,14 @@ def _say_outcomes(planned, outcomes: list) -> int:
     for o in stopped:
         err.print(f"[yellow]{o.cell.dirname} stopped[/] ({escape(str(o.error))}): run again to resume it",
                   soft_wrap=True)
+    for line in planned.waiting:  # a search that cannot take its next decision yet (tunelab.tune)
+        err.print(f"[yellow]search {escape(line)}", soft_wrap=True)
     reached = {o.cell.id for o in outcomes}
     never = [c for c in planned.chosen if c.id not in reached]
     if never:
         err.print(f"[yellow]{len(never)} cell(s) not started[/] ({', '.join(c.slug for c in never)}): the same "
                   "`exp run` starts them", soft_wrap=True)
-    if failed:
+    if failed or planned.waiting:
         return 1
     return 130 if stopped or never else 0
 

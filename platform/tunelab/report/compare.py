@@ -115,8 +115,37 @@ def _record(path: Path) -> Record:
     return read(folder, {**folder.meta(), "eval_id": None})
 
 
+def _row_of(path: Path) -> list[Record] | None:
+    """runs/<matrix>/<label>: the cells of a leaderboard row (a tuned group's winner, each seed), by the row's label
+    (the slug without its seed); None when the path names no row."""
+    if path.exists() or not (path.parent / "cells.json").is_file():
+        return None
+    records = collect(path.parent)
+    return [r for r in records if path.name in (r.slug, r.slug.removesuffix(f"-s{r.config.get('train.seed')}"))]
+
+
+def _rows(a: Path, b: Path) -> list[tuple[Record, Record]] | None:
+    """Two leaderboard rows (e.g. two tuned groups: runs/M/adamw-tuned runs/M/lion-tuned), paired seed by seed."""
+    ra, rb = _row_of(a), _row_of(b)
+    if ra is None or rb is None:
+        return None
+    for path, rows in ((a, ra), (b, rb)):
+        if not rows:
+            raise UserError(f"no cell folder, and no row of {path.parent}/cells.json is labelled {path.name!r}",
+                            file=path)
+    by_seed = {r.config.get("train.seed"): r for r in rb}
+    matched = [(x, by_seed[s]) for x in ra if (s := x.config.get("train.seed")) in by_seed]
+    if not matched:
+        raise UserError(f"{a.name} and {b.name} share no seed: a paired comparison needs the same seeds")
+    return matched
+
+
 def pairs(a: Path, b: Path) -> list[tuple[Record, Record]]:
-    """Two cells, or the cells of two matrices matched on the keys both vary (refused when that is ambiguous)."""
+    """Two cells, two leaderboard rows (seed by seed), or the cells of two matrices matched on the keys both vary
+    (refused when that is ambiguous)."""
+    rows = _rows(a, b)
+    if rows is not None:
+        return rows
     for p in (a, b):
         if not p.is_dir():
             raise UserError("no such folder", file=p)

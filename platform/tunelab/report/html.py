@@ -19,9 +19,10 @@ import pandas as pd
 
 from tunelab import __version__
 from tunelab.matrixfolder import MatrixFolder
-from tunelab.report import plots, provenance
+from tunelab.report import plots, provenance, search_plots
 from tunelab.report.leaderboard import FIGURES_NOTE, to_html
 from tunelab.report.records import Record
+from tunelab.report.scores import fmt
 from tunelab.report.table import build
 
 STYLE = """
@@ -87,6 +88,30 @@ def _header(matrix_dir: Path, records: list[Record], generated: float) -> str:
             + "</p>\n")
 
 
+def _decisions(tables: list[dict]) -> list[dict]:
+    return [{"group": t["group"], "bracket": d["bracket"] + 1, "rung step": d["step"],
+             "trials (value)": ", ".join(f"t{n}: {fmt(v)}" for n, v in d["values"]),
+             "went on": ", ".join(f"t{n}" for n in d["promoted"]), "ranked by": d["by"]}
+            for t in tables for d in t.get("decisions", [])]
+
+
+def _searches(matrix_dir: Path) -> list[str]:
+    """The searches of a matrix with a tune: section: values against the searched value, the rung decisions."""
+    tables = search_plots.searches(matrix_dir)
+    if not tables:
+        return []
+    waiting = [f"{t['group']}: {t['blocked']}" for t in tables if t.get("blocked")]
+    return ["<h2>Searches</h2>",
+            '<p class="note">Each method group searched with the same budget (docs/tuning.md). Left: every trial\'s '
+            "intermediate value at each rung against the searched value (filled: it went on; hollow: pruned there); "
+            "right: the objective of the trials that trained the full budget, the chosen one starred; its "
+            "configuration is retrained with the matrix's seeds and scored in the leaderboard above.</p>",
+            _img(search_plots.search_figure(tables), "objective against the searched value, per group",
+                 "no trial has reported yet"),
+            *([f'<p class="note">Waiting: {_esc("; ".join(waiting))}</p>'] if waiting else []),
+            _table(_decisions(tables), "no rung decided yet (pruner none, or its first rung is not complete)")]
+
+
 def page(matrix_dir: Path, records: list[Record], generated: float | None = None) -> str:
     generated = time.time() if generated is None else generated
     board = build(records)
@@ -94,6 +119,7 @@ def page(matrix_dir: Path, records: list[Record], generated: float | None = None
         _header(matrix_dir, records, generated),
         f'<div class="scroll">{to_html(board, "Leaderboard")}</div>' if board.rows
         else '<h2>Leaderboard</h2>\n<p class="note">no cell has started yet</p>',
+        *_searches(matrix_dir),
         "<h2>Loss curves</h2>",
         _img(plots.loss_curves(records), "loss curves of every cell", "no cell has logged a training step yet"),
         "<h2>Memory and speed</h2>",

@@ -47,7 +47,7 @@ def frame(board: Board, bold=lambda text: text, spread: bool = True, joined: boo
             row["runs"] = r["runs"]
         for col in board.columns:
             st: Stat = r[col.name]
-            text = marked(st.mean, st.subset, st.unavailable)
+            text = marked(st.mean, st.subset, st.unavailable, st.test_selected)
             with_spread = spread and (col.kind == "score" or many) and st.spread is not None
             if joined and with_spread:
                 text = f"{text} ± {fmt(st.spread)}"

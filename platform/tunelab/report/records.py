@@ -31,6 +31,7 @@ class Record:
     train: dict = field(default_factory=dict)  # train/summary.json
     results: dict = field(default_factory=dict)  # the evaluation's results.json (provenance, versions)
     env: dict = field(default_factory=dict)
+    tune: dict = field(default_factory=dict)  # cells.json's word on its part in a search (tunelab.tune)
 
     @property
     def folder(self) -> CellFolder:
@@ -71,7 +72,7 @@ def read(f: CellFolder, meta: dict) -> Record:
     return Record(dir=f.path, slug=meta.get("slug", f.path.name), id=meta.get("id", ""), eval_id=meta.get("eval_id"),
                   varying=meta.get("varying", {}), config=flatten(f.raw_config()), state=_state(f, meta.get("eval_id")),
                   scores={t: Score.of(t, r) for t, r in (results.get("tasks") or {}).items()},
-                  train=f.summary(), results=results, env=f.env())
+                  train=f.summary(), results=results, env=f.env(), tune=meta.get("tune") or {})
 
 
 def collect(matrix_dir: Path) -> list[Record]:

@@ -63,11 +63,17 @@ def fmt(v) -> str:
     return str(v)
 
 
-def marked(value: float | None, subset: bool, unavailable: bool = False) -> str:
+TEST_SELECTED = "†"
+TEST_SELECTED_NOTE = (f"`{TEST_SELECTED}`: the configuration was chosen by its score on a test set "
+                      "(tune.allow_test_selection), so its scores are optimistic.")
+
+
+def marked(value: float | None, subset: bool, unavailable: bool = False, test_selected: bool = False) -> str:
     """A value as shown in a table cell."""
     if unavailable:
         return "unavailable"
-    return f"{fmt(value)}*" if subset and value is not None else fmt(value)
+    text = f"{fmt(value)}*" if subset and value is not None else fmt(value)
+    return f"{text}{TEST_SELECTED}" if test_selected and value is not None else text
 
 
 def wandb_key(s: Score) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 from tunelab.errors import UserError, did_you_mean
 from tunelab.registries import PEFT
 from tunelab.report.records import TRAIN_FIGURES, Record
+from tunelab.report.scores import TEST_SELECTED_NOTE
 
 SEED = "train.seed"
 
@@ -31,6 +32,7 @@ class Stat:
     unavailable: bool = False
     stand_in: bool = False
     best: bool = False
+    test_selected: bool = False  # its configuration was chosen on a test set's score (tune.allow_test_selection)
 
 
 @dataclass(frozen=True)
@@ -81,12 +83,33 @@ def _stat(values: list[float], stderrs: list, subset: bool, unavailable: bool, s
     return Stat(statistics.fmean(values), statistics.stdev(values), len(values), subset, False, stand_in)
 
 
+TUNE_KEYS = ("tuning", "tuned", "search trials", "search steps", "search best", "search median", "search worst")
+
+
+def tune_values(rec: Record) -> dict:
+    """A row's search columns: the tuned configuration, the budget it spent and the spread of its trials' objective
+    (best, median, worst of those that trained the full budget); `default` for a group's cell as written."""
+    t = rec.tune
+    if t.get("role") == "default":
+        return {"tuning": "default"}
+    if t.get("role") != "tuned":
+        return {}
+    return {"tuning": f"tuned ({t['sampler']}, {t['pruner']})",
+            "tuned": ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["tuned"].items()),
+            "search trials": f"{t['trials']} ({t['pruned']} pruned)",
+            "search steps": f"{t['search_steps']} of {t['full_steps']}",
+            **{f"search {k}": t[k] for k in ("best", "median", "worst")}}
+
+
 def _row(group: list[Record], keys: list[str], columns: list[Column], label: str) -> dict:
     done = [r for r in group if r.state == "done"]
     states = Counter(r.state for r in group)
     row = {"cell": label, "status": next(iter(states)) if len(states) == 1 else
            ", ".join(f"{n} {s}" for s, n in states.items()), "runs": len(done),
            **{k: value_of(group[0], k) for k in keys}}
+    searched = tune_values(group[0])
+    row.update({k: searched.get(k) for k in keys if k in TUNE_KEYS})
+    on_test = bool(group[0].tune.get("test_selected"))
     for col in columns:
         if col.kind == "score":
             scores = [s for r in done if (s := r.scores.get(col.source)) is not None]
@@ -95,6 +118,8 @@ def _row(group: list[Record], keys: list[str], columns: list[Column], label: str
             row[col.name] = _stat([v for v in values if v is not None],
                                   [s.stderr for s in ok] if not col.field else [], any(s.subset for s in scores),
                                   bool(scores) and not ok, any(s.stand_in for s in scores))
+            if on_test:
+                row[col.name] = Stat(**{**row[col.name].__dict__, "test_selected": True})
         else:
             vals = [float(r.train[col.source]) for r in done if isinstance(r.train.get(col.source), (int, float))]
             row[col.name] = _stat(vals, [], False, False, False)
@@ -157,12 +182,15 @@ def build(records: list[Record], *, aggregate: bool = True, by: list[str] | None
     group_keys = by or ([k for k in dict.fromkeys(k for r in records for k in r.varying) if k != SEED]
                         if aggregate else None)
     keys = by or shown_keys(records, exclude=(SEED,) if aggregate else ())
+    if any(r.tune.get("role") in ("tuned", "default") for r in records):
+        keys = [*keys, *(k for k in TUNE_KEYS if k not in keys)]
     columns = _columns(records)
     groups: dict[tuple, list[Record]] = {}
     for i, r in enumerate(records):
         gid = tuple(repr(value_of(r, k)) for k in group_keys) if group_keys is not None else (i,)
         groups.setdefault(gid, []).append(r)
-    board = Board(keys, columns, aggregated=aggregate or bool(by), notes=_model_notes(records))
+    notes = _model_notes(records) + ([TEST_SELECTED_NOTE] if any(r.tune.get("test_selected") for r in records) else [])
+    board = Board(keys, columns, aggregated=aggregate or bool(by), notes=notes)
     board.rows = [_row(g, keys, columns, _label(g, by, aggregate)) for g in groups.values()]
     _mark_best(board)
     if sort:

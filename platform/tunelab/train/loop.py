@@ -23,7 +23,7 @@ from tunelab.cellfolder import CellFolder
 from tunelab.config import CellConfig
 from tunelab.events import Emit, Resumed, Step, ignore
 from tunelab.registries import uses_engine
-from tunelab.runtime import STOP, Layout, Preempted, Runtime, precision_of, stop_agreed
+from tunelab.runtime import STOP, Layout, Paused, Preempted, Runtime, precision_of, stop_agreed
 from tunelab.store import append_jsonl, read_jsonl, write_json, write_text
 from tunelab.train import checkpoint, optim, parallel
 from tunelab.train.data import batch_tokens, label_tokens, loader
@@ -135,6 +135,10 @@ class Training:
     validate: Callable[[], float] | None  # None: no validation set
     n_params: int
     state: LoopState = field(default_factory=LoopState)
+    # Where this run stops (validated, checkpointed) and where it validates on the way (a search's rungs): neither
+    # is the cell's identity.
+    stop_at: int | None = None
+    validate_at: frozenset[int] = frozenset()
 
     @property
     def metrics_path(self) -> Path:
@@ -200,7 +204,8 @@ def _step(loop: Training, step: int, peak: float | None) -> None:
     record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens,
               "tokens_per_s": tokens / dt, "step_s": dt, "peak_mem_mb": mem,
               "mfu": mfu(loop.n_params, tokens / dt, peak)}
-    if t.eval_every and step % t.eval_every == 0 and loop.validate:
+    wanted = step == loop.stop_at or step in loop.validate_at
+    if (t.eval_every and step % t.eval_every == 0 or wanted) and loop.validate:
         st.val_loss = record["val_loss"] = loop.validate()
     if loop.runtime.is_main and (step % t.log_every == 0 or step == t.steps or "val_loss" in record):
         append_jsonl(loop.metrics_path, record)
@@ -217,16 +222,25 @@ def _checkpoint(loop: Training, step: int) -> None:
 
 def _steps(loop: Training, start: int, peak: float | None) -> None:
     """The optimizer steps; a stop signal (runtime.catch_stop_signals) ends them at a step boundary, all ranks
-    at the same one, after a checkpoint of that step."""
+    at the same one, after a checkpoint of that step. So does `stop_at` (Paused): the schedule still runs over
+    train.steps, so the steps after a pause are those of a run that never paused."""
     t = loop.cfg.train
+    last = t.steps if loop.stop_at is None else min(loop.stop_at, t.steps)
+    if loop.stop_at is not None and start > loop.stop_at and loop.stop_at < t.steps:
+        raise Paused(start - 1)  # its checkpoint is at or past the stop already
     STOP.armed = True
     try:
-        for step in range(start, t.steps + 1):
+        for step in range(start, last + 1):
             _step(loop, step, peak)
+            saved = bool(t.save_every and (step % t.save_every == 0 or step == t.steps))
             if stop_agreed(loop.runtime.layout):
-                if not (t.save_every and (step % t.save_every == 0 or step == t.steps)):
+                if not saved:
                     _checkpoint(loop, step)
                 raise Preempted(STOP.signal or "a stop signal to another process", step)
+            if step == loop.stop_at and step < t.steps:
+                if not saved:
+                    _checkpoint(loop, step)
+                raise Paused(step)
     finally:
         STOP.armed = False
 
@@ -244,15 +258,18 @@ def _gather(value: float, layout: Layout) -> list[float]:
 
 def run(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, out: CellFolder | Path, emit: Emit = ignore, *,
         runtime: Runtime | None = None, validation: Validation = Validation(),
-        weights: Deferred | None = None) -> TrainResult:
+        weights: Deferred | None = None, stop_at: int | None = None, validate_at: tuple[int, ...] = ()) -> TrainResult:
     """Every process of a layout calls this with the same model and data; only the main one writes files (into
     `out`, a cell folder). The caller has seeded the RNGs (the cell does it once). `weights`: the model is on the
-    meta device and the engine fills each process's shards from these (train/parallel/deferred.py)."""
+    meta device and the engine fills each process's shards from these (train/parallel/deferred.py). `stop_at`: validate
+    and checkpoint after that step and raise Paused; `validate_at`: validate after these steps too (neither changes a
+    loss: validation draws no random number)."""
     t = cfg.train
     folder = out if isinstance(out, CellFolder) else CellFolder(out)
     runtime = runtime or _local_runtime(model, cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     loop = _setup(model, tokenizer, datasets, cfg, folder, emit, runtime, validation, weights)
+    loop.stop_at, loop.validate_at = stop_at, frozenset(validate_at)
     peak = peak_flops(runtime.device)  # before the RNG states a checkpoint restores (a CPU may measure here)
     start, resumed_from = _resume(loop)
     model.train()

@@ -1,0 +1,160 @@
+"""`exp run` on a matrix with a `tune:` section: every group's search, stage by stage, then the winners retrained
+with the matrix's seeds, then the matrix's other cells.
+
+The groups share one schedule (the same budget), so a stage (bracket b, rung i) of every group runs as one
+batch of cells through the runner: as many cells at once as there are, for every runner on the runs folder to
+share (each takes the cells no other holds and waits for the rest). After each stage every group's values are
+read back, its decision taken, and its Optuna study and trials.json written under the study's lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from rich.console import Console
+
+from tunelab import clean, runner
+from tunelab.config import CellConfig
+from tunelab.launch import Launch
+from tunelab.matrix import Cell
+from tunelab.matrixfolder import MatrixFolder
+from tunelab.outcome import Outcome
+from tunelab.runview import view
+from tunelab.store import CellLock, Locked, lock, write_json
+from tunelab.tune import record, sampling, trials
+from tunelab.tune.plan import Group
+from tunelab.tune.search import Search
+
+
+@dataclass
+class Result:
+    outcomes: list[Outcome]  # each cell's last outcome
+    waiting: list[str] = field(default_factory=list)  # searches that cannot go on yet, and why
+
+
+@dataclass
+class _Run:
+    """One `exp run`'s runner calls, and each cell's last outcome."""
+
+    folder: MatrixFolder
+    console: Console
+    how: Launch
+    rerun_failed: bool
+    fail_fast: bool
+    last: dict[str, Outcome] = field(default_factory=dict)
+    stop: runner.Interrupts = field(default_factory=runner.Interrupts)  # one Ctrl-C stops every stage after it
+
+    def go(self, cells: list[Cell]) -> bool:
+        """Run cells (skipping what is done); False when --fail-fast or a stop signal should end everything."""
+        if self.stop.stopping:
+            return False
+        shown = view(self.console, self.folder.name, len(cells))
+        for o in runner.Runner(self.folder, shown, self.how, rerun_failed=self.rerun_failed, fail_fast=self.fail_fast,
+                               stop=self.stop).run(cells):
+            self.last[o.cell.id] = o
+        failed = self.fail_fast and any(o.state == "failed" for o in self.last.values())
+        return not (failed or self.stop.stopping)
+
+
+def run(groups: list[Group], chosen: list[Group], cells: list[Cell], plain: list[Cell], folder: MatrixFolder, *,
+        console: Console, how: Launch, rerun_failed: bool = False, fail_fast: bool = False) -> Result:
+    """Run the chosen groups' searches and winners, then the plain cells chosen. cells.json lists every plain
+    cell of the matrix and the winner of every search that has ended (those not chosen are read, not run)."""
+    mdir = folder.path
+    searches = [Search(g, mdir) for g in groups]
+    running = [s for s in searches if s.group.study in {g.study for g in chosen}]
+    write_json(mdir / "tune" / "studies.json", [{"group": g.slug, "study": g.study, "storage": g.spec.storage,
+                                                 "trials_file": f"tune/{g.study}/trials.json"} for g in groups])
+    folder.write_index(_annotated(cells, groups))  # the winners join once their searches end
+    r = _Run(folder, console, how, rerun_failed, fail_fast)
+    if not _stages(running, r):
+        return Result(list(r.last.values()))
+    _stages([s for s in searches if s not in running], None)  # read only: whatever they have done already
+    finals = {s.group.study: trials.final_cells(s.group, w.view.params, s.summary())
+              for s in searches if (w := s.winner())}
+    folder.write_index([*_annotated(cells, groups), *(c for f in finals.values() for c in f)])
+    waiting = [f"{s.group.slug}: {s.blocked}" for s in running if s.blocked]
+    ours = [c for s in running for c in finals.get(s.group.study, [])]
+    if ours and not r.go(ours):
+        return Result(list(r.last.values()), waiting)
+    r.go(plain)
+    return Result(list(r.last.values()), waiting)
+
+
+def _stages(searches: list[Search], r: _Run | None) -> bool:
+    """Every bracket and rung of the searches (they share one schedule); with r None nothing runs and nothing is
+    written: each search gets as far as its cells already are. False when --fail-fast stopped it."""
+    if not searches:
+        return True
+    brackets = searches[0].group.schedule.brackets
+    for b, bracket in enumerate(brackets):
+        live = [s for s in searches if not s.blocked]
+        for s in live:
+            s.start_bracket(b)
+        for i, step in enumerate(bracket.rungs):
+            live = [s for s in live if not s.blocked]
+            cells = [c for s in live for c in s.cells(b, i)]
+            if not cells:
+                return True
+            if r is not None:
+                r.console.print(f"[bold]tune[/]: bracket {b + 1}/{len(brackets)}, rung {i + 1} (step {step}): "
+                                f"{len(cells)} trial runs over {len(live)} group(s)", highlight=False)
+                if not r.go(cells):
+                    return False
+            for s in live:
+                s.collect(b, i)
+                s.decide(b, i)
+                if r is not None:
+                    _write_record(s, s.matrix_dir)
+                    _free_pruned(s, s.matrix_dir)
+    return True
+
+
+def _unseeded(config: CellConfig) -> str:
+    return config.model_copy(update={"train": config.train.model_copy(update={"seed": 0})}).id()
+
+
+def _annotated(plain: list[Cell], groups: list[Group]) -> list[Cell]:
+    """A group's cell as written (tune.baseline) says so in cells.json: the leaderboard's `default` row."""
+    baselines = {_unseeded(g.config): g for g in groups if g.spec.baseline}
+    out = []
+    for c in plain:
+        g = baselines.get(_unseeded(c.config))
+        out.append(replace(c, meta={"tune": {"role": "default", "group": g.slug}}) if g else c)
+    return out
+
+
+def _write_record(s: Search, mdir: Path) -> None:
+    """The study and trials.json, under the tune folder's lock (runners on one runs folder write in turn)."""
+    folder = mdir / "tune" / s.group.study
+    held = CellLock(mdir / "tune")
+    held.acquire(wait=None)
+    with held:
+        record.repair_journal(mdir)
+        storage = record.open_storage(s.spec.storage, mdir)
+        attrs = {"tunelab": {"group": s.group.slug, "varying": s.group.varying, "metric": s.spec.metric,
+                             "direction": s.spec.direction, "sampler": s.spec.sampler, "pruner": s.spec.pruner,
+                             "schedule": s.group.schedule.describe(), "full_steps": s.group.schedule.full_steps(),
+                             "planned_steps": s.group.schedule.planned_steps()},
+                 "decisions": s.decisions}
+        record.sync(storage, s.group.study, s.spec.direction, sampling.distributions(s.spec),
+                    [t.view for t in s.trials], attrs)
+        write_json(folder / "trials.json", s.table())
+
+
+def _free_pruned(s: Search, mdir: Path) -> None:
+    """A pruned trial never trains again: its rung checkpoint goes (as `exp clean` deletes: under the cell's lock,
+    renamed aside first) and its status says it was pruned; its metrics stay. A later run that asks for it again
+    starts it over and validates at the same rungs (validate_at), so nothing the search reads is lost."""
+    for t in s.trials:
+        if t.view.state != "pruned":
+            continue
+        d = MatrixFolder(mdir).folder(t.cell)
+        if d.checkpoints.is_dir():
+            clean.delete(clean.Item(d, d.path.name, d.status().get("state", "?"), d.checkpoints, 0))
+        note = f"pruned at step {t.view.pruned_at} by its search (exp tune status {mdir})"
+        if d.status().get("note") != note:
+            with contextlib.suppress(Locked), lock(d.path):
+                d.write_status("pending", note=note)

@@ -1,0 +1,161 @@
+"""Method groups of a matrix with a `tune:` section, checked at plan time.
+
+A method group is a combo of the matrix (an axis value or an include entry) that a `tune:` section applies to:
+the cells that differ only in the searched keys. Every group gets the same budget (trials x train.steps, the
+same sampler, pruner and objective), or the file is refused. Every searched key is checked by building the cell
+at each end of its range (each choice), so a bound no cell accepts is refused with its key path before anything
+runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tunelab import inputs, matrix
+from tunelab.config import CellConfig, content_id
+from tunelab.errors import UserError
+from tunelab.registries import PRUNERS
+from tunelab.tune import schedule as sched
+from tunelab.tune.spec import TuneSpec
+
+
+@dataclass(frozen=True)
+class Group:
+    slug: str
+    spec: TuneSpec
+    tune_at: str  # where its tune section is in the file: tune, or include[j].tune
+    raw: dict[str, Any]  # the cell as written (base + its keys + --set), the search seed set
+    config: CellConfig  # that cell, checked: what the group trains with the values the file gives
+    varying: dict[str, Any]  # the keys that tell the groups apart
+    seeds: tuple[int, ...]  # the winner is retrained with each; trials train with the first
+    schedule: sched.Schedule
+
+    def identity(self) -> dict[str, Any]:
+        """What decides the search's trials: the trial cell without the searched keys, and the search itself."""
+        cfg = self.config.model_dump(mode="json", exclude={"tracking"})
+        cfg["eval"] = {**cfg["eval"], "tasks": [self.spec.metric]}
+        for key in self.spec.space:
+            _pop_dotted(cfg, key)
+        search = self.spec.model_dump(mode="json", exclude={"storage", "baseline"})
+        return {"cell": cfg, "search": search}
+
+    @property
+    def study(self) -> str:
+        """The Optuna study's name: readable, and new whenever what decides the trials changes."""
+        return f"{self.slug}-{content_id(self.identity())}"
+
+
+def _pop_dotted(d: dict, key: str) -> None:
+    *parents, last = key.split(".")
+    for p in parents:
+        nxt = d.get(p)
+        d = nxt if isinstance(nxt, dict) else {}
+    d.pop(last, None)
+
+
+@dataclass(frozen=True)
+class _Tuned:
+    """A combo a tune: section applies to, with its section, its raw cell and that cell checked."""
+
+    combo: matrix.Combo
+    spec: TuneSpec
+    raw: dict[str, Any]
+    config: CellConfig
+
+
+def groups(spec: matrix.MatrixFile, path: Path, sets: dict[str, Any] | None = None) -> list[Group]:
+    """The method groups of a matrix file (none without a `tune:` section); bad sections raise UserError. `spec`
+    is matrix.load's (with --set's matrix-level keys applied); `sets` every --set."""
+    built: list[_Tuned] = []
+    seen: set[str] = set()
+    for combo in matrix.combos(spec, path):
+        if combo.tune is None:
+            continue
+        raw, config = _group_cell(spec, combo, combo.tune, path, matrix.cell_sets(sets))
+        key = content_id({"cell": _without(config, combo.tune), "tune": combo.tune.model_dump(mode="json")})
+        if key not in seen:  # two combos that differ only in searched keys (the base, an include) are one group
+            seen.add(key)
+            built.append(_Tuned(combo, combo.tune, raw, config))
+    if not built:
+        return []
+    _same_budget(built, path)
+    inputs.check([t.config for t in built], path)
+    cells = [(t.config, {k: v for k, v in t.combo.picks.items() if k not in t.spec.space}) for t in built]
+    out = []
+    for t, cell in zip(built, matrix.named(spec.name, cells)):
+        seeds = tuple(spec.seeds) if spec.seeds is not None else (t.config.train.seed,)
+        out.append(Group(cell.slug, t.spec, t.combo.tune_at, t.raw, t.config, cell.varying, seeds,
+                         _schedule(t.spec, t.config, path, t.combo.tune_at)))
+    return out
+
+
+def _without(config: CellConfig, spec: TuneSpec) -> dict:
+    dump = config.model_dump(mode="json")
+    for key in spec.space:
+        _pop_dotted(dump, key)
+    return dump
+
+
+def _group_cell(spec: matrix.MatrixFile, combo: matrix.Combo, tune: TuneSpec, path: Path,
+                sets: dict[str, Any]) -> tuple[dict, CellConfig]:
+    """The group's cell as written (at the search seed), and every searched key checked at its bounds."""
+    at = combo.tune_at
+    for key in tune.space:
+        if key in spec.matrix:
+            raise UserError(f"{key} is a matrix axis and searched by {at}.space: search it, or list its values",
+                            file=path, key=f"{at}.space.{key}")
+        if key in sets:
+            raise UserError(f"--set {key}: the key is searched by {at}.space", file=path, key=f"{at}.space.{key}")
+    picks = dict(combo.picks)
+    if spec.seeds is not None:
+        if "train.seed" in picks:
+            raise UserError("set train.seed either in 'seeds' or in the matrix, not both", file=path, key="seeds")
+        picks["train.seed"] = spec.seeds[0]
+    raw = matrix.raw_cell(spec, picks, sets)
+    where = {**combo.origins, "train.seed": "seeds[0]", **{k: f"--set {k}" for k in sets}}
+    label = "cell " + ", ".join(f"{k}={v}" for k, v in combo.picks.items()) if combo.picks else "base"
+    config = matrix.checked(raw, path, where, label)
+    for key, dist in tune.space.items():
+        for value in dist.values():
+            probe = copy.deepcopy(raw)
+            matrix.set_dotted(probe, key, value)
+            matrix.checked(probe, path, {**where, key: f"{at}.space.{key} (at {json.dumps(value)})"}, label)
+    if PRUNERS[tune.pruner].rungs and not config.train.resume:
+        raise UserError(f"pruner {tune.pruner} continues promoted trials from their rung checkpoints: "
+                        "train.resume must stay true", file=path, key=f"{at}.pruner")
+    return raw, config
+
+
+def _same_budget(built: list[_Tuned], path: Path) -> None:
+    """Every group gets the same budget: the same trials, steps, sampler, pruner and objective."""
+    first = built[0]
+    for t in built[1:]:
+        for key, value in t.spec.budget().items():
+            if value != first.spec.budget()[key]:
+                raise UserError(f"{key} {value!r} differs from {first.combo.tune_at}.{key} "
+                                f"{first.spec.budget()[key]!r}: every method group gets the same budget "
+                                "(only the space may differ)", file=path, key=f"{t.combo.tune_at}.{key}")
+        if t.config.train.steps != first.config.train.steps:
+            raise UserError(f"train.steps {t.config.train.steps} differs from {first.config.train.steps} in another "
+                            "tuned group: every method group gets the same budget (trials x train.steps)",
+                            file=path, key=t.combo.tune_at)
+
+
+def _schedule(tune: TuneSpec, config: CellConfig, path: Path, at: str) -> sched.Schedule:
+    try:
+        return sched.build(tune.pruner, tune.trials, config.train.steps, eta=tune.eta or 3,
+                           min_steps=tune.min_steps, batch=tune.rounds_batch)
+    except sched.ScheduleError as e:
+        raise UserError(str(e), file=path, key=f"{at}.min_steps" if tune.min_steps else f"{at}.pruner") from None
+
+
+def select(groups_: list[Group], only: str | None) -> list[Group]:
+    """`exp run --only GLOB` for groups: by their slug (or their study's name)."""
+    if not only:
+        return groups_
+    return [g for g in groups_ if fnmatch.fnmatch(g.slug, only) or fnmatch.fnmatch(g.study, only)]

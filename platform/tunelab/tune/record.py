@@ -1,0 +1,182 @@
+"""The Optuna study of a search: where `optuna-dashboard` and `exp tune status` read it.
+
+It is a record, written from what the cells say: the driver syncs it after every rung (trials created in number
+order with their points, intermediate values at the rungs, pruned and complete states, each rung's decision as a
+study attribute). Everything in it follows from the matrix file and the cell folders, so writing it again
+changes nothing, and two runners writing it at once (under the study's lock in the runs folder) write the same.
+
+Storage: `journal` (default) is an Optuna journal file, runs/<matrix>/tune/optuna.journal (`optuna-dashboard
+runs/<matrix>/tune/optuna.journal` opens it live); `postgresql://user@host:port/db` (or `sqlite:///file`) an
+Optuna RDB storage, shared by every node of a cluster.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import optuna
+from optuna.distributions import BaseDistribution
+from optuna.storages import BaseStorage
+from optuna.storages.journal import JournalFileOpenLock
+from optuna.trial import FrozenTrial, TrialState, create_trial
+
+from tunelab.errors import UserError
+
+JOURNAL = "optuna.journal"
+STATES = {"waiting": TrialState.RUNNING, "pruned": TrialState.PRUNED, "complete": TrialState.COMPLETE,
+          "failed": TrialState.FAIL}
+
+
+@dataclass
+class TrialView:
+    """One trial as the search knows it (tunelab's trial number is Optuna's)."""
+
+    number: int
+    bracket: int
+    params: dict[str, Any]
+    cell: str  # the cell id
+    intermediate: dict[int, float] = field(default_factory=dict)
+    state: str = "waiting"  # waiting (in the search, not finished) | pruned | complete | failed (no usable value)
+    value: float | None = None
+    reached: int = 0  # steps trained
+    pruned_at: int | None = None
+    note: str = ""
+
+
+def shown_url(url: str) -> str:
+    """A storage URL without its password, for messages and files."""
+    return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
+
+
+class _KernelLock(JournalFileOpenLock):
+    """The journal's writer lock as a flock: the kernel frees it when its holder dies however it dies (kill -9),
+    where Optuna's file locks stay behind for their 30 s grace period. (A subclass of a public lock: Optuna
+    keeps the base class private.)"""
+
+    def __init__(self, path: Path) -> None:  # noqa: super().__init__ would set up the lock file this one replaces
+        self._path: Path = path
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> bool:
+        f = self._path.open("a")
+        fcntl.flock(f, fcntl.LOCK_EX)
+        self._file = f
+        return True
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def repair_journal(matrix_dir: Path) -> None:
+    """Cut a journal line a kill tore (no newline at its end), as Optuna's reader would skip it: the next record
+    must not run into it. Called by the only writer, under the tune folder's lock."""
+    path = matrix_dir / "tune" / JOURNAL
+    if path.is_file() and path.stat().st_size:
+        data = path.read_bytes()
+        if not data.endswith(b"\n"):
+            with path.open("r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+
+
+def open_storage(url: str, matrix_dir: Path) -> BaseStorage:
+    """The study storage of a `tune.storage` value; UserError when it cannot be reached."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if url == "journal":
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+        path = matrix_dir / "tune" / JOURNAL
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(str(path), lock_obj=_KernelLock(path.with_name(JOURNAL + ".lock"))))
+    try:
+        return optuna.storages.RDBStorage(url)
+    except Exception as e:  # noqa: BLE001 - a driver, a refused connection, a bad URL: one message
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise UserError(f"tune.storage {shown_url(url)}: cannot open the study storage ({first}); is the server "
+                        "running and the database created? (postgresql:// needs psycopg: pip install "
+                        "'psycopg[binary]'; postgresql+psycopg2:// needs psycopg2)") from None
+
+
+def study_id(storage: BaseStorage, name: str, direction: str) -> int:
+    try:
+        return storage.get_study_id_from_name(name)
+    except KeyError:
+        pass
+    try:
+        return storage.create_new_study([optuna.study.StudyDirection[direction.upper()]], name)
+    except optuna.exceptions.DuplicatedStudyError:  # another node created it a moment ago
+        return storage.get_study_id_from_name(name)
+
+
+def sync(storage: BaseStorage, name: str, direction: str, space: dict[str, BaseDistribution],
+         views: list[TrialView], attrs: dict[str, Any]) -> None:
+    """Make the study say what `views` say: missing trials created in number order, missing intermediate values
+    added, finished states set once. A stored trial that contradicts the views (another point, another end) is an
+    error: the study was written by another version of the search."""
+    sid = study_id(storage, name, direction)
+    stored = {t.number: t for t in storage.get_all_trials(sid, deepcopy=False)}
+    for view in sorted(views, key=lambda v: v.number):
+        trial = stored.get(view.number) or _create(storage, sid, view, space)
+        _check_same(trial, view, name)
+        if trial.state.is_finished():  # Optuna keeps a finished trial as it is
+            continue
+        for step, value in sorted(view.intermediate.items()):
+            if step not in trial.intermediate_values:
+                storage.set_trial_intermediate_value(trial._trial_id, step, value)
+        _finish(storage, trial, view)
+    for key, value in attrs.items():
+        storage.set_study_user_attr(sid, key, value)
+
+
+def _create(storage: BaseStorage, sid: int, view: TrialView, space: dict[str, BaseDistribution]) -> FrozenTrial:
+    template = create_trial(state=TrialState.RUNNING, params=view.params,
+                            distributions={k: space[k] for k in view.params},
+                            user_attrs={"cell": view.cell, "bracket": view.bracket})
+    trial = storage.get_trial(storage.create_new_trial(sid, template_trial=template))
+    if trial.number != view.number:
+        raise UserError(f"study {trial.number}: trial {view.number} was stored as number {trial.number}: the study "
+                        "was written by something other than this search; delete it or rename the matrix")
+    return trial
+
+
+def _check_same(trial: FrozenTrial, view: TrialView, name: str) -> None:
+    if trial.params != view.params:
+        raise UserError(f"study {name}: trial {view.number} is stored with {trial.params}, but this search samples "
+                        f"{view.params} (another Optuna version, or an edited study)")
+    want = STATES[_state(view)]
+    # A waiting view is only behind the record (this pass has not reached the trial's end yet); an end is an end.
+    if trial.state.is_finished() and view.state != "waiting" and trial.state != want:
+        raise UserError(f"study {name}: trial {view.number} is stored {trial.state.name}, but its cell says "
+                        f"{want.name}")
+
+
+def _state(view: TrialView) -> str:
+    """A complete trial whose objective is not a number (a diverged run) is a failed one to Optuna."""
+    if view.state == "complete" and (view.value is None or math.isnan(view.value)):
+        return "failed"
+    return view.state
+
+
+def _finish(storage: BaseStorage, trial: FrozenTrial, view: TrialView) -> None:
+    state = _state(view)
+    storage.set_trial_user_attr(trial._trial_id, "reached", view.reached)
+    if view.note:
+        storage.set_trial_user_attr(trial._trial_id, "note", view.note)
+    if view.pruned_at is not None:
+        storage.set_trial_user_attr(trial._trial_id, "pruned_at", view.pruned_at)
+    if state == "waiting":
+        return
+    values = [view.value] if state == "complete" and view.value is not None else None
+    storage.set_trial_state_values(trial._trial_id, STATES[state], values)
+
+
+def load(storage: BaseStorage, name: str) -> tuple[dict[str, Any], list[FrozenTrial]]:
+    """(study user attributes, trials) of a stored study."""
+    sid = storage.get_study_id_from_name(name)
+    return storage.get_study_user_attrs(sid), storage.get_all_trials(sid)

@@ -1,0 +1,43 @@
+"""What `exp plan` prints of a matrix's searches before anything runs: the method groups, their space, the
+trials and the compute budget (steps of the schedule, of the same trials unpruned, and of retraining)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+from tunelab.tune.plan import Group
+
+
+def budget(g: Group) -> dict[str, Any]:
+    """Optimizer steps the search plans to train, what the same trials would train unpruned, and the winner's
+    retraining (its first seed is the winning trial itself: evaluated, not trained again)."""
+    return {"trials": g.spec.trials, "steps_per_trial": g.schedule.full, "search_steps": g.schedule.planned_steps(),
+            "full_search_steps": g.schedule.full_steps(), "retrain_steps": (len(g.seeds) - 1) * g.schedule.full,
+            "baseline_steps": len(g.seeds) * g.schedule.full if g.spec.baseline else 0}
+
+
+def space_text(g: Group) -> str:
+    return ", ".join(f"{k} {d.kind} {list(d.values())}" for k, d in g.spec.space.items())
+
+
+def plan_rows(groups: list[Group]) -> list[dict[str, Any]]:
+    return [{"group": g.slug, "study": g.study, "varying": g.varying, "space": space_text(g),
+             "sampler": g.spec.sampler, "pruner": g.spec.pruner, "metric": g.spec.metric,
+             "direction": g.spec.direction, "schedule": g.schedule.describe(), "seeds": list(g.seeds),
+             "storage": g.spec.storage, **budget(g)} for g in groups]
+
+
+def plan_table(name: str, groups: list[Group]) -> Table:
+    total = sum(b["search_steps"] + b["retrain_steps"] + b["baseline_steps"] for b in map(budget, groups))
+    table = Table(title=f"{name}: {len(groups)} method groups searched with the same budget, {total} optimizer "
+                        "steps in all", title_justify="left")
+    for col in ("group", "space", "search", "schedule (rung steps: trials)", "steps", "unpruned", "retrain"):
+        table.add_column(col, justify="right" if col in ("steps", "unpruned", "retrain") else "left")
+    for g, b in zip(groups, map(budget, groups)):
+        table.add_row(g.slug, space_text(g), f"{g.spec.trials} trials, {g.spec.sampler}, {g.spec.pruner}, "
+                      f"{g.spec.direction} {g.spec.metric}", g.schedule.describe(), str(b["search_steps"]),
+                      f"{b['full_search_steps']} ({g.spec.trials} x {g.schedule.full})",
+                      f"{b['retrain_steps']} ({len(g.seeds)} seed{'s' * (len(g.seeds) != 1)})")
+    return table

@@ -1,0 +1,55 @@
+"""`exp tune status runs/<matrix>`: each search as its Optuna study says, with what its cells are doing now."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from optuna.trial import FrozenTrial, TrialState
+
+from tunelab.errors import UserError
+from tunelab.matrixfolder import MatrixFolder
+from tunelab.store import read_json
+from tunelab.tune import record
+
+STATE = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "failed",
+         TrialState.RUNNING: "waiting", TrialState.WAITING: "waiting"}
+
+
+def trial_row(matrix_dir: Path, t: FrozenTrial) -> dict[str, Any]:
+    """One trial: its point, where it stands, its values; `waiting` turns `running` while a process holds its cell."""
+    state = STATE.get(t.state, t.state.name.lower())
+    cell = t.user_attrs.get("cell")
+    d = MatrixFolder(matrix_dir).find(cell) if cell else None
+    if state == "waiting" and d is not None and d.is_locked():
+        state = "running"
+    return {"number": t.number, "bracket": t.user_attrs.get("bracket"), "params": t.params, "state": state,
+            "intermediate": {int(k): v for k, v in sorted(t.intermediate_values.items())},
+            "value": t.value, "reached": t.user_attrs.get("reached", 0), "pruned_at": t.user_attrs.get("pruned_at"),
+            "note": t.user_attrs.get("note"), "cell": cell, "dir": str(d.path) if d else None}
+
+
+def study_row(matrix_dir: Path, entry: dict[str, Any]) -> dict[str, Any]:
+    storage = record.open_storage(entry["storage"], matrix_dir)
+    try:
+        attrs, stored = record.load(storage, entry["study"])
+    except KeyError:  # listed, but its first stage has not ended yet
+        attrs, stored = {}, []
+    info = attrs.get("tunelab") or {}
+    rows = [trial_row(matrix_dir, t) for t in stored]
+    done = [r for r in rows if r["state"] == "complete" and r["value"] is not None]
+    best = (max if info.get("direction") == "maximize" else min)(done, key=lambda r: r["value"], default=None)
+    count = {s: sum(r["state"] == s for r in rows) for s in ("complete", "pruned", "failed", "running", "waiting")}
+    return {"group": entry["group"], "study": entry["study"], "storage": record.shown_url(entry["storage"]),
+            "metric": info.get("metric"), "schedule": info.get("schedule"), "trials": rows, **count,
+            "best": best and {"number": best["number"], "value": best["value"], "params": best["params"]},
+            "steps": sum(r["reached"] or 0 for r in rows), "planned_steps": info.get("planned_steps"),
+            "full_steps": info.get("full_steps"), "decisions": attrs.get("decisions", [])}
+
+
+def collect(matrix_dir: Path) -> list[dict[str, Any]]:
+    index = read_json(matrix_dir / "tune" / "studies.json")
+    if index is None:
+        raise UserError("no searches here (no tune/studies.json): `exp run` a matrix with a tune: section first",
+                        file=matrix_dir)
+    return [study_row(matrix_dir, entry) for entry in index]
