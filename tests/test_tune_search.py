@@ -24,7 +24,8 @@ from conftest import write
 from postgres_server import server
 from processes import attempts, kill_group, run_exp, start_exp, wait_for
 
-from tunelab.store import is_locked, lock_holder, read_json, read_jsonl, read_status
+from tunelab.cellfolder import CellFolder
+from tunelab.store import is_locked, lock_holder, read_json, read_jsonl
 
 MATRIX = """name: ts
 base:
@@ -95,7 +96,7 @@ def test_each_group_searched_with_the_same_budget_and_decided_by_its_rung(ref):
             steps = [r["step"] for r in read_jsonl(d / "train" / "metrics.jsonl")]
             assert steps == list(range(1, t["reached"] + 1))  # every step once, across the pause
             if not promoted:  # stopped at its rung; its checkpoint freed (it never trains again)
-                assert read_status(d)["paused_at"] == 2 and not (d / "checkpoints").exists()
+                assert CellFolder(d).status()["paused_at"] == 2 and not (d / "checkpoints").exists()
         assert s["best"]["value"] == trials[decision["promoted"][0]]["value"]
     # Both groups searched the same points: the sampler's seed, not the group, decides them.
     assert [t["params"] for t in studies["none"]["trials"]] == [t["params"] for t in studies["lora"]["trials"]]
@@ -178,7 +179,7 @@ def test_two_runners_one_killed_mid_search_end_with_the_same_trial_table(ref, tm
 
     def held_by_a():
         for d in runs.joinpath("ts").glob("lora-t*"):
-            if is_locked(d) and f"pid {a.pid} " in lock_holder(d) and read_status(d).get("state") == "running":
+            if is_locked(d) and f"pid {a.pid} " in lock_holder(d) and CellFolder(d).status().get("state") == "running":
                 return d
         return None
 
