@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tunelab.matrix import Cell
-from tunelab.registries import INTERMEDIATES, TASKS
 from tunelab.cellfolder import CellFolder
+from tunelab.matrix import Cell
 from tunelab.matrixfolder import MatrixFolder
+from tunelab.registries import INTERMEDIATES, TASKS
 from tunelab.tune import sampling, trials
 from tunelab.tune.objective import final_value, is_number
 from tunelab.tune.plan import Group
