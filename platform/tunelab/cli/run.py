@@ -47,9 +47,10 @@ def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets =
     from tunelab.inputs import offline_problems
     from tunelab.plan.later import run_time_checks
 
-    for line in offline_problems([c.config for c in cells]):
+    configs = [c.config for c in cells] + [g.config for g in groups]  # a search's trials are its group's cell
+    for line in offline_problems(configs):
         err.print(f"[yellow]cannot run on this machine:[/] {escape(line)}", highlight=False, soft_wrap=True)
-    for line in run_time_checks([c.config for c in cells]):
+    for line in run_time_checks(configs):
         out.print(f"[dim]checked when the cells run: {escape(line)}", highlight=False, soft_wrap=True)
 
 

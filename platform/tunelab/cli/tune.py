@@ -8,7 +8,6 @@ import typer
 from rich.table import Table
 
 from tunelab.cli.common import INSPECT, Json, MatrixDir, app, print_json, print_wide
-from tunelab.errors import UserError
 from tunelab.report.scores import fmt
 
 tune_app = typer.Typer(no_args_is_help=True)
@@ -53,11 +52,10 @@ def status_cmd(
 ) -> None:
     """Each search of a matrix: trials done, pruned, running and waiting, the best so far, steps spent of the
     schedule's plan (read from its Optuna study; `optuna-dashboard runs/<matrix>/tune/optuna.journal` shows it live)."""
+    from tunelab.matrixfolder import open_matrix
     from tunelab.tune.status import collect
 
-    if not matrix_dir.is_dir():
-        raise UserError("no such run folder", file=matrix_dir)
-    rows = collect(matrix_dir)
+    rows = collect(open_matrix(matrix_dir, "tune status").path)
     if as_json:
         return print_json(rows)
     print_wide(_studies_table(f"{matrix_dir.name}: searches", rows))
