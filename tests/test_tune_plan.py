@@ -129,6 +129,33 @@ def test_a_test_set_objective_is_allowed_when_asked_and_marked(cli, tmp_path):
     assert {g["direction"] for g in got["groups"]} == {"maximize"}
 
 
+
+def test_scores_a_test_set_selected_are_marked_in_every_format_and_the_provenance(tmp_path):
+    """The leaderboard reads a winner's part in its search from cells.json (Record.tune): a configuration chosen on a
+    test set's score carries the mark in every format, its note says why, and the report's provenance marks it."""
+    from tunelab.report import leaderboard
+    from tunelab.report.provenance import score_rows
+    from tunelab.report.records import Record
+    from tunelab.report.scores import TEST_SELECTED, Score
+    from tunelab.report.table import build
+
+    score = Score.of("gsm8k_smoke", {"metric": "em_strict", "value": 0.25, "n": 8})
+    summary = {"sampler": "qmc", "pruner": "halving", "tuned": {"optim.lr": 1e-4}, "trials": 4, "pruned": 2,
+               "search_steps": 10, "full_steps": 24, "best": 0.3, "median": 0.25, "worst": 0.1}
+    records = [Record(tmp_path / slug, slug, slug, "e", {"optim.name": name}, {"optim.name": name}, "done",
+                      {"gsm8k_smoke": score}, tune={"role": "tuned", "test_selected": on, **summary})
+               for slug, name, on in (("adamw-tuned", "adamw", True), ("lion-tuned", "lion", False))]
+    board = build(records)
+    md, csv, tex, js = (leaderboard.render(board, f, "t") for f in ("md", "csv", "latex", "json"))
+    assert "0.25" + TEST_SELECTED in md and "chosen by its score on a test set" in md
+    assert csv.count("test-selected") == 1 and "0.25" + TEST_SELECTED in tex
+    rows = {r["optim.name"]: r for r in json.loads(js)["rows"]}
+    assert [rows[c]["columns"]["gsm8k_smoke em_strict"]["test_selected"] for c in ("adamw", "lion")] == [True, False]
+    assert rows["adamw"]["tuned"] == "optim.lr=0.0001" and rows["adamw"]["search trials"] == "4 (2 pruned)"
+    shown = {r["cell"]: r["value"] for r in score_rows(records)}
+    assert shown == {"adamw-tuned": "0.25" + TEST_SELECTED, "lion-tuned": "0.25"}
+
+
 def test_rungs_halving_and_hyperband_budgets():
     assert schedule.rung_steps(60, 3, 6) == (7, 20, 60)  # 60 / 9 rounded: the first rung is at least min_steps
     assert schedule.rung_steps(60, 3, 7) == (20, 60)

@@ -17,7 +17,7 @@ import pandas as pd
 from rich.table import Table
 
 from tunelab.report.records import collect
-from tunelab.report.scores import MARKS, fmt, marked
+from tunelab.report.scores import MARKS, TEST_SELECTED, fmt, marked
 from tunelab.report.table import Board, Stat, build
 from tunelab.store import write_text
 
@@ -69,7 +69,8 @@ def to_csv(board: Board) -> str:
         for col in board.columns:
             st: Stat = r[col.name]
             marks = [m for m, on in (("subset", st.subset), ("stand-in", st.stand_in),
-                                      ("unavailable", st.unavailable), ("best", st.best)) if on]
+                                      ("unavailable", st.unavailable), ("best", st.best),
+                                      ("test-selected", st.test_selected)) if on]
             row |= {col.name: st.mean, f"{col.name} ±": st.spread, f"{col.name} marks": " ".join(marks)}
         out.append(row)
     return pd.DataFrame(out).to_csv(index=False)
@@ -110,10 +111,14 @@ def to_json(board: Board) -> str:
     return json.dumps({"rows": rows, "spread": board.spread_kind, "note": note(board)}, indent=2, default=str)
 
 
+def _md_bold(text: str) -> str:
+    value = text.rstrip("*" + TEST_SELECTED)
+    return f"**{value}**" + text[len(value):].replace("*", "\\*")
+
+
 def render(board: Board, fmt_name: str, title: str) -> str:
-    if fmt_name == "md":  # the subset mark stays outside the bold markers, escaped
-        table = frame(board, bold=lambda t: f"**{t[:-1]}**\\*" if t.endswith("*") else f"**{t}**").to_markdown(
-            index=False, tablefmt="pipe")
+    if fmt_name == "md":  # the marks stay outside the bold markers, the subset's escaped
+        table = frame(board, bold=_md_bold).to_markdown(index=False, tablefmt="pipe")
         return f"# {title}\n\n{table}\n\n{note(board)}\n"
     if fmt_name == "csv":
         return to_csv(board)

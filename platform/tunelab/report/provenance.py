@@ -57,7 +57,8 @@ def score_rows(records: list[Record]) -> list[dict]:
             res = tasks.get(task, {})
             rows.append({
                 "cell": r.slug, "state": r.state, "task": task, "metric": s.metric,
-                "value": marked(s.value, s.subset, not s.ok), "±": fmt(s.stderr), "n": str(s.n),
+                "value": marked(s.value, s.subset, not s.ok, bool(r.tune.get("test_selected"))), "±": fmt(s.stderr),
+                "n": str(s.n),
                 "marks": marks(s), "shots": _shots(res.get("shots")), "task version": fmt(res.get("task_version")),
                 "prompt hash": res.get("prompt_hash") or "-", "harness": _harness(res, versions),
                 "data source": res.get("data_source") or "-", "eval id": r.eval_id or "-",
