@@ -1,8 +1,8 @@
 """tunelab's evaluation engine vs lm-eval's `hf` model, same model, same data, same prompts, in one run.
 
     python benchmarks/eval_speed.py --task mmlu|gsm8k|bbh|humaneval [--data-dir DIR] [--limit L]
-        [--subsets N] [--batch-size B] [--peer-batch-sizes 1,8,16] [--max-new-tokens N] [--threads T]
-        [--row-quantum Q]
+        [--subsets N] [--batch-size B] [--peer-batch-sizes 1,8,16] [--tunelab-runs once|interleaved]
+        [--max-new-tokens N] [--threads T] [--row-quantum Q]
 
 tunelab: the model loaded once, then `evals.run` with tunelab's task definitions (`SharedPrefixLM`:
 few-shot prefixes run once; generation on tunelab's decoding engine) or, for HumanEval,
@@ -12,6 +12,9 @@ bbh_cot_fewshot_*) pointed at the same local files; for HumanEval (lm-eval's tas
 dataset and executes code unsandboxed) HFLM's own `generate_until` on the same prompts and stop
 sequences. Both timings include loading the model; HumanEval's cover loading and generation (the sandboxed
 scoring is the same code for both and runs afterwards).
+
+tunelab runs before every lm-eval run and once after the last (`--tunelab-runs interleaved`, the default), so
+that a change in the machine's load hits both sides; its median time is compared.
 
 Prints items, seconds, items/s and the score of every run, the ratio against the fastest lm-eval batch
 size, whether the scores are identical, and for generation tasks the parity of the generated strings
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -39,6 +43,19 @@ def load_model(name: str):
     from tunelab.config import ModelCfg
 
     return models.load(ModelCfg(name=name, dtype="float32", attn="sdpa"))
+
+
+def warm_imports() -> None:
+    """Import what either side's timed code imports on first use, before any timing: the first run would pay
+    for it otherwise (tunelab's runs first)."""
+    import lm_eval  # noqa: F401
+    import lm_eval.evaluator  # noqa: F401
+    import lm_eval.models.huggingface  # noqa: F401
+    import lm_eval.tasks  # noqa: F401
+
+    import tunelab.evals.engine  # noqa: F401
+    import tunelab.evals.harness  # noqa: F401
+    import tunelab.evals.lm  # noqa: F401
 
 
 # -- tunelab ------------------------------------------------------------------------------------------
@@ -65,14 +82,16 @@ def tunelab_run(args, subsets: list[str]) -> dict:
                   max_new_tokens=args.max_new_tokens)
     result = evals.run(model, tok, cfg, evals.Context(out_dir=args.out))["tasks"][args.task]
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    raw = {}
+    raw, items = {}, {}
     for line in (args.out / "samples.jsonl").read_text().splitlines():
         r = json.loads(line)
         if "raw" in r:
             raw[(r["subtask"] if args.task == "bbh" else args.task, r["doc_id"])] = r["raw"]
+        if args.task == "mmlu":  # (right or not, the log-likelihood of each answer)
+            items[(r["subtask"], r["doc_id"])] = (r["acc"], [x[0] for x in r["response"]])
     # mmlu's headline is weighted by subject size, bbh's the macro average over tasks: as lm-eval's groups
     return {"seconds": seconds, "cpu": cpu, "n": result["n"], "score": result["value"], "raw": raw,
-            "model": (model, tok)}
+            "items": items, "model": (model, tok)}
 
 
 def pass_at_1(problems: list[dict], completions: list[str]) -> float:
@@ -136,14 +155,16 @@ def peer_run(args, subsets: list[str], batch_size: int) -> dict:
         score = sum(values.values()) / len(values)
     else:
         score = sum(values[t] * counts[t] for t in names) / sum(counts.values())
-    raw, contexts = {}, {}
+    raw, contexts, items = {}, {}, {}
     for t, subset in names.items():
         for s in out["samples"][t]:
+            key = (subset, s["doc_id"])
             if isinstance(s["resps"][0][0], str):
-                key = (subset, s["doc_id"])
                 raw[key], contexts[key] = s["resps"][0][0], s["arguments"][0]
+            elif args.task == "mmlu":
+                items[key] = (s["acc"], [r[0][0] for r in s["resps"]])
     return {"seconds": seconds, "cpu": cpu, "n": sum(counts.values()), "score": score, "raw": raw,
-            "contexts": contexts}
+            "contexts": contexts, "items": items}
 
 
 def peer_humaneval(args, model_args: dict, batch_size: int) -> dict:
@@ -212,7 +233,7 @@ def subsets_for(args) -> list[str]:
     return []
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", choices=["mmlu", "gsm8k", "bbh", "humaneval"], default="mmlu")
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -225,8 +246,11 @@ def main() -> None:
                     help="the first N MMLU subjects / BBH tasks, alphabetical (default: mmlu 57, bbh 8)")
     ap.add_argument("--batch-size", type=int, default=16, help="tunelab's batch size")
     ap.add_argument("--peer-batch-sizes", default=None,
-                    help="lm-eval batch sizes to run, comma-separated (default: 8,16,32 for mmlu, else 1,8,16; "
+                    help="lm-eval batch sizes to run, comma-separated (default: 1,2,4,8,16,32 for mmlu, else 1,8,16; "
                          "1 is the parity run of the generation tasks)")
+    ap.add_argument("--tunelab-runs", choices=["once", "interleaved"], default="interleaved",
+                    help="interleaved (default): tunelab before every lm-eval run and once after the last, its median "
+                         "against the fastest lm-eval run, so a change in the machine's load hits both sides")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: each task's own (HumanEval 256)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for both (default 1: on a shared 2-core machine MKL's threads wait on each "
@@ -235,6 +259,87 @@ def main() -> None:
                     help="pad tunelab's passes to a multiple of this many rows (default: the engine's own, 4)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/tunelab-eval-speed"))
     args = ap.parse_args()
+    defaults = {"mmlu": 7, "gsm8k": 32, "bbh": 2, "humaneval": 16}
+    args.limit = args.limit or defaults[args.task]
+    args.subsets = args.subsets or {"mmlu": 57, "bbh": 8}.get(args.task)
+    args.peer_batch_sizes = args.peer_batch_sizes or ("1,2,4,8,16,32" if args.task == "mmlu" else "1,8,16")
+    if args.task == "humaneval":
+        args.max_new_tokens = args.max_new_tokens or 256
+    if args.task in ("gsm8k", "bbh") and args.data_dir is None:
+        ap.error(f"--task {args.task} needs --data-dir (its test set has no offline source)")
+    return args
+
+
+def mmlu_data(args) -> None:
+    """MMLU defaults to the offline copy of `exp eval pull`, pulled when missing."""
+    from tunelab.evals.pull import pull_mmlu
+    from tunelab.evals.sources import cache_root
+
+    args.data_dir = cache_root()
+    if not (args.data_dir / "mmlu" / "anatomy" / "test.jsonl").is_file():
+        pull_mmlu(args.data_dir)
+
+
+def run_all(args, subsets: list[str], peers: list[int]) -> dict:
+    """Every run, in order: tunelab first, then each lm-eval batch size (interleaved: tunelab again after each)."""
+    runs: dict = {}
+
+    def ours(i: int) -> None:
+        name = "tunelab" if i == 0 else f"tunelab #{i + 1}"
+        runs[name] = tunelab_run(args, subsets)
+        if i:  # only the first run's model is kept (the parity check regenerates with it)
+            runs[name].pop("model")
+        print(f"{name} done: {runs[name]['seconds']:.1f} s, load average {os.getloadavg()[0]:.1f}", flush=True)
+
+    ours(0)
+    for i, bs in enumerate(peers):
+        runs[f"lm-eval bs {bs}"] = peer_run(args, subsets, bs)
+        print(f"lm-eval batch size {bs} done: {runs[f'lm-eval bs {bs}']['seconds']:.1f} s, load average "
+              f"{os.getloadavg()[0]:.1f}", flush=True)
+        if args.tunelab_runs == "interleaved":
+            ours(i + 1)
+    return runs
+
+
+def report(args, runs: dict) -> None:
+    unit = "questions" if args.task == "mmlu" else "items"
+    print(f"\n{'run':16s} {unit:>9s} {'seconds':>8s} {'items/s':>8s} {'cpu s':>8s} {'score':>9s}")
+    for name, r in runs.items():
+        print(f"{name:16s} {r['n']:9d} {r['seconds']:8.1f} {r['n'] / r['seconds']:8.3f} {r['cpu']:8.1f} "
+              f"{r['score']:9.6f}")
+    ours = [r for n, r in runs.items() if n.startswith("tunelab")]
+    theirs = {n: r for n, r in runs.items() if not n.startswith("tunelab")}
+    seconds, cpu = statistics.median(r["seconds"] for r in ours), statistics.median(r["cpu"] for r in ours)
+    n = ours[0]["n"]
+    best = min(theirs, key=lambda k: theirs[k]["seconds"] / theirs[k]["n"])
+    ratio = (n / seconds) / (theirs[best]["n"] / theirs[best]["seconds"])
+    cpu_best = min(theirs, key=lambda k: theirs[k]["cpu"] / theirs[k]["n"])
+    cpu_ratio = (theirs[cpu_best]["cpu"] / theirs[cpu_best]["n"]) / (cpu / n)
+    print(f"tunelab: {len(ours)} run(s), median {seconds:.1f} s ({cpu:.1f} CPU s); fastest lm-eval: {best} "
+          f"({theirs[best]['seconds']:.1f} s); speed-up {ratio:.2f}x (items/s, wall clock); in CPU seconds per item "
+          f"against {cpu_best}: {cpu_ratio:.2f}x")
+    if len({r["score"] for r in ours}) > 1:
+        print("tunelab's runs gave DIFFERENT scores: " + ", ".join(f"{r['score']:.6f}" for r in ours))
+    diffs = {k: abs(ours[0]["score"] - r["score"]) for k, r in theirs.items()}
+    print("score difference: " + ", ".join(f"{k} {d:.2e}" for k, d in diffs.items())
+          + (" (identical)" if not any(diffs.values()) else ""))
+    if args.task == "mmlu":
+        for name, r in theirs.items():
+            print(f"items against {name}: {item_parity(ours[0]['items'], r['items'])}")
+    elif "lm-eval bs 1" in runs:
+        print("\n".join(parity(ours[0], runs["lm-eval bs 1"], args)))
+
+
+def item_parity(ours: dict, theirs: dict) -> str:
+    """MMLU item by item: how many are scored alike (right or wrong), and the largest log-likelihood difference."""
+    keys = sorted(theirs)
+    same = sum(ours.get(k, (None,))[0] == theirs[k][0] for k in keys)
+    gap = max((abs(a - b) for k in keys if k in ours for a, b in zip(ours[k][1], theirs[k][1])), default=float("nan"))
+    return f"{same}/{len(keys)} scored alike, log-likelihoods within {gap:.1e}"
+
+
+def main() -> None:
+    args = parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
@@ -242,52 +347,19 @@ def main() -> None:
     from tunelab.evals import packed
 
     packed.ROW_QUANTUM = args.row_quantum or packed.ROW_QUANTUM
-    defaults = {"mmlu": 7, "gsm8k": 32, "bbh": 2, "humaneval": 16}
-    args.limit = args.limit or defaults[args.task]
-    args.subsets = args.subsets or {"mmlu": 57, "bbh": 8}.get(args.task)
-    args.peer_batch_sizes = args.peer_batch_sizes or ("8,16,32" if args.task == "mmlu" else "1,8,16")
-    if args.task == "humaneval":
-        args.max_new_tokens = args.max_new_tokens or 256
     if args.task == "mmlu" and args.data_dir is None:
-        from tunelab.evals.pull import pull_mmlu
-        from tunelab.evals.sources import cache_root
-
-        args.data_dir = cache_root()
-        if not (args.data_dir / "mmlu" / "anatomy" / "test.jsonl").is_file():
-            pull_mmlu(args.data_dir)
-    if args.task in ("gsm8k", "bbh") and args.data_dir is None:
-        ap.error(f"--task {args.task} needs --data-dir (its test set has no offline source)")
+        mmlu_data(args)
     subsets = subsets_for(args)
     peers = [int(b) for b in args.peer_batch_sizes.split(",")]
     load = os.getloadavg()
     print(f"model {args.model}, task {args.task}, limit {args.limit}"
           f"{f', {len(subsets)} subsets' if subsets else ''}, tunelab batch {args.batch_size} "
-          f"(passes padded to {packed.ROW_QUANTUM} rows), lm-eval batch sizes "
+          f"(passes padded to {packed.ROW_QUANTUM} rows; runs {args.tunelab_runs}), lm-eval batch sizes "
           f"{peers}, {torch.get_num_threads()} threads, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}",
           flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = {"tunelab": tunelab_run(args, subsets)}
-    print(f"tunelab done: {runs['tunelab']['seconds']:.1f} s", flush=True)
-    for bs in peers:
-        runs[f"lm-eval bs {bs}"] = peer_run(args, subsets, bs)
-        print(f"lm-eval batch size {bs} done: {runs[f'lm-eval bs {bs}']['seconds']:.1f} s", flush=True)
-    unit = "questions" if args.task == "mmlu" else "items"
-    print(f"\n{'run':16s} {unit:>9s} {'seconds':>8s} {'items/s':>8s} {'cpu s':>8s} {'score':>9s}")
-    for name, r in runs.items():
-        print(f"{name:16s} {r['n']:9d} {r['seconds']:8.1f} {r['n'] / r['seconds']:8.3f} {r['cpu']:8.1f} "
-              f"{r['score']:9.6f}")
-    best = min((n for n in runs if n != "tunelab"), key=lambda n: runs[n]["seconds"] / runs[n]["n"])
-    ours = runs["tunelab"]
-    ratio = (ours["n"] / ours["seconds"]) / (runs[best]["n"] / runs[best]["seconds"])
-    cpu_best = min((n for n in runs if n != "tunelab"), key=lambda n: runs[n]["cpu"] / runs[n]["n"])
-    cpu_ratio = (runs[cpu_best]["cpu"] / runs[cpu_best]["n"]) / (ours["cpu"] / ours["n"])
-    print(f"fastest lm-eval: {best}; speed-up {ratio:.2f}x (items/s, wall clock); in CPU seconds per item "
-          f"against {cpu_best}: {cpu_ratio:.2f}x")
-    diffs = {n: abs(ours["score"] - r["score"]) for n, r in runs.items() if n != "tunelab"}
-    print("score difference: " + ", ".join(f"{n} {d:.2e}" for n, d in diffs.items())
-          + (" (identical)" if not any(diffs.values()) else ""))
-    if args.task != "mmlu" and "lm-eval bs 1" in runs:
-        print("\n".join(parity(ours, runs["lm-eval bs 1"], args)))
+    warm_imports()
+    report(args, run_all(args, subsets, peers))
     load = os.getloadavg()
     print(f"load average at the end {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
 

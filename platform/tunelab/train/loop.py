@@ -25,6 +25,7 @@ from tunelab.store import append_jsonl, read_jsonl, write_json, write_text
 from tunelab.train import checkpoint, optim, parallel, segments
 from tunelab.train.data import batch_tokens, is_packed, label_tokens, loader
 from tunelab.train.metrics import mfu, peak_flops, peak_memory_mb
+from tunelab.train.optimizers.tied import prepare_for_fused
 from tunelab.train.parallel.predict import predicted_peak_mb
 from tunelab.train.validation import Validation, validation_loss
 
@@ -154,6 +155,10 @@ def _setup(model, tokenizer, datasets, cfg, run_dir, emit, runtime, validation, 
     stepper = parallel.prepare(model, lambda ps: optim.build(ps, cfg.optim, max_grad_norm=t.max_grad_norm,
                                                              fused_kernel=one_process),
                                cfg, runtime.layout, runtime.precision, weights=weights)
+    if one_process and not hasattr(stepper.optimizer, "fused_step"):  # LOMO/AdaLomo's stepper does it itself
+        # A tied embedding's gradient built in one buffer, not three weight-sized ones (optimizers/tied.py): on
+        # CPU the two extra allocations, each freshly faulted in, cost AdamW about 3% of a SmolLM2-135M step.
+        prepare_for_fused(model)
     sched = torch.optim.lr_scheduler.LambdaLR(stepper.optimizer, lr_lambda(t.schedule, t.warmup_steps, t.steps))
     attn = getattr(model.config, "_attn_implementation", "sdpa")
     # Packed rows in one process on CPU: flattened and attended example by example (train/segments.py).

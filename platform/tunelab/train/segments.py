@@ -6,7 +6,7 @@ holding examples of about 100 computes five times the scores that count), with n
 mask is given. Here the loop flattens a packed batch into one row instead, as for flash-attention's varlen
 path, and while a step trains the model's attention implementation is this module's `NAME`: each example
 (a run of positions that starts where `position_ids` is 0) goes through causal SDPA over its own keys and
-values. Losses and gradients are the masked path's up to float rounding (tests/test_train_segments.py).
+values. Losses and gradients are the masked path's up to float rounding (tests/test_train_fast_paths.py).
 
 `usable(model)` decides, once per model: its attention is SDPA, it is on CPU (on a GPU a kernel launch per
 example and layer is not measured to pay), and on a short two-example input the examples attended this way

@@ -1,10 +1,11 @@
-"""Tied input/output embeddings under LOMO/AdaLomo: one gradient buffer for the shared weight, not three.
+"""Tied input/output embeddings in one process: one gradient buffer for the shared weight, not three.
 
 With a tied weight W (vocab x hidden), autograd computes the output head's dense gradient G^T H first
 and holds it through the whole backward until the input embedding's gradient arrives last; it then
 sums the two into a new tensor (measured on CPU, torch 2.13: about three W-sized buffers at once with
 the embedding's dense gradient, two with a sparse one, which autograd never adds in place into a dense
-tensor). For the update-in-backward optimizers that was most of what a step adds to memory.
+tensor). For the update-in-backward optimizers that was most of what a step adds to memory; for the others
+(the loop prepares every one-process model) it is two weight-sized allocations per step saved.
 
 `prepare_for_fused(model)` routes both contributions through two small autograd functions. The head's
 backward keeps only its factors (the logits' gradient and the hidden states, a few MB) and returns no
@@ -80,7 +81,7 @@ class _Lookup(torch.autograd.Function):
             pending.clear()
             opt.add_sq_norm(_sq_norm(parts, idx, rows, ctx.shape))
             return None, None, None, None
-        if rows.device.type == "cpu":
+        if rows.device.type == "cpu" and opt is not None:  # memory is LOMO's point; the others keep the pages
             _release_freed_pages()
         grad = None
         while pending:  # popped one by one: each logits' gradient is freed as soon as it is used

@@ -1,5 +1,6 @@
-"""Packed rows attended example by example (train/segments.py): the same losses and gradients as the
-block-diagonal mask, the loop takes that path in one process on CPU, and models it cannot serve keep the mask."""
+"""The one-process loop's fast paths compute what the plain paths compute: packed rows attended example by
+example (train/segments.py: the block-diagonal mask's losses and gradients; models it cannot serve keep the
+mask), a tied embedding's gradient in one buffer (optimizers/tied.py) under AdamW, torch's fused AdamW."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from test_data_pack import data, tiny_llama  # noqa: F401 - the module-scoped packed dataset fixture
 
-from tunelab.train import segments
+from tunelab.train import optim, segments
 from tunelab.train.data import collate_packed, label_tokens
 from tunelab.train.loss import causal_lm_loss
 
@@ -75,3 +76,43 @@ def test_models_it_cannot_serve_keep_the_mask():
         num_key_value_heads=2, sliding_window=3, attn_implementation="sdpa"))
     assert not segments.usable(windowed)  # each example would see past its window: the check's logits differ
     assert windowed.config._attn_implementation == "sdpa"
+
+
+def _tied_run(data, tmp_path, name: str) -> tuple[list[dict], object]:
+    from tunelab.config import CellConfig
+    from tunelab.store import read_jsonl
+    from tunelab.train.loop import run
+
+    recipe, tok, built = data
+    cfg = CellConfig.model_validate({
+        "model": {"name": "tiny-random-llama"}, "data": {"recipe": str(recipe)},
+        "optim": {"name": "adamw", "lr": 1e-2}, "train": {"steps": 3, "batch_size": 4, "save_final": False},
+        "eval": {"tasks": []}, "tracking": {"wandb": False}})
+    model = tiny_llama(len(tok))
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    run(model, tok, built[False], cfg, tmp_path / name)
+    return read_jsonl(tmp_path / name / "train" / "metrics.jsonl"), model
+
+
+def test_adamw_with_a_tied_embedding_in_one_buffer(data, tmp_path, monkeypatch):  # noqa: F811
+    fast, model = _tied_run(data, tmp_path, "one-buffer")
+    assert model.get_input_embeddings().forward.__name__ == "lookup"  # the loop prepared it (tied.py)
+    monkeypatch.setattr("tunelab.train.loop.prepare_for_fused", lambda m: False)
+    plain, model = _tied_run(data, tmp_path, "plain")
+    assert model.get_input_embeddings().forward.__name__ == "forward"
+    assert [r["loss"] for r in fast] == pytest.approx([r["loss"] for r in plain], abs=1e-6)
+    assert [r["grad_norm"] for r in fast] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-5)
+    assert fast[0]["loss"] > fast[-1]["loss"]
+
+
+def test_adam_and_adamw_take_the_fused_kernel_unless_told_otherwise():
+    from tunelab.config import OptimCfg
+
+    params = list(tiny_llama(64).parameters())
+    assert optim.build(params, OptimCfg(name="adamw"), fused_kernel=True).defaults["fused"] is True
+    assert optim.build(params, OptimCfg(name="adam"), fused_kernel=True).defaults["fused"] is True
+    assert not optim.build(params, OptimCfg(name="adamw")).defaults["fused"]  # engines: as it was
+    told = optim.build(params, OptimCfg(name="adamw", kwargs={"foreach": True}), fused_kernel=True)
+    assert not told.defaults["fused"] and told.defaults["foreach"]
+    assert "fused" not in optim.build(params, OptimCfg(name="lion"), fused_kernel=True).defaults
