@@ -77,7 +77,7 @@ def default_model() -> str:
 
 
 def load_tokenizer(name: str):
-    from tunelab.data.cli import load_tokenizer as load
+    from tunelab.cli.data import load_tokenizer as load
 
     return load(name)
 

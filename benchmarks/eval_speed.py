@@ -1,8 +1,14 @@
 """tunelab's evaluation engine vs lm-eval's `hf` model, same model, same data, same prompts, in one run.
 
-    python benchmarks/eval_speed.py --task mmlu|gsm8k|bbh|humaneval [--data-dir DIR] [--limit L]
-        [--subsets N] [--batch-size B] [--peer-batch-sizes 1,8,16] [--tunelab-runs once|interleaved]
-        [--max-new-tokens N] [--threads T] [--row-quantum Q]
+    python benchmarks/eval_speed.py --task mmlu|gsm8k|bbh|humaneval|NAME [--data-dir DIR] [--include-path DIR]
+        [--limit L] [--subsets N] [--batch-size B] [--peer-batch-sizes 1,8,16] [--tunelab-runs once|interleaved]
+        [--max-new-tokens N] [--threads T]
+        [--row-quantum Q]
+
+NAME: any other lm-eval task or group with local data: one of an --include-path folder whose YAML names local
+files (`benchmarks/lm_task_fixtures.py` writes a multiple-choice and a generation task from local test sets), or
+one of lm-eval's own with its splits under --data-dir as <dir>/<task>/<split>.jsonl. Both sides run the same
+task definition: tunelab through `evals.run` (eval.tasks: [NAME]), lm-eval through its own `hf` model.
 
 tunelab: the model loaded once, then `evals.run` with tunelab's task definitions (`SharedPrefixLM`:
 few-shot prefixes run once; generation on tunelab's decoding engine) or, for HumanEval,
@@ -36,6 +42,7 @@ import time
 from pathlib import Path
 
 NEAR_TIE = 1e-4
+BENCHMARKS = ("mmlu", "gsm8k", "bbh", "humaneval")  # tunelab's, with their own peer task definitions below
 
 
 def load_model(name: str):
@@ -43,19 +50,6 @@ def load_model(name: str):
     from tunelab.config import ModelCfg
 
     return models.load(ModelCfg(name=name, dtype="float32", attn="sdpa"))
-
-
-def warm_imports() -> None:
-    """Import what either side's timed code imports on first use, before any timing: the first run would pay
-    for it otherwise (tunelab's runs first)."""
-    import lm_eval  # noqa: F401
-    import lm_eval.evaluator  # noqa: F401
-    import lm_eval.models.huggingface  # noqa: F401
-    import lm_eval.tasks  # noqa: F401
-
-    import tunelab.evals.engine  # noqa: F401
-    import tunelab.evals.harness  # noqa: F401
-    import tunelab.evals.lm  # noqa: F401
 
 
 # -- tunelab ------------------------------------------------------------------------------------------
@@ -77,21 +71,24 @@ def tunelab_run(args, subsets: list[str]) -> dict:
                 "raw": {("humaneval", i): o[0] for i, o in enumerate(outs)}, "model": (model, tok)}
     from tunelab.config import EvalCfg
 
-    cfg = EvalCfg(tasks=[args.task], limit=args.limit, data_dir=str(args.data_dir), batch_size=args.batch_size,
-                  subtasks={args.task: subsets} if args.task != "gsm8k" else {},
-                  max_new_tokens=args.max_new_tokens)
+    cfg = EvalCfg(tasks=[args.task], limit=args.limit, data_dir=str(args.data_dir) if args.data_dir else None,
+                  batch_size=args.batch_size, subtasks={args.task: subsets} if subsets else {},
+                  max_new_tokens=args.max_new_tokens,
+                  include_path=str(args.include_path) if args.include_path else None)
     result = evals.run(model, tok, cfg, evals.Context(out_dir=args.out))["tasks"][args.task]
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if result["status"] != "ok":
+        raise SystemExit(f"{args.task} is unavailable: {result['reason']}")
     raw, items = {}, {}
     for line in (args.out / "samples.jsonl").read_text().splitlines():
         r = json.loads(line)
         if "raw" in r:
-            raw[(r["subtask"] if args.task == "bbh" else args.task, r["doc_id"])] = r["raw"]
+            raw[(r["subtask"] if args.task not in ("gsm8k", "mmlu") else args.task, r["doc_id"])] = r["raw"]
         if args.task == "mmlu":  # (right or not, the log-likelihood of each answer)
             items[(r["subtask"], r["doc_id"])] = (r["acc"], [x[0] for x in r["response"]])
     # mmlu's headline is weighted by subject size, bbh's the macro average over tasks: as lm-eval's groups
-    return {"seconds": seconds, "cpu": cpu, "n": result["n"], "score": result["value"], "raw": raw,
-            "items": items, "model": (model, tok)}
+    return {"seconds": seconds, "cpu": cpu, "n": result["n"], "score": result["value"], "raw": raw, "items": items,
+            "model": (model, tok), "metric": result.get("lm_eval_metric"), "served": result.get("served")}
 
 
 def pass_at_1(problems: list[dict], completions: list[str]) -> float:
@@ -115,6 +112,8 @@ def peer_tasks(args, subsets: list[str]):
         return {"dataset_path": "json", "dataset_name": None,
                 "dataset_kwargs": {"data_files": {s: str(path / f"{s}.jsonl") for s in splits}}}
 
+    if args.task not in BENCHMARKS:
+        return generic_peer_tasks(args)
     if args.task == "mmlu":
         tasks = []
         for s in subsets:
@@ -134,6 +133,26 @@ def peer_tasks(args, subsets: list[str]):
     return [{"group": "speed", "task": tasks}], tm, names
 
 
+def generic_peer_tasks(args):
+    """lm-eval's own definition of the task: from --include-path, or lm-eval's with its splits under --data-dir
+    (a member of a group takes the override of its dataset)."""
+    from lm_eval.tasks import TaskManager
+
+    from tunelab.plan import lmtasks
+
+    if args.include_path:
+        tm = TaskManager(include_defaults=False, include_path=str(args.include_path))
+        leaves = [t.name for t in lmtasks.leaves(args.task, lmtasks.convert(tm.task_index))]
+        return [args.task], tm, {t: t for t in leaves}
+    tm = TaskManager(include_defaults=False, include_path=[str(Path(lmtasks.builtin()[args.task].yaml).parent)])
+    cfg = tm.task_index[args.task].cfg
+    splits = {cfg[k]: str(args.data_dir / args.task / f"{cfg[k]}.jsonl") for k in
+              ("training_split", "validation_split", "test_split", "fewshot_split") if cfg.get(k)}
+    files = {"dataset_path": "json", "dataset_name": None,
+             "dataset_kwargs": {"data_files": {s: f for s, f in splits.items() if Path(f).is_file()}}}
+    return [{"group": "speed", "task": [{"task": args.task, **files}]}], tm, {args.task: args.task}
+
+
 def peer_run(args, subsets: list[str], batch_size: int) -> dict:
     import lm_eval
 
@@ -149,9 +168,12 @@ def peer_run(args, subsets: list[str], batch_size: int) -> dict:
                                   batch_size=batch_size, log_samples=True, gen_kwargs=gen)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     counts = {t: out["n-samples"][t]["effective"] for t in names}
-    metric = {"mmlu": "acc,none", "gsm8k": "exact_match,strict-match", "bbh": "exact_match,get-answer"}[args.task]
+    metric = {"mmlu": "acc,none", "gsm8k": "exact_match,strict-match", "bbh": "exact_match,get-answer"}.get(
+        args.task, args.metric)
     values = {t: out["results"][t][metric] for t in names}
-    if args.task == "bbh":
+    if args.task not in BENCHMARKS and args.task in out["results"]:
+        score = out["results"][args.task][metric]  # the task itself, or its group's own aggregate
+    elif args.task == "bbh":
         score = sum(values.values()) / len(values)
     else:
         score = sum(values[t] * counts[t] for t in names) / sum(counts.values())
@@ -234,8 +256,12 @@ def subsets_for(args) -> list[str]:
 
 
 def parse_args() -> argparse.Namespace:
+    """The command line, with each task's defaults filled in."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--task", choices=["mmlu", "gsm8k", "bbh", "humaneval"], default="mmlu")
+    ap.add_argument("--task", default="mmlu", help="mmlu, gsm8k, bbh, humaneval, or any lm-eval task with local data "
+                    "(--include-path, or --data-dir as <dir>/<task>/<split>.jsonl)")
+    ap.add_argument("--include-path", type=Path, default=None,
+                    help="a folder of lm-eval task YAMLs (eval.include_path)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--data-dir", type=Path, default=None,
                     help="local test files (<dir>/gsm8k/main/test.jsonl, <dir>/bbh/<task>/test.jsonl, "
@@ -260,24 +286,33 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=Path("/tmp/tunelab-eval-speed"))
     args = ap.parse_args()
     defaults = {"mmlu": 7, "gsm8k": 32, "bbh": 2, "humaneval": 16}
-    args.limit = args.limit or defaults[args.task]
+    args.limit = args.limit or defaults.get(args.task)
     args.subsets = args.subsets or {"mmlu": 57, "bbh": 8}.get(args.task)
     args.peer_batch_sizes = args.peer_batch_sizes or ("1,2,4,8,16,32" if args.task == "mmlu" else "1,8,16")
+    if args.task not in BENCHMARKS and not (args.include_path or args.data_dir):
+        ap.error(f"--task {args.task} needs its local data: --include-path (a task folder) or --data-dir")
     if args.task == "humaneval":
         args.max_new_tokens = args.max_new_tokens or 256
+    if args.task == "mmlu" and args.data_dir is None:
+        from tunelab.evals.pull import pull_mmlu
+        from tunelab.evals.sources import cache_root
+
+        args.data_dir = cache_root()
+        if not (args.data_dir / "mmlu" / "anatomy" / "test.jsonl").is_file():
+            pull_mmlu(args.data_dir)
     if args.task in ("gsm8k", "bbh") and args.data_dir is None:
         ap.error(f"--task {args.task} needs --data-dir (its test set has no offline source)")
     return args
 
 
-def mmlu_data(args) -> None:
-    """MMLU defaults to the offline copy of `exp eval pull`, pulled when missing."""
-    from tunelab.evals.pull import pull_mmlu
-    from tunelab.evals.sources import cache_root
+def warm_imports() -> None:
+    """Import what either side's timed code imports on first use, before any timing: the first run would pay
+    for it otherwise (tunelab's runs first)."""
+    import lm_eval.evaluator  # noqa: F401
+    import lm_eval.models.huggingface  # noqa: F401
+    import lm_eval.tasks  # noqa: F401
 
-    args.data_dir = cache_root()
-    if not (args.data_dir / "mmlu" / "anatomy" / "test.jsonl").is_file():
-        pull_mmlu(args.data_dir)
+    from tunelab.evals import harness, lm  # noqa: F401
 
 
 def run_all(args, subsets: list[str], peers: list[int]) -> dict:
@@ -289,9 +324,11 @@ def run_all(args, subsets: list[str], peers: list[int]) -> dict:
         runs[name] = tunelab_run(args, subsets)
         if i:  # only the first run's model is kept (the parity check regenerates with it)
             runs[name].pop("model")
-        print(f"{name} done: {runs[name]['seconds']:.1f} s, load average {os.getloadavg()[0]:.1f}", flush=True)
+        print(f"{name} done: {runs[name]['seconds']:.1f} s; requests served by {runs[name].get('served')}; load "
+              f"average {os.getloadavg()[0]:.1f}", flush=True)
 
     ours(0)
+    args.metric = runs["tunelab"].get("metric")
     for i, bs in enumerate(peers):
         runs[f"lm-eval bs {bs}"] = peer_run(args, subsets, bs)
         print(f"lm-eval batch size {bs} done: {runs[f'lm-eval bs {bs}']['seconds']:.1f} s, load average "
@@ -307,9 +344,9 @@ def report(args, runs: dict) -> None:
     for name, r in runs.items():
         print(f"{name:16s} {r['n']:9d} {r['seconds']:8.1f} {r['n'] / r['seconds']:8.3f} {r['cpu']:8.1f} "
               f"{r['score']:9.6f}")
-    ours = [r for n, r in runs.items() if n.startswith("tunelab")]
-    theirs = {n: r for n, r in runs.items() if not n.startswith("tunelab")}
-    seconds, cpu = statistics.median(r["seconds"] for r in ours), statistics.median(r["cpu"] for r in ours)
+    ours = [r for k, r in runs.items() if k.startswith("tunelab")]
+    theirs = {k: r for k, r in runs.items() if not k.startswith("tunelab")}
+    seconds, cpu = (statistics.median(r[k] for r in ours) for k in ("seconds", "cpu"))
     n = ours[0]["n"]
     best = min(theirs, key=lambda k: theirs[k]["seconds"] / theirs[k]["n"])
     ratio = (n / seconds) / (theirs[best]["n"] / theirs[best]["seconds"])
@@ -324,9 +361,9 @@ def report(args, runs: dict) -> None:
     print("score difference: " + ", ".join(f"{k} {d:.2e}" for k, d in diffs.items())
           + (" (identical)" if not any(diffs.values()) else ""))
     if args.task == "mmlu":
-        for name, r in theirs.items():
-            print(f"items against {name}: {item_parity(ours[0]['items'], r['items'])}")
-    elif "lm-eval bs 1" in runs:
+        for k, r in theirs.items():
+            print(f"items against {k}: {item_parity(ours[0]['items'], r['items'])}")
+    elif ours[0]["raw"] and "lm-eval bs 1" in runs:
         print("\n".join(parity(ours[0], runs["lm-eval bs 1"], args)))
 
 
@@ -347,8 +384,6 @@ def main() -> None:
     from tunelab.evals import packed
 
     packed.ROW_QUANTUM = args.row_quantum or packed.ROW_QUANTUM
-    if args.task == "mmlu" and args.data_dir is None:
-        mmlu_data(args)
     subsets = subsets_for(args)
     peers = [int(b) for b in args.peer_batch_sizes.split(",")]
     load = os.getloadavg()

@@ -8,9 +8,12 @@ interleaved so that machine load hits all sides alike, as:
   former:  `run_program` of tunelab's sandbox.py at commit --former (rlimits and an audit hook inside
            the program's interpreter, as root a throwaway uid), read from git;
   sandbox: what HumanEval scoring runs now, `humaneval.run_completion` (prompt + solution under
-           bubblewrap, seccomp and rlimits; the tests in the judge, a second process outside it).
-Prints medians and means in ms, the ratio sandbox/former, and any program that did not pass. Run it
-as root and as an unprivileged user: the two sandboxes do different work in each case.
+           bubblewrap, seccomp, rlimits and, where one can be made, a memory cgroup; the tests in the
+           judge, a second process outside it, which plans, asks and then checks).
+Prints medians and means in ms, the ratio sandbox/former, any program that did not pass, the
+machine's load average, and the sandbox side's memory per program: the peak of its memory cgroup
+(where there is one) and the judge's peak resident memory. Run it as root and as an unprivileged
+user: the two sandboxes do different work in each case.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "platform"))
@@ -41,7 +45,7 @@ def problems(n: int) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()][:n]
 
 
-def former_sandbox(commit: str, file: str | None):
+def former_sandbox(commit: str, file: str | None) -> types.ModuleType:
     if file:  # a user who may not run git in this checkout
         source = pathlib.Path(file).read_text()
     else:
@@ -85,6 +89,18 @@ def main() -> None:
     }
     times: dict[str, list[float]] = {k: [] for k in sides}
     failed: dict[str, list[str]] = {k: [] for k in sides}
+    memory: dict[str, list[float]] = {"cgroup peak": [], "judge peak": []}
+
+    def contained(p: dict, code: str) -> bool:
+        r = humaneval.run_completion(p, p["canonical_solution"])
+        if r.memory_peak is not None:
+            memory["cgroup peak"].append(r.memory_peak / 2**20)
+        if r.judge_peak_kb is not None:
+            memory["judge peak"].append(r.judge_peak_kb / 1024)
+        return r.passed
+
+    sides["sandbox"] = contained
+    loads = [os.getloadavg()[0]]
     for _ in range(args.repeats):
         for problem, code in programs:
             for side, run in sides.items():
@@ -93,13 +109,17 @@ def main() -> None:
                 times[side].append(time.perf_counter() - start)
                 if not ok:
                     failed[side].append(problem["task_id"])
-    load = os.getloadavg()[0]
-    print(f"uid {os.getuid()}, {exe}, {len(programs)} programs x {args.repeats}, load average {load:.1f}")
+        loads.append(os.getloadavg()[0])
+    load = f"{min(loads):.1f}-{max(loads):.1f}"
+    print(f"uid {os.getuid()}, {exe}, {len(programs)} programs x {args.repeats}, load average {load}, "
+          f"sandbox {sandbox.describe()}")  # fmt: skip
     for side, xs in times.items():
         print(f"{side:8s} median {1000 * statistics.median(xs):6.1f} ms  mean {1000 * statistics.fmean(xs):6.1f} ms"
               f"  not passed: {failed[side] or 'none'}")  # fmt: skip
     ratio = statistics.median(times["sandbox"]) / statistics.median(times["former"])
     print(f"sandbox / former (medians): {ratio:.2f}")
+    for name, xs in memory.items():
+        print(f"{name}: median {statistics.median(xs):.1f} MiB, max {max(xs):.1f} MiB" if xs else f"{name}: not here")
 
 
 if __name__ == "__main__":

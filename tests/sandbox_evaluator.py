@@ -61,7 +61,8 @@ def main() -> None:
                     r = sandbox.run_tests(request["code"], request["tests"], calls=request["calls"], **limits)
                 leftovers = sorted(sandboxed_tasks(r.host_uid) - elsewhere)
                 answer = {"status": r.status, "returncode": r.returncode, "stderr_tail": r.stderr_tail,
-                          "host_uid": r.host_uid, "leftovers": leftovers}  # fmt: skip
+                          "host_uid": r.host_uid, "leftovers": leftovers, "memory_peak": r.memory_peak,
+                          "judge_peak_kb": r.judge_peak_kb}  # fmt: skip
             else:
                 answer = {"describe": sandbox.describe(), "available": sandbox.check_available()}
         except Exception as e:

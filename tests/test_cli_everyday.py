@@ -18,9 +18,10 @@ import pytest
 import torch
 from conftest import write
 
-from tunelab.cellfolder import disk_usage, human_bytes
-from tunelab.folders import eval_results
-from tunelab.store import lock, read_json, write_json, write_status
+from tunelab.cellfolder import CellFolder
+from tunelab.cli.common import human_bytes
+from tunelab.matrixfolder import MatrixFolder
+from tunelab.store import lock, read_json, write_json
 
 MATRIX = """name: ev
 base:
@@ -45,8 +46,9 @@ def cells(tmp_path_factory):
     spec, cs = matrix.load(write(tmp / "ev.yaml", MATRIX))
     dirs = {}
     for c in cs:
-        d = runner.cell_dir(tmp / "runs" / spec.name, c)
+        d = MatrixFolder(tmp / "runs" / spec.name).folder(c)
         runner.prepare(d, c, spec.name)
+        d = d.path
         with lock(d):
             run_cell(d)
         dirs[c.config.peft.method] = d
@@ -157,7 +159,7 @@ def test_export_card_marks_scores_like_the_leaderboard(cells, cli):
         "humaneval": {"metric": "pass@1", "value": 0.5, "n": 2, "subset": True, "status": "ok"},
         "gsm8k_smoke": {"metric": "exact_match", "value": 0.25, "n": 4, "status": "ok"},
         "mmlu": {"metric": "acc", "value": None, "status": "unavailable", "reason": "no test set offline"}}})
-    ids = [eval_id for eval_id, _ in eval_results(cell)]
+    ids = [eval_id for eval_id, _ in CellFolder(cell).evaluations()]
     assert ids[0] == "later" and len(ids) == 2  # the cell's own evaluation, and the newer one: newest first
     code, _, err = cli("export", cell, "--out", tmp / "exports" / "marked")
     assert code == 0, err
@@ -176,7 +178,7 @@ def test_export_refusals(cells, cli, tmp_path, case):
     shutil.copytree(dirs["none"], cell)
     args = []
     if case == "not_done":
-        write_status(cell, "failed", error="boom")
+        CellFolder(cell).write_status("failed", error="boom")
         needle = "the cell is failed, not done"
     elif case == "no_final":
         shutil.rmtree(cell / "final")
@@ -296,7 +298,8 @@ def test_clean_checkpoints_of_done_cells(cells, tmp_path):
     _, dirs = cells
     mdir = tmp_path / "ev"
     shutil.copytree(dirs["none"].parent, mdir)
-    before = {d.name: disk_usage(d / "checkpoints") for d in mdir.iterdir() if (d / "checkpoints").is_dir()}
+    before = {d.name: CellFolder(d).disk_usage(d / "checkpoints") for d in mdir.iterdir()
+              if (d / "checkpoints").is_dir()}
     assert len(before) == len(dirs) and all(before.values())
     proc = exp("clean", mdir, "--checkpoints", "--yes")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -317,12 +320,12 @@ def test_clean_failed_asks_and_refreshes_the_leaderboard(cells, cli, monkeypatch
     mdir = tmp_path / "ev"
     shutil.copytree(dirs["none"].parent, mdir)
     failed = mdir / dirs["lora"].name
-    write_status(failed, "failed", error="boom")
+    CellFolder(failed).write_status("failed", error="boom")
     leaderboard.write(mdir)
     monkeypatch.setattr(sys, "stdin", io.StringIO("n\n"))
     code, out, err = cli("clean", mdir, "--failed")
     assert code == 1 and "nothing deleted" in err and failed.is_dir()
-    assert str(disk_usage(failed)) in out
+    assert str(CellFolder(failed).disk_usage()) in out
     code, out, err = cli("clean", mdir, "--failed", "--yes")
     assert code == 0, err
     assert not failed.exists() and (mdir / dirs["none"].name / "checkpoints").is_dir()  # done cells untouched
@@ -355,7 +358,7 @@ def test_status_shows_disk_per_cell_and_honours_no_color(cells):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "disk" in proc.stdout
     for d in dirs.values():
-        assert human_bytes(disk_usage(d)) in proc.stdout
+        assert human_bytes(CellFolder(d).disk_usage()) in proc.stdout
     codes = {int(c) for seq in re.findall(r"\x1b\[([\d;]*)m", proc.stdout) for c in seq.split(";") if c}
     assert 1 in codes  # bold headers: styling is on
     assert not codes & {*range(30, 39), *range(40, 49), *range(90, 98)}  # but no colour ("done" is green)

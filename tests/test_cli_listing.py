@@ -22,7 +22,7 @@ def test_ls_lists_every_kind_with_a_line_each():
     p = exp("ls", "--json")
     assert p.returncode == 0, p.stderr
     kinds = json.loads(p.stdout)
-    assert set(kinds) == {"models", "recipes", "suites", "tasks", "optimizers", "peft", "experiments"}
+    assert set(kinds) == {"models", "recipes", "suites", "tasks", "optimizers", "peft", "engines", "experiments"}
     assert list(kinds["optimizers"]) == list(registries.OPTIMIZERS) and list(kinds["peft"]) == list(registries.PEFT)
     assert {"arithmetic", "alpaca"} <= set(kinds["recipes"]) and {"quick", "paper"} <= set(kinds["suites"])
     assert "quickstart" in kinds["experiments"] and "(no description)" not in kinds["experiments"].values()
@@ -56,7 +56,9 @@ def test_plan_status_and_leaderboard_speak_json(tmp_path):
     runs = tmp_path / "runs"
     assert exp("run", path, "--runs-dir", runs, "--only", "lr0.001").returncode == 0
     status = json.loads(exp("status", runs / "m", "--json").stdout)
-    assert [(s["cell"], s["state"]) for s in status] == [("lr0.001", "done")]
+    # lr0.002 is in the matrix but was never started: pending, with no folder
+    assert [(s["cell"], s["state"], s["dir"] is None) for s in status] == [("lr0.001", "done", False),
+                                                                           ("lr0.002", "pending", True)]
     assert status[0]["disk_bytes"] > 0 and status[0]["timings"]["train_s"] > 0
     board = json.loads(exp("leaderboard", runs / "m", "--json").stdout)["rows"]
     assert [(r["cell"], r["status"]) for r in board] == [("lr0.001", "done")]  # lr0.002 never ran

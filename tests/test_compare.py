@@ -119,3 +119,67 @@ def test_single_item_subtasks_do_not_shrink_the_interval_to_a_point():
         r = paired(a.astype(float), b.astype(float), groups, average, resamples=2000)
         assert r.ci[1] - r.ci[0] > 0.1, (average, r.ci)
         assert r.ci[0] <= r.diff <= r.ci[1]
+
+
+def _lm_eval_cell(root, name, seed: int, items: dict[str, list], varying: dict):
+    """A done cell whose results.json and samples.jsonl are as tunelab writes them for lm-eval tasks: IFEval (its
+    four accuracies), an lm-eval task named by the user (hellaswag) and a perplexity task (wikitext)."""
+    import yaml
+
+    d = root / name
+    (d / "eval" / "e1").mkdir(parents=True)
+    (d / "cell.json").write_text(json.dumps({"slug": name, "id": name, "varying": varying, "layout": 2}))
+    (d / "config.yaml").write_text(yaml.safe_dump({"train": {"seed": seed}, "optim": {"name": varying["optim.name"]}}))
+    (d / "status.json").write_text(json.dumps({"state": "done"}))
+    ifeval, hella, ppl = items["ifeval"], items["hellaswag"], items["wikitext"]
+    ll, words = sum(x[0] for x in ppl), sum(x[1] for x in ppl)
+    tasks = {
+        "ifeval": {"metric": "prompt_strict", "value": float(np.mean(ifeval)), "n": len(ifeval), "status": "ok",
+                   "subset": True, "also": {"inst_strict": 0.5 + seed / 10, "prompt_loose": 0.6, "inst_loose": 0.7}},
+        "hellaswag": {"metric": "acc", "value": float(np.mean(hella)), "n": len(hella), "status": "ok",
+                      "subset": False, "average": "micro", "higher_is_better": True},
+        "wikitext": {"metric": "word_perplexity", "value": math.exp(-ll / words), "n": len(ppl), "status": "ok",
+                     "higher_is_better": False, "average": "micro"}}
+    rows = [{"task": "ifeval", "subtask": "ifeval", "doc_id": i, "doc_hash": f"i{i}", "item_metric":
+             "prompt_level_strict_acc", "prompt_level_strict_acc": bool(v)} for i, v in enumerate(ifeval)]
+    rows += [{"task": "hellaswag", "subtask": "hellaswag", "doc_id": i, "doc_hash": f"h{i}", "item_metric": "acc",
+              "acc": v} for i, v in enumerate(hella)]
+    rows += [{"task": "wikitext", "subtask": "wikitext", "doc_id": i, "doc_hash": f"w{i}",
+              "item_metric": "word_perplexity", "word_perplexity": list(v)} for i, v in enumerate(ppl)]
+    (d / "eval" / "e1" / "results.json").write_text(json.dumps({"tasks": tasks, "complete": True}))
+    (d / "eval" / "e1" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def test_lm_eval_tasks_on_the_leaderboard_and_in_compare(cli, tmp_path):
+    from tunelab.report.leaderboard import frame
+    from tunelab.report.records import collect
+    from tunelab.report.table import build
+
+    rng = np.random.default_rng(0)
+    ppl = [(-float(rng.uniform(50, 80)), int(rng.integers(20, 30))) for _ in range(30)]
+    cells = {}
+    for opt, shift in (("adamw", 0), ("lion", 1)):
+        for seed in (0, 1):
+            items = {"ifeval": [shift] * 20 + [seed] * 10, "hellaswag": [shift, 1 - shift] * 15,
+                     "wikitext": [(ll - 5 * shift, n) for ll, n in ppl]}
+            cells[opt, seed] = _lm_eval_cell(tmp_path / "m", f"{opt}-s{seed}", seed, items,
+                                             {"optim.name": opt, "train.seed": seed})
+    row = frame(build(collect(tmp_path / "m"))).set_index("cell")
+    assert list(row.index) == ["adamw", "lion"] and (row["runs"] == 2).all()  # seeds folded
+    for col in ("ifeval prompt_strict", "ifeval inst_strict", "ifeval prompt_loose", "ifeval inst_loose"):
+        assert col in row.columns and row.loc["adamw", col].endswith("*")  # a subset, marked in every column
+    assert row.loc["adamw", "ifeval inst_strict"] == "0.55*" and row.loc["adamw", "ifeval inst_strict ±"] != ""
+    assert row.loc["lion", "hellaswag acc"] == "0.5" and "wikitext word_perplexity" in row.columns
+    board = build(collect(tmp_path / "m"))
+    best = {c.name: [r["cell"] for r in board.rows if r[c.name].best] for c in board.columns}
+    assert best["wikitext word_perplexity"] == ["adamw"]  # lower is better, as lm-eval says
+    code, out, err = cli("compare", cells["adamw", 0], cells["lion", 0], "--json", "--resamples", "300")
+    assert code == 0, err
+    tests = {t["task"]: t for t in json.loads(out)[0]["tasks"]}
+    assert tests["ifeval"]["test"] == "McNemar (exact)" and tests["ifeval"]["discordant"] == [0, 20]
+    assert tests["hellaswag"]["test"] == "McNemar (exact)"
+    wiki = tests["wikitext"]
+    ratio = [math.exp(-sum(ll - 5 * s for ll, _ in ppl) / sum(n for _, n in ppl)) for s in (0, 1)]
+    assert wiki["test"] == "paired bootstrap" and wiki["diff"] == pytest.approx(ratio[1] - ratio[0])
+    assert wiki["ci"][0] > 0  # every document worse on one side: the perplexity is higher, and surely so

@@ -204,7 +204,7 @@ def test_num_proc_gives_the_same_dataset(tmp_path, monkeypatch):
 def test_generator_recipe_builds_with_the_old_signature(tmp_path):
     ds = build(DataCfg(recipe="arithmetic", max_length=128), TOK, tmp_path)
     assert len(ds["validation"]) == 64 and set(ds["train"].column_names) >= {"input_ids", "labels"}
-    assert TEMPLATES["alpaca"].render({"instruction": "a", "input": "", "output": "b"}) == (
+    assert TEMPLATES["alpaca"].load().render({"instruction": "a", "input": "", "output": "b"}) == (
         ALPACA_NO_INPUT.format(instruction="a"), "b")
 
 

@@ -55,18 +55,20 @@ def test_cli_bad_input_exits_2(cli):
 
 def test_an_unknown_subtask_is_a_user_error():
     from tunelab.errors import UserError
-    from tunelab.evals.harness import BENCHMARKS, select, task_manager
+    from tunelab.evals.harness import select, task_manager
+    from tunelab.registries import TASKS
 
     with pytest.raises(UserError, match="eval.subtasks.mmlu: unknown mmlu subtask"):
-        select(BENCHMARKS["mmlu"], task_manager(), ["anatomy", "astrology"], None)
+        select(TASKS["mmlu"].harness, "mmlu", task_manager(), ["anatomy", "astrology"], None)
 
 
 def test_task_definitions_cover_the_benchmarks():
-    from tunelab.evals.harness import BENCHMARKS, leaves, task_manager
+    from tunelab.evals.harness import leaves, task_manager
+    from tunelab.registries import TASKS
 
     tm = task_manager()
-    assert len(leaves(BENCHMARKS["mmlu"], tm)) == 57
-    assert len(leaves(BENCHMARKS["bbh"], tm)) == 27 == len(leaves(BENCHMARKS["bbh_smoke"], tm))
+    assert len(leaves(TASKS["mmlu"].harness, tm)) == 57
+    assert len(leaves(TASKS["bbh"].harness, tm)) == 27 == len(leaves(TASKS["bbh_smoke"].harness, tm))
 
 
 def test_shipped_exemplars_are_parsed_into_the_hub_schema():
@@ -110,3 +112,50 @@ def test_requests_are_grouped_by_shared_prefix():
     d = tuple(range(10)) + (9, 9)
     groups = groups_by_prefix([a, b, c, d], min_shared=32)
     assert sorted((p, sorted(m)) for p, m in groups) == [(12, [3]), (40, [0, 1]), (50, [2])]
+
+
+def test_any_lm_eval_task_or_group_and_include_path_tasks_are_accepted(tmp_path):
+    """Checked against lm-eval's task index (YAML only, cached per lm-eval version): no data is loaded."""
+    from lm_tasks import build
+
+    folder = build(tmp_path / "tasks")
+    cfg = eval_config({"tasks": ["mmlu", "hellaswag", "arc_challenge", "wikitext", "ifeval", "tl_gen", "tl_group"],
+                       "include_path": str(folder), "limits": {"hellaswag": 3}})
+    assert cfg.tasks[-2:] == ["tl_gen", "tl_group"] and cfg.include_path == str(folder)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"tasks": ["helaswag"]}, "for 'helaswag' did you mean 'hellaswag'"),
+    ({"tasks": ["tl_gne"], "include_path": "INCLUDE"}, "for 'tl_gne' did you mean 'tl_gen'"),
+    ({"tasks": ["ai2_arc"]}, "'ai2_arc' is an lm-eval tag of 2 tasks (arc_challenge, arc_easy)"),
+    ({"tasks": ["tl_gen"], "include_path": "MISSING"}, "include_path: no such folder"),
+])
+def test_unknown_lm_eval_names_are_refused_with_the_closest_ones(tmp_path, raw, message):
+    from lm_tasks import build
+
+    folder = build(tmp_path / "tasks")
+    raw = {**raw, **({"include_path": str(folder)} if raw.get("include_path") == "INCLUDE" else {}),
+           **({"include_path": str(tmp_path / "none")} if raw.get("include_path") == "MISSING" else {})}
+    with pytest.raises(Invalid) as e:
+        eval_config(raw)
+    assert message in str(e.value)
+
+
+def test_cli_refuses_an_unknown_task_before_loading_anything(cli, tmp_path):
+    code, _, err = cli("eval", "run", "tiny-random-llama", "--tasks", "mmlu,helaswag", "--out", tmp_path / "o")
+    assert code == 2 and "did you mean 'hellaswag'" in " ".join(err.split()) and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_ls_tasks_all_lists_lm_eval_tasks_with_their_output_type(cli):
+    code, out, _ = cli("ls", "tasks", "--all", "--json")
+    tasks = json.loads(out)["tasks"]
+    assert code == 0 and tasks["mmlu"].startswith("MMLU 5-shot")  # tunelab's own name stays tunelab's
+    assert tasks["hellaswag"] == "lm-eval task, multiple_choice"
+    assert tasks["wikitext"] == "lm-eval task, loglikelihood_rolling"
+    assert tasks["gsm8k_cot"] == "lm-eval task, generate_until"
+    assert tasks["leaderboard"].startswith("lm-eval group of") and "generate_until, multiple_choice" in tasks[
+        "leaderboard"]
+    assert "ai2_arc" not in tasks  # a tag is no task
+    code, out, _ = cli("ls", "tasks", "--json")
+    assert "hellaswag" not in json.loads(out)["tasks"]

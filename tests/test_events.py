@@ -41,7 +41,7 @@ def test_data_build_reports_progress(tmp_path):
 
 
 def test_the_runner_shows_eval_and_data_progress_on_the_cells_line():
-    from tunelab.runner import _shown
+    from tunelab.runview import shown as _shown
 
     assert _shown(events.EvalProgress("gsm8k", 3, 8)) == {"total": 8, "completed": 3, "info": "eval gsm8k 3/8"}
     assert _shown(events.DataProgress(200, 500)) == {"info": "tokenizing 200/500"}

@@ -38,10 +38,10 @@ def test_contamination_check_reports_overlap_with_the_cells_training_set(tmp_pat
     from tunelab.config import DataCfg
     from tunelab.data.build import build
     from tunelab.evals.contamination import overlap
-    from tunelab.evals.harness import BENCHMARKS
+    from tunelab.registries import TASKS
 
     _, tok = models.load(models_cfg())
-    smoke = BENCHMARKS["gsm8k_smoke"].items()
+    smoke = TASKS["gsm8k_smoke"].harness.items.load()()
     clean = build(DataCfg(recipe="arithmetic", max_length=256), tok, tmp_path)["train"]
     assert overlap(smoke, clean, tok)["overlapping_items"] == 0
     rows = [{"instruction": q, "input": "", "output": "42"} for q in smoke[:7]]
@@ -82,7 +82,8 @@ def test_the_offline_mmlu_must_be_the_checked_file(tmp_path):
 
 
 def test_a_dequantized_model_is_said_in_env_results_and_the_leaderboard(tmp_path):
-    from tunelab.models import SOURCE_NOTE, source_note
+    from tunelab.catalog import SOURCE_NOTE
+    from tunelab.models import source_note
     from tunelab.report.leaderboard import note
     from tunelab.report.records import Record
     from tunelab.report.table import build

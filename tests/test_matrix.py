@@ -60,15 +60,17 @@ base:
 
 
 def test_a_later_key_at_its_default_keeps_earlier_ids():
-    """train.group_by_length came after cells were run: at its default a cell's id is what it was before."""
+    """train.group_by_length and train.loss_chunk came after cells were run: at their defaults a cell's id is
+    what it was before."""
     from tunelab.config import CellConfig, content_id
 
     cell = CellConfig.model_validate({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"}})
     before = cell.model_dump(mode="json", exclude={"tracking", "eval"})
-    del before["train"]["group_by_length"]
+    del before["train"]["group_by_length"], before["train"]["loss_chunk"]
     assert cell.id() == content_id(before)
-    grouped = cell.model_copy(update={"train": cell.train.model_copy(update={"group_by_length": True})})
-    assert grouped.id() != cell.id()
+    for key, value in (("group_by_length", True), ("loss_chunk", 64)):
+        changed = cell.model_copy(update={"train": cell.train.model_copy(update={key: value})})
+        assert changed.id() != cell.id()
 
 
 def test_duplicate_cells_collapse(tmp_path):

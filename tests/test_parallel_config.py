@@ -60,8 +60,8 @@ def _cell(parallel: dict, **sections):
     ({"cpu_offload": True}, {}, "would be ignored"),
 ])
 def test_cross_section_checks(parallel, sections, reason):
+    from tunelab.layouts import check_layout as check_cell
     from tunelab.plan import check
-    from tunelab.plan.parallel import check_layout as check_cell
 
     with pytest.raises(ValueError, match=reason):
         check_cell(_cell(parallel, **sections))
@@ -82,7 +82,7 @@ def test_grouping_by_length_has_nothing_to_group_in_packed_rows():
                                       {"dp": 2, "backend": "deepspeed", "zero": 3, "cpu_offload": True}])
 @pytest.mark.parametrize("name", ["lomo", "adalomo"])
 def test_in_backward_optimizers_run_under_every_engine(parallel, name):
-    from tunelab.plan.parallel import check_layout as check_cell
+    from tunelab.layouts import check_layout as check_cell
 
     check_cell(_cell(parallel, optim={"name": name}))  # tests/parallel runs them against one process
 

@@ -1,7 +1,9 @@
 """Every layout computes what one process computes: the first 3 losses (and gradient norms, the
 validation loss and the gathered weights after them) of a tiny 4-layer Llama, with full AdamW, with
-LoRA, with AdaLomo (native engine) and with tied embeddings (pipelines), against a single-process run
-computed here. fp32, clipping at max_grad_norm 1.0 in both (DeepSpeed is told the same). One torchrun
+LoRA, with AdaLomo (every layout), with LOMO (FSDP2, tensor parallel, a pipeline, DeepSpeed stage 0 and
+ZeRO-3) and with tied embeddings (pipelines), against a single-process run computed here with the plain
+head (`model(**batch).loss`), while every layout runs the output head and loss in chunks of 8 positions
+(train/chunked.py). fp32, clipping at max_grad_norm 1.0 in both (DeepSpeed is told the same). One torchrun
 launch per world size runs all its layouts (tests/parallel/run_layouts.py); two runs also leave a
 distributed checkpoint that is resumed on one process."""
 
@@ -18,6 +20,7 @@ from parallel import common
 from parallel.run_layouts import CKPT_AFTER, CKPT_RUNS, DS_RESUMES, LAYOUTS, methods, size
 
 TOL = 1e-4
+HEAD_TOL = 1e-6  # the first step (the same weights everywhere): the chunked head against the plain one
 WORLDS = sorted({size(p) for p in LAYOUTS.values()})
 
 
@@ -49,6 +52,9 @@ def test_layout_matches_one_process(launched, reference, layout, method):
     assert results is not None, f"torchrun wrote no results:\n{log}"
     got, want = results[f"{layout}/{method}"], reference[method]
     assert "error" not in got, got.get("error")
+    # Before any update, loss and gradients differ from the plain head's only by float summation order.
+    assert got["loss"][0] == pytest.approx(want["loss"][0], abs=HEAD_TOL)
+    assert got["grad_norm"][0] == pytest.approx(want["grad_norm"][0], abs=HEAD_TOL)
     assert got["loss"] == pytest.approx(want["loss"], abs=TOL)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], abs=TOL)
     assert got["eval"][0] == pytest.approx(want["eval"][0], abs=TOL * 100)  # a sum over 24 tokens

@@ -8,7 +8,8 @@ import shutil
 
 from conftest import write
 
-from tunelab.store import read_jsonl, write_status
+from tunelab.cellfolder import CellFolder
+from tunelab.store import read_jsonl
 
 MATRIX = """name: par
 base:
@@ -47,7 +48,7 @@ def test_two_process_cell_matches_one_process_and_resumes(cli, tmp_path, monkeyp
     # As if the run had died after its step-2 checkpoint: the next `exp run` resumes from it. (A cell that
     # died in training never wrote `trained`; a trained one would only be evaluated again.)
     shutil.rmtree(two / "checkpoints" / "step-4")
-    write_status(two, "running", trained=False)
+    CellFolder(two).write_status("running", trained=False)
     code, _, err = cli("run", path, "--runs-dir", runs, "--only", "dp2")
     assert code == 0, err
     assert max(abs(a - b) for a, b in zip(ref, losses(two))) < 1e-4

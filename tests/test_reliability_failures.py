@@ -17,7 +17,8 @@ from conftest import write
 from processes import attempts, run_exp, wait_for
 
 from tunelab import matrix
-from tunelab.runner import exit_cause, log_tail
+from tunelab.cellfolder import CellFolder
+from tunelab.outcome import exit_cause
 from tunelab.store import read_json, read_jsonl
 
 MATRIX = """name: dies
@@ -102,5 +103,5 @@ def test_exit_statuses_in_words():
 def test_the_log_tail_is_the_last_lines_of_a_long_log(tmp_path):
     lines = [f"line {i} " + "x" * (i % 50) for i in range(20000)]  # longer than the 64 KiB read
     (tmp_path / "cell.log").write_text("\n".join(lines) + "\n\n")
-    assert log_tail(tmp_path) == lines[-20:]
-    assert log_tail(tmp_path / "nowhere") == []
+    assert CellFolder(tmp_path).log_tail() == lines[-20:]
+    assert CellFolder(tmp_path / "nowhere").log_tail() == []

@@ -11,7 +11,8 @@ from conftest import write
 from processes import attempts, pid_alive, run_exp, start_exp, wait_for
 
 from tunelab import matrix
-from tunelab.store import CellLock, is_locked, read_json, read_jsonl, write_status
+from tunelab.cellfolder import CellFolder
+from tunelab.store import CellLock, is_locked, read_json, read_jsonl
 
 MATRIX = """name: NAME
 base:
@@ -55,7 +56,7 @@ def test_a_cell_locked_elsewhere_is_waited_for_and_taken_over_when_its_holder_di
     path, (locked, free) = matrix_file(tmp_path, "wait")
     holder = CellLock(locked)
     assert holder.acquire()
-    write_status(locked, "running", pid=os.getpid())
+    CellFolder(locked).write_status("running", pid=os.getpid())
     proc = start_exp("run", path, "--runs-dir", tmp_path / "runs", log=tmp_path / "run.log")
     log = tmp_path / "run.log"
     wait_for(lambda: "waiting for the process that holds its lock" in log.read_text(), "the runner waits", proc)

@@ -18,9 +18,10 @@ from browser import chromium, open_page
 from conftest import write
 
 from tunelab import __version__
+from tunelab.cellfolder import CellFolder
 from tunelab.report.plots import _steps, bar_rows
 from tunelab.report.records import collect
-from tunelab.store import read_json, write_status
+from tunelab.store import read_json
 
 # Four cells: lora with two seeds (error bars), none with seed 0; none-s1 is never started (pending).
 MATRIX = """name: reptest
@@ -37,17 +38,6 @@ matrix:
   train.seed: [0, 1]
 """
 RAN = ("none-s0", "lora-s0", "lora-s1")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _report_command():
-    """`exp report` as users run it: tunelab/cli.py registers it; until it does, the test registers it the same
-    way (a no-op once cli.py has it)."""
-    from tunelab import cli
-    from tunelab.report.report_cli import report_cmd
-
-    if "report" not in {c.name for c in cli.app.registered_commands}:
-        cli.app.command("report", rich_help_panel=cli.INSPECT)(report_cmd)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +104,7 @@ def test_failed_cell_is_counted_and_explained(mdir, cli, tmp_path):
     copy = tmp_path / "reptest"
     shutil.copytree(mdir, copy, ignore=shutil.ignore_patterns("final", "checkpoints"))
     failed = next(copy.glob("lora-s1-*"))
-    write_status(failed, "failed", error="RuntimeError: out of memory at step 2")
+    CellFolder(failed).write_status("failed", error="RuntimeError: out of memory at step 2")
     code, _, err = cli("report", copy, "--out", tmp_path / "sub" / "r.html")
     assert code == 0, err
     text = (tmp_path / "sub" / "r.html").read_text()

@@ -14,6 +14,7 @@ import sys
 import pytest
 import yaml
 
+from tunelab.cellfolder import CellFolder
 from tunelab.store import read_json, read_jsonl
 
 STEPS, SAVE_EVERY, EVAL_EVERY = 60, 10, 15
@@ -149,7 +150,7 @@ def killed_matrix(tmp_path_factory):
     runs = tmp / "runs"
     c1, c2 = runs / "killme" / first, runs / "killme" / second
     for cell, folder in ((cells[1], ref), (cells[0], c1)):  # and the first cell finished by an earlier run
-        runner.prepare(folder, cell, spec.name)
+        runner.prepare(CellFolder(folder), cell, spec.name)
         run_cell(folder)
     seen: dict = {}
 
@@ -191,7 +192,6 @@ def test_a_killed_runner_leaves_a_cell_that_says_running_under_a_free_lock(kille
 
 def test_the_next_run_resumes_and_ends_with_the_numbers_of_an_uninterrupted_run(killed_matrix):
     tmp, c1, c2, seen, last = killed_matrix
-    from tunelab import folders
 
     assert last.returncode == 0, last.stderr[-3000:]
     assert snapshot(c1) == seen["train_kill"]["c1"]  # the finished cell was never touched again
@@ -205,7 +205,7 @@ def test_the_next_run_resumes_and_ends_with_the_numbers_of_an_uninterrupted_run(
     status = read_json(c2 / "status.json")
     assert status["state"] == "done" and status["evaluating_only"] is True  # the evaluation alone was redone
     res, ref_res = results_of(c2), results_of(ref)
-    assert res["complete"] is True and folders.eval_done(c2, eval_id(c2))
+    assert res["complete"] is True and CellFolder(c2).eval_done(eval_id(c2))
     for task in ("val_loss", "humaneval"):
         assert res["tasks"][task]["value"] == pytest.approx(ref_res["tasks"][task]["value"], abs=1e-6), task
     completions = [[r["completion"] for r in read_jsonl(next((d / "eval").glob("*/samples.jsonl")))]

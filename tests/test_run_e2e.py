@@ -65,9 +65,9 @@ def test_run_writes_the_store_and_leaderboard(done_run):
     assert (none / "final" / "model.safetensors").is_file()
     rows = list(csv.DictReader((mdir / "leaderboard.csv").open()))
     assert {r["cell"] for r in rows} == {"none", "lora"}
-    # 2 of HumanEval's 164 problems: a subset, which the leaderboard marks with "*".
-    assert all(r["status"] == "done" and r["humaneval pass@1"].endswith("*") for r in rows)
-    assert all(0 <= float(r["humaneval pass@1"].rstrip("*")) <= 1 for r in rows)
+    # 2 of HumanEval's 164 problems: a subset, which the CSV marks in its own column (its number stays a number).
+    assert all(r["status"] == "done" and "subset" in r["humaneval pass@1 marks"] for r in rows)
+    assert all(float(r["humaneval pass@1"]) in (0.0, 0.5, 1.0) for r in rows)  # a pass rate over 2 problems
     assert re.search(r"^\| cell +\|", (mdir / "leaderboard.md").read_text(), re.M)
     assert "leaderboard" in proc.stdout
 
@@ -81,7 +81,11 @@ def test_second_run_skips_done_cells(done_run, cli):
     assert before == {p: p.stat().st_mtime_ns for p in before}
 
 
-def test_failed_cell_is_recorded_and_rerun_on_request(cli, tmp_path):
+def test_failed_cell_is_recorded_and_rerun_on_request(cli, tmp_path, monkeypatch):
+    # A hub id that cannot be had: with HF_HUB_OFFLINE set, `exp run` would refuse it before running (exp plan's
+    # machine check); here the hub is only unreachable (a closed local port), which the cell finds out itself.
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     text = TINY.replace("WANDB", "false").replace(
         "  peft.method: [none, lora]", "  model.name: [tiny-random-llama, no-such-org/no-such-model]")
     path = write(tmp_path / "tiny.yaml", text)

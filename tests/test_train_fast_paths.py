@@ -78,12 +78,12 @@ def test_models_it_cannot_serve_keep_the_mask():
     assert windowed.config._attn_implementation == "sdpa"
 
 
-def _tied_run(data, tmp_path, name: str) -> tuple[list[dict], object]:
+def _tied_run(built_data, tmp_path, name: str) -> tuple[list[dict], object]:
     from tunelab.config import CellConfig
     from tunelab.store import read_jsonl
     from tunelab.train.loop import run
 
-    recipe, tok, built = data
+    recipe, tok, built = built_data
     cfg = CellConfig.model_validate({
         "model": {"name": "tiny-random-llama"}, "data": {"recipe": str(recipe)},
         "optim": {"name": "adamw", "lr": 1e-2}, "train": {"steps": 3, "batch_size": 4, "save_final": False},

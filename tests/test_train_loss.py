@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tunelab.config import PeftCfg
+from tunelab.config import CellConfig, PeftCfg
 from tunelab.train import loss as loss_module
 from tunelab.train import peft
+from tunelab.train.chunked import auto_chunk, chunked_loss, set_chunk
 from tunelab.train.data import IGNORE, block_causal_mask, label_tokens
 from tunelab.train.loss import _causal_lm, causal_lm_loss, plain_loss, root_forward_loss
 
@@ -57,10 +58,10 @@ def loss_and_grads(model, fn, batch) -> tuple[torch.Tensor, dict[str, torch.Tens
 def assert_same_as_plain(model, batch, fn=causal_lm_loss) -> None:
     fast_loss, fast = loss_and_grads(model, fn, batch)
     plain_loss_, plain = loss_and_grads(model, plain_loss, batch)
-    torch.testing.assert_close(fast_loss, plain_loss_, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(fast_loss, plain_loss_, rtol=1e-6, atol=1e-6)
     assert fast.keys() == plain.keys() and fast
     for name in plain:
-        torch.testing.assert_close(fast[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(fast[name], plain[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
 def head_rows(model, batch, fn=causal_lm_loss) -> int:
@@ -152,20 +153,105 @@ def test_through_the_root_forward_same_loss_and_gradients(make_batch, mask, monk
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_pipelines_last_stage_at_the_labelled_positions(tied):
-    """What a pipeline's last stage and loss run (pipeline.py, stages.py): the stage takes the mask of labelled
-    positions and returns their logits only; the loss sums them. Here one stage holds the whole model, so
-    loss, gradients and head rows compare with the plain forward in one process."""
-    from tunelab.train.loss import shifted_labels, summed_at_labels
+    """What a pipeline's last stage and loss run (pipeline.py, stages.py): the stage takes the shifted labels
+    and returns the summed loss at the labelled positions, its head and loss in chunks. Here one stage holds
+    the whole model, so loss, gradients and head rows compare with the plain forward in one process."""
+    from tunelab.train.loss import shifted_labels
     from tunelab.train.parallel import stages
     from tunelab.train.parallel.anatomy import anatomy
 
     model, batch = tiny_llama(tied=tied), padded_batch()
+    set_chunk(model.get_output_embeddings(), 4)
     a = anatomy(model)
     stage = stages.Stage(model, a, list(range(len(a.layers))), first=True, last=True)
 
     def through_stage(m, b, n_items):
-        keep = shifted_labels(b["labels"]) != IGNORE
-        return summed_at_labels(stage(b["input_ids"], b["attention_mask"], keep=keep), b["labels"]) / n_items
+        return stage(b["input_ids"], b["attention_mask"], targets=shifted_labels(b["labels"])).sum() / n_items
 
     assert_same_as_plain(model, batch, through_stage)
     assert head_rows(model, batch, through_stage) == label_tokens(batch) < batch["labels"].numel()
+    assert widest_logits(lambda: loss_and_grads(model, through_stage, batch), 97) == 4
+
+
+def widest_logits(fn, vocab: int, hidden: int = 32) -> int:
+    """The most rows of any tensor (rows, vocab) made while `fn` runs (forward and backward), leaving out the
+    head weight's transposed view (hidden, vocab)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    widest = [0]
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == vocab and t.shape[0] != hidden:
+                    widest[0] = max(widest[0], t.shape[0])
+            return out
+
+    with Watch():
+        fn()
+    return widest[0]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("chunk", [1, 4, None])
+def test_chunked_head_equals_the_plain_head_within_1e_6(tied, chunk):
+    """The head and loss in chunks of positions (train/chunked.py; None: the automatic chunk, one chunk here):
+    loss and every gradient within 1e-6 of the plain `model(**batch).loss` in fp32, and no (positions,
+    vocabulary) tensor wider than a chunk exists in forward or backward."""
+    model, batch = tiny_llama(tied), padded_batch()
+    set_chunk(model.get_output_embeddings(), chunk)
+    fast_loss, fast = loss_and_grads(model, causal_lm_loss, batch)
+    plain_loss_, plain = loss_and_grads(model, plain_loss, batch)
+    torch.testing.assert_close(fast_loss, plain_loss_, rtol=1e-6, atol=1e-6)
+    for name in plain:
+        torch.testing.assert_close(fast[name], plain[name], rtol=1e-6, atol=1e-6, msg=name)
+    n = label_tokens(batch)
+    assert widest_logits(lambda: loss_and_grads(model, causal_lm_loss, batch), 97) == min(chunk or n, n)
+    assert widest_logits(lambda: loss_and_grads(model, plain_loss, batch), 97) == batch["labels"].numel()
+
+
+def test_chunked_loss_function_direct():
+    """`chunked_loss` against `F.cross_entropy(hidden @ W.T)` on random rows, gradients of both inputs, with
+    chunks that do not divide the rows, and the automatic chunk from the vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g, dtype=torch.float64).float().requires_grad_()
+    w = torch.randn(50, 16, generator=g).requires_grad_()
+    t = torch.randint(0, 50, (37,), generator=g)
+    want = torch.nn.functional.cross_entropy(h @ w.t(), t, reduction="sum")
+    gh, gw = torch.autograd.grad(want * 0.3, (h, w))
+    for chunk in (5, 37, 100):
+        got = chunked_loss(h, w, t, chunk)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        for a, b in zip(torch.autograd.grad(got * 0.3, (h, w)), (gh, gw)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert auto_chunk(32000) == 262 and auto_chunk(49152) == 170 and auto_chunk(10**9) == 16
+
+
+def test_bf16_autocast_matches_the_plain_head_within_bf16_rounding():
+    """Under bf16 autocast (train.precision: bf16) the chunks compute as autocast would: bf16 matmuls, fp32
+    loss; the weight's gradient summed in fp32 (the plain head rounds it to bf16 once)."""
+    model, batch = tiny_llama(), padded_batch()
+    set_chunk(model.get_output_embeddings(), 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast_loss, fast = loss_and_grads(model, causal_lm_loss, batch)
+        plain_loss_, plain = loss_and_grads(model, plain_loss, batch)
+    torch.testing.assert_close(fast_loss, plain_loss_, rtol=1e-2, atol=1e-2)
+    for name in plain:
+        torch.testing.assert_close(fast[name], plain[name], rtol=5e-2, atol=2e-3, msg=name)
+
+
+def test_no_kernel_on_cpu_and_the_chunk_is_read_from_the_head():
+    """The Cut Cross-Entropy kernel is CUDA-only (and used only when installed); on CPU the torch chunks run
+    with the chunk the stepper set on the head (`train.loss_chunk` through parallel.prepare)."""
+    from tunelab.train import parallel as par
+    from tunelab.train.chunked import CHUNK_ATTR
+
+    model = tiny_llama()
+    cell = CellConfig.model_validate({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"},
+                                      "train": {"loss_chunk": 3}})
+    par.prepare(model, lambda ps: torch.optim.SGD(ps, lr=0.1), cell, par.setup(cell.parallel))
+    assert getattr(model.get_output_embeddings(), CHUNK_ATTR) == 3
+    assert widest_logits(lambda: loss_and_grads(model, causal_lm_loss, padded_batch()), 97) == 3
+    assert "loss_chunk" not in CellConfig.model_validate({"model": {"name": "x"}, "data": {"recipe": "y"}}) \
+        .identity()["train"]

@@ -103,18 +103,19 @@ def test_trainer_padding_free_trains_on_the_examples_apart(tmp_path):
         model, tok, ds = setup(cfg)
         rows = [{k: r[k] for k in ("input_ids", "labels")} for r in ds["train"].with_format(None).select(range(4))]
         batch = DataCollatorWithFlattening()(rows) if name == "flattened" else collate(tok.pad_token_id)(rows)
-        seen: list[float] = []
-
         class Record(TrainerCallback):
+            seen: list[float] = []
+
             def on_log(self, args, state, control, logs=None, **kw):
                 if logs and "loss" in logs:
-                    seen.append(logs["loss"])
+                    self.seen.append(logs["loss"])
 
         args = TrainingArguments(output_dir=str(tmp_path / name), max_steps=1, per_device_train_batch_size=1,
                                  logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
                                  disable_tqdm=True)
+        record = Record()
         Trainer(model=model, args=args, train_dataset=Batches([batch]), data_collator=lambda b: b[0],
-                callbacks=[Record()]).train()
-        losses[name] = seen[0]
+                callbacks=[record]).train()
+        losses[name] = record.seen[0]
     assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
     assert losses["flattened"] == pytest.approx(losses["padded"], abs=1e-5)

@@ -3,7 +3,7 @@
 Reads RUN_DIR/config.yaml, checks what this machine must offer, and runs the stages: model, data, PEFT,
 train (on every process of the layout), then the evaluation named by the config's eval section on the main
 process. A cell whose training is done (final/ weights, status `trained`) only evaluates, on one process:
-adding a task to a finished matrix trains nothing again (folders.py). Progress events (tunelab.events) go to
+adding a task to a finished matrix trains nothing again (cellfolder.py). Progress events (tunelab.events) go to
 stdout as JSON lines for whoever launched it; everything else a library prints is sent to stderr, so it
 cannot corrupt that stream.
 """
@@ -16,14 +16,19 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import yaml
-
-from tunelab import events, folders
+from tunelab import events
+from tunelab.cellfolder import CellFolder
 from tunelab.config import CellConfig
+from tunelab.errors import UserError
 from tunelab.events import Emit, Stage
 from tunelab.runtime import Layout, Preempted, Runtime
-from tunelab.store import read_json, read_status, write_json, write_status
+from tunelab.store import write_json
+
+if TYPE_CHECKING:
+    from tunelab.models import Weights
+    from tunelab.tracking import Tracker
 
 
 def _event_stream() -> Emit:
@@ -44,11 +49,6 @@ def _event_stream() -> Emit:
     return emit
 
 
-def read_config(run_dir: Path) -> CellConfig:
-    """The resolved config the runner wrote (it passed every plan-time check then)."""
-    return CellConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
-
-
 def _barrier() -> None:
     import torch.distributed as dist
 
@@ -57,25 +57,43 @@ def _barrier() -> None:
 
 
 @dataclass
-class _Run:
-    run_dir: Path
+class CellRun:
+    """One attempt at a cell on one process of its layout: what every stage needs."""
+
+    folder: CellFolder
     cfg: CellConfig
     rt: Runtime
     emit: Emit
     timings: dict[str, float] = field(default_factory=dict)
-    tracker: object = None
+    tracker: Tracker | None = None  # the main process's W&B run; None on the others
+
+    def track(self, resuming: bool) -> None:
+        """Open the W&B run of this cell; its events reach W&B from now on."""
+        from tunelab.tracking import Tracker
+
+        meta = self.folder.meta()
+        tracker = self.tracker = Tracker(
+            self.cfg, self.folder.path, group=meta.get("matrix", "adhoc"), name=meta.get("slug", self.folder.path.name),
+            config=self.cfg.model_dump(mode="json"), tags=[f"{k}={v}" for k, v in meta.get("varying", {}).items()],
+            resuming=resuming)
+        emit = self.emit
+
+        def both(event: events.Event) -> None:
+            tracker.on_event(event)
+            emit(event)
+
+        self.emit = both
+
+    def summary(self, values: dict) -> None:
+        if self.tracker is not None:
+            self.tracker.summary(values)
+
+    def finish(self, failed: bool = False) -> None:
+        if self.tracker is not None:
+            self.tracker.finish(failed=failed)
 
 
-def _tracker(run: _Run, resuming: bool):
-    from tunelab.tracking import Tracker
-
-    meta = read_json(run.run_dir / "cell.json") or {}
-    return Tracker(run.cfg, run.run_dir, group=meta.get("matrix", "adhoc"), name=meta.get("slug", run.run_dir.name),
-                   config=run.cfg.model_dump(mode="json"),
-                   tags=[f"{k}={v}" for k, v in meta.get("varying", {}).items()], resuming=resuming)
-
-
-def _load(run: _Run):
+def _load(run: CellRun) -> tuple[Any, Any, Weights | None]:
     """The model as the layout builds it (train.parallel.init_mode) and the tokenizer -> (model, tokenizer,
     checkpoint files when the model is on the meta device). The model is built from the same files either way."""
     from tunelab import models
@@ -94,31 +112,41 @@ def _load(run: _Run):
     return (*models.load(cfg.model, rt, **peft.load_kwargs(cfg.peft, rt.device)), None)
 
 
-def _train(run: _Run):
+def _build_data(run: CellRun, tokenizer: Any) -> dict:
+    """The cell's datasets: the main process builds the cache once, the others read it."""
+    from tunelab.data.build import build as build_data
+    from tunelab.paths import cache_dir
+
+    run.emit(Stage("data"))
+    if not run.rt.is_main:
+        _barrier()
+    datasets = build_data(run.cfg.data, tokenizer, cache_dir(),
+                          progress=lambda done, total: run.emit(events.DataProgress(done, total)))
+    if run.rt.is_main:
+        _barrier()
+    return datasets
+
+
+def _train(run: CellRun) -> tuple[Any, Any, dict, float | None]:
     """Load, build data, wrap, train on every process. -> (trained model, tokenizer, datasets, val loss)."""
+    import torch
     from transformers import set_seed
 
     from tunelab import train
-    from tunelab.data.build import build as build_data
-    from tunelab.paths import cache_dir
+    from tunelab.data import build  # noqa: F401 - imported before the baseline below: libraries are not training
     from tunelab.train import parallel, peft
     from tunelab.train.validation import Validation
 
     cfg, rt, t0 = run.cfg, run.rt, time.perf_counter()
-    rss_before = _rss_mb()
+    rss_before = _rss_mb()  # what the process holds before the model: `exp memory` predicts what training adds
     run.emit(Stage("load"))
-    set_seed(cfg.train.seed)  # weights a model may create on load
-    model, tokenizer, files = _load(run)
-    run.emit(Stage("data"))
-    if not rt.is_main:  # the main process builds the cache once; the others read it
-        _barrier()
-    datasets = build_data(cfg.data, tokenizer, cache_dir(),
-                          progress=lambda done, total: run.emit(events.DataProgress(done, total)))
-    if rt.is_main:
-        _barrier()
-    # Again: building data draws from the global RNGs on a cache miss only, and adapter init must not
-    # depend on whether the data was cached.
+    # The one seed of a cell. Loading and data building run on forks of it: what a layout's way of building
+    # the model draws, or a data cache miss (a hit draws nothing), leaves the adapters' init and the training's
+    # draws the same on every layout and every run.
     set_seed(cfg.train.seed)
+    with torch.random.fork_rng(devices=[]):
+        model, tokenizer, files = _load(run)
+        datasets = _build_data(run, tokenizer)
     weights = None
     if files is None:
         model = peft.apply(model, cfg.peft)
@@ -126,15 +154,15 @@ def _train(run: _Run):
         model, weights = parallel.with_adapters(model, lambda m: peft.apply(m, cfg.peft), files)
     run.timings["setup_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    result = train.run(model, tokenizer, datasets, cfg, run.run_dir, run.emit, runtime=rt,
+    result = train.run(model, tokenizer, datasets, cfg, run.folder, run.emit, runtime=rt,
                        validation=Validation.of(cfg.eval), weights=weights)
     run.timings["train_s"] = time.perf_counter() - t0
     before = _gather(rss_before)
     if rt.is_main:
-        write_json(run.run_dir / "train" / "memory.json", {
+        write_json(run.folder.memory_file, {
             "kind": result.peak_mem_kind, "peak_mb": result.peak_mem_mb_ranks, "rss_before_load_mb": before})
-        write_status(run.run_dir, "running", timings=run.timings, trained=cfg.train.save_final)
-        run.tracker.summary({f"train/{k}": v for k, v in result.summary().items()})
+        run.folder.write_status("running", timings=run.timings, trained=cfg.train.save_final)
+        run.summary({f"train/{k}": v for k, v in result.summary().items()})
     return result.model, tokenizer, datasets, result.val_loss
 
 
@@ -155,7 +183,7 @@ def _gather(value: float) -> list[float]:
     return out
 
 
-def _load_trained(run: _Run):
+def _load_trained(run: CellRun) -> tuple[Any, Any, dict | None, float | None]:
     """The saved final/ weights (base + adapter for PEFT cells) and the datasets, for another evaluation."""
     from tunelab.data.build import build as build_data
     from tunelab.paths import cache_dir
@@ -164,86 +192,100 @@ def _load_trained(run: _Run):
     from tunelab.train.validation import Validation
 
     run.emit(Stage("load"))
-    model, tokenizer = peft.load_trained(run.cfg, run.run_dir / "final", run.rt)
-    summary = read_json(run.run_dir / "train" / "summary.json") or {}
+    model, tokenizer = peft.load_trained(run.cfg, run.folder.final, run.rt)
+    summary = run.folder.summary()
     val = Validation.of(run.cfg.eval)
     # The training stage's final validation loss counts when it was measured the way this evaluation asks.
     same = summary.get("validation") == val.settings()
-    stand_ins = any(TASKS[t].stand_in for t in run.cfg.eval.tasks)  # checked against the training set
+    stand_ins = any(t in TASKS and TASKS[t].stand_in for t in run.cfg.eval.tasks)  # checked against training
     datasets = build_data(run.cfg.data, tokenizer, cache_dir()) if val.final or stand_ins else None
     return model, tokenizer, datasets, summary.get("val_loss") if same else None
 
 
-def _evaluate(run: _Run, model, tokenizer, datasets, val_loss) -> None:
+def _evaluate(run: CellRun, model: Any, tokenizer: Any, datasets: dict | None, val_loss: float | None) -> None:
     from tunelab import evals
     from tunelab.report.scores import Score, wandb_key
     from tunelab.train import peft
 
     t0 = time.perf_counter()
-    ctx = evals.Context(out_dir=folders.eval_dir(run.run_dir, run.cfg.eval.id()),
+    ctx = evals.Context(out_dir=run.folder.eval_dir(run.cfg.eval.id()),
                         validation=datasets["validation"] if datasets else None, val_loss=val_loss,
                         train=datasets["train"] if datasets else None,
-                        model_note=(read_json(run.run_dir / "env.json") or {}).get("model", {}).get("note"))
+                        model_note=run.folder.env().get("model", {}).get("note"))
     scores = evals.run(peft.for_eval(model), tokenizer, run.cfg.eval, ctx, run.emit)
     run.timings["eval_s"] = time.perf_counter() - t0
     summary = {}
     for task, res in scores["tasks"].items():  # the subset and unavailable marks travel to W&B too
         s = Score.of(task, res)
         summary[wandb_key(s)] = s.value if s.ok else ("unavailable" if s.status != "ok" else None)
-    run.tracker.summary({k: v for k, v in summary.items() if v is not None})
+    run.summary({k: v for k, v in summary.items() if v is not None})
+
+
+def _start(run: CellRun, evaluate_only: bool) -> None:
+    """The main process says the cell runs, keeps the machine's description and opens the W&B run."""
+    from tunelab import env
+
+    folder = run.folder
+    if evaluate_only:  # keep the training's timings beside this evaluation's
+        run.timings.update(folder.status().get("timings") or {})
+    write_json(folder.env_file, env.snapshot(run.cfg.model.name))
+    folder.write_status("running", started_at=time.time(), pid=os.getpid(), timings=run.timings,
+                        world_size=run.rt.world_size, evaluating_only=evaluate_only)
+    run.track(resuming=evaluate_only or _has_checkpoint(folder, run.cfg))
 
 
 def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None = None,
              layout: Layout | None = None) -> None:
     """The stages of one cell, on every process of its layout; only the main process writes files.
     Without cfg and layout: read RUN_DIR/config.yaml and run as one plain process (or evaluate only)."""
-    from tunelab import env, runtime
+    from tunelab import runtime
 
-    cfg = cfg or read_config(run_dir)
-    evaluate_only = folders.is_trained(run_dir)
+    folder = CellFolder(run_dir)
+    cfg = cfg or folder.config()
+    evaluate_only = folder.is_trained()
     layout = layout or Layout(device=runtime.device_of(cfg.train.device))
-    run = _Run(run_dir, cfg, runtime.resolve(cfg, layout), emit)
-    if evaluate_only:  # keep the training's timings beside this evaluation's
-        run.timings.update(read_status(run_dir).get("timings") or {})
+    run = CellRun(folder, cfg, runtime.resolve(cfg, layout), emit)
     main = layout.is_main
     if main:
-        write_json(run_dir / "env.json", env.snapshot(cfg.model.name))
-        write_status(run_dir, "running", started_at=time.time(), pid=os.getpid(), timings=run.timings,
-                     world_size=run.rt.world_size, evaluating_only=evaluate_only)
-        run.tracker = _tracker(run, resuming=evaluate_only or _has_checkpoint(run_dir, cfg))
-        run.emit = _with_tracker(emit, run.tracker)
+        _start(run, evaluate_only)
     try:
-        runtime.check_host(cfg, file=run_dir / "config.yaml")
+        runtime.check_host(cfg, file=folder.config_file)
         stages = _load_trained(run) if evaluate_only else _train(run)
         if main:  # evaluation needs the whole model: one process does it while the others wait
             _evaluate(run, *stages)
-            run.tracker.finish()
-            write_status(run_dir, "done", finished_at=time.time(), timings=run.timings)
+            run.finish()
+            folder.write_status("done", finished_at=time.time(), timings=run.timings)
         _barrier()
-    except Preempted as e:  # a scheduler's stop signal: checkpoint written (when training), run again later
-        _stopping()
-        if main:
-            run.tracker.finish(failed=True)
-            job = _requeue_target()
-            write_status(run_dir, "pending", finished_at=time.time(), timings=run.timings,
-                         note=f"{e}; " + (f"requeued (SLURM job {job})" if job else "run it again to resume"))
-        if e.step is not None:  # every rank stopped at the same step: leave together, then requeue
-            _barrier()
-        if main:
-            _requeue()
-        e.handled = True  # for main(): the requeue is done
+    except Preempted as e:  # a stop signal: checkpoint written (when training), run again later
+        _preempted(run, e)
         raise
     except KeyboardInterrupt:
         if main:  # interrupted, not broken: the next `exp run` picks it up (from its last checkpoint)
-            run.tracker.finish(failed=True)
-            write_status(run_dir, "pending", finished_at=time.time(), timings=run.timings, note="interrupted")
+            run.finish(failed=True)
+            folder.write_status("pending", finished_at=time.time(), timings=run.timings, note="interrupted")
         raise
     except BaseException as e:
         if main:
-            run.tracker.finish(failed=True)
-            write_status(run_dir, "failed", finished_at=time.time(), timings=run.timings,
-                         error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+            run.finish(failed=True)
+            folder.write_status("failed", finished_at=time.time(), timings=run.timings,
+                                error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
+                                bad_input=isinstance(e, UserError))
         raise
+
+
+def _preempted(run: CellRun, e: Preempted) -> None:
+    _stopping()
+    main = run.rt.is_main
+    if main:
+        run.finish(failed=True)
+        job = _requeue_target()
+        run.folder.write_status("pending", finished_at=time.time(), timings=run.timings,
+                                note=f"{e}; " + (f"requeued (SLURM job {job})" if job else "run it again to resume"))
+    if e.step is not None:  # every rank stopped at the same step: leave together, then requeue
+        _barrier()
+    if main:
+        _requeue()
+    e.handled = True  # for main(): the requeue is done
 
 
 def _stopping() -> None:
@@ -272,18 +314,10 @@ def _requeue() -> None:
         print(f"scontrol requeue {job}: exit {out.returncode} {out.stderr.strip()}", file=sys.stderr)
 
 
-def _has_checkpoint(run_dir: Path, cfg: CellConfig) -> bool:
+def _has_checkpoint(folder: CellFolder, cfg: CellConfig) -> bool:
     from tunelab.train import checkpoint
 
-    return cfg.train.resume and checkpoint.latest(run_dir) is not None
-
-
-def _with_tracker(emit: Emit, tracker) -> Emit:
-    def both(event) -> None:
-        tracker.on_event(event)
-        emit(event)
-
-    return both
+    return cfg.train.resume and checkpoint.latest(folder.checkpoints) is not None
 
 
 LOCK_WAIT_S = 10.0
@@ -296,27 +330,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from contextlib import nullcontext
 
+    from tunelab.runtime import catch_stop_signals
     from tunelab.store import LOCK_HELD_ENV, LOCKED_EXIT, Locked, lock, lock_holder
     from tunelab.train import parallel
 
-    run_dir = Path(argv[0]).resolve()
+    folder = CellFolder(Path(argv[0]).resolve())
     emit = _event_stream()
-    from tunelab.runtime import catch_stop_signals
-
     catch_stop_signals()  # SIGUSR1 / SIGTERM: checkpoint at the next step boundary, mark pending, requeue
     try:
-        cfg = read_config(run_dir)
+        cfg = folder.config()
         # A trained cell only evaluates, on one process; training joins torchrun's process group.
-        layout = None if folders.is_trained(run_dir) else parallel.setup(cfg.parallel)
+        layout = None if folder.is_trained() else parallel.setup(cfg.parallel)
         if layout is not None and not layout.is_main:
             emit = events.ignore  # events come from the main process only
         # The runner holds the folder's lock for the cell it starts; started any other way, the main process
         # takes it, waiting a moment for a process that only looks (store.is_locked).
-        must_lock = (layout is None or layout.is_main) and os.environ.get(LOCK_HELD_ENV) != str(run_dir)
-        with lock(run_dir, wait=LOCK_WAIT_S) if must_lock else nullcontext():
-            run_cell(run_dir, emit, cfg, layout)
+        must_lock = (layout is None or layout.is_main) and os.environ.get(LOCK_HELD_ENV) != str(folder.path)
+        with lock(folder.path, wait=LOCK_WAIT_S) if must_lock else nullcontext():
+            run_cell(folder.path, emit, cfg, layout)
     except Locked:
-        print(f"{run_dir} is locked by {lock_holder(run_dir)}", file=sys.stderr)
+        print(f"{folder.path} is locked by {lock_holder(folder.path)}", file=sys.stderr)
         return LOCKED_EXIT
     except Preempted as e:  # not a failure: status.json says pending, the checkpoint is in place
         print(f"stopped: {e}", file=sys.stderr)

@@ -13,7 +13,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from tunelab.cellfolder import is_cell, open_finished
+from tunelab.cellfolder import CellFolder, open_finished
+from tunelab.data.recipe import trained_template
 from tunelab.errors import UserError
 from tunelab.store import read_json
 
@@ -54,15 +55,16 @@ def _with_adapter(name: str, adapter: Path, device, **kw):
 def load_target(target: str, device) -> tuple[object, object, str | None, str]:
     """(model, tokenizer, the template it trained with or None, a label for messages)."""
     path = Path(target).expanduser()
-    if is_cell(path):
+    path = path.resolve() if path.exists() else path  # a relative folder is still a folder, not a hub id
+    if CellFolder(path).exists():
         cell = open_finished(path, "chat")
-        m = cell.config["model"]
+        m = cell.raw_config()["model"]
         kw = {"dtype": m.get("dtype", "auto"), "revision": m.get("revision"), "what": "model.name in config.yaml"}
         if cell.method == "none":
             model, tok = _load(str(cell.final), device, dtype=kw["dtype"])
         else:
             model, tok = _with_adapter(cell.base, cell.final, device, **kw)
-        return model, tok, cell.template(), f"cell {cell.title} ({cell.method})"
+        return model, tok, trained_template(cell.raw_config()), f"cell {cell.title} ({cell.method})"
     trained = (read_json(path / "tunelab_export.json") or {}).get("template") if path.is_dir() else None
     adapter = read_json(path / "adapter_config.json") if path.is_dir() else None
     if adapter:
@@ -98,7 +100,7 @@ def render(conv: list[dict], template: str, tok) -> tuple[str, bool]:
         return tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True), False
     from tunelab.data.templates import TEMPLATES
 
-    t = TEMPLATES[template]
+    t = TEMPLATES[template].load()
     text = "".join(s.text + ((tok.eos_token or "") if s.eos else "") for s in t.fn(conv, tok))
     return text, t.add_special_tokens
 

@@ -14,14 +14,15 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from tunelab.cellfolder import disk_usage
+from tunelab.cellfolder import CellFolder
 from tunelab.errors import UserError
-from tunelab.store import Locked, cell_dirs, is_locked, lock, read_json, read_status
+from tunelab.matrixfolder import MatrixFolder
+from tunelab.store import Locked, lock
 
 
 @dataclass(frozen=True)
 class Item:
-    cell: Path
+    cell: CellFolder
     label: str  # matrix/slug
     state: str
     target: Path  # what goes: the cell's checkpoints/ or the whole cell folder
@@ -29,14 +30,14 @@ class Item:
     skip: str | None = None  # why it is left alone
 
 
-def find_cells(root: Path) -> list[Path]:
+def find_cells(root: Path) -> list[CellFolder]:
     """DIR may be a cell folder, runs/<matrix>/ or runs/."""
     if not root.is_dir():
         raise UserError("no such folder; expected runs/, runs/<matrix>/ or a cell folder", file=root)
-    if (root / "cell.json").is_file():
-        return [root]
-    cells = cell_dirs(root) or sorted(p.parent for p in root.glob("*/*/cell.json"))
-    cells = [c for c in cells if not c.name.startswith(".")]  # a folder renamed aside by an interrupted clean
+    if CellFolder(root).meta_file.is_file():
+        return [CellFolder(root)]
+    cells = MatrixFolder(root).cells() or [c for m in sorted(root.iterdir()) if m.is_dir()
+                                           for c in MatrixFolder(m).cells()]
     if not cells:
         raise UserError("no cell folders here (a cell folder has cell.json); expected runs/, runs/<matrix>/ or "
                         "a cell folder", file=root)
@@ -46,24 +47,23 @@ def find_cells(root: Path) -> list[Path]:
 def plan(root: Path, *, checkpoints: bool, failed: bool) -> list[Item]:
     items = []
     for cell in find_cells(root):
-        meta, state = read_json(cell / "cell.json") or {}, read_status(cell).get("state", "?")
-        label = f"{meta.get('matrix', cell.parent.name)}/{meta.get('slug', cell.name)}"
-        if checkpoints and state == "done" and (cell / "checkpoints").is_dir():
-            target = cell / "checkpoints"
+        state = cell.status().get("state", "?")
+        if checkpoints and state == "done" and cell.checkpoints.is_dir():
+            target = cell.checkpoints
         elif failed and state == "failed":
-            target = cell
+            target = cell.path
         else:
             continue
-        skip = "locked: a process is working in it" if is_locked(cell) else None
-        items.append(Item(cell, label, state, target, disk_usage(target), skip))
+        skip = "locked: a process is working in it" if cell.is_locked() else None
+        items.append(Item(cell, cell.label, state, target, cell.disk_usage(target), skip))
     return items
 
 
 def delete(item: Item) -> bool:
     """Delete one item under its cell's lock; False if a process took the lock since the plan was made."""
     try:
-        with lock(item.cell):
-            if read_status(item.cell).get("state") != item.state:  # it changed since the plan: leave it
+        with lock(item.cell.path):
+            if item.cell.status().get("state") != item.state:  # it changed since the plan: leave it
                 return False
             aside = item.target.with_name(f".{item.target.name}.deleting")
             os.replace(item.target, aside)
@@ -78,6 +78,6 @@ def refresh_leaderboards(items: list[Item]) -> None:
     """A removed failed cell must leave the leaderboard files too."""
     from tunelab.report import leaderboard
 
-    for mdir in {i.cell.parent for i in items if i.target == i.cell}:
+    for mdir in {i.cell.path.parent for i in items if i.target == i.cell.path}:
         if (mdir / "leaderboard.md").is_file():
             leaderboard.write(mdir)

@@ -1,8 +1,9 @@
 """The schema of one experiment cell. Each section is a pydantic model; unknown keys are errors.
 
-Pure data: types, defaults, descriptions and the checks that need nothing else. Whatever needs a registry,
-a content folder or several sections at once is checked in `tunelab.plan`; whatever depends on the machine
-(CUDA, a local folder) where the cell runs (`tunelab.runtime.check_host`). The field descriptions are the
+Pure data: types, defaults, descriptions and the checks that need nothing else (it reads registries.py, the
+names and facts, but no stage). Whatever needs a registry's entries, a content folder or several sections at
+once is checked in `tunelab.plan`; whatever depends on the machine (CUDA, a local folder) where the cell runs
+(`tunelab.runtime.check_host`). The field descriptions are the
 reference documentation: `exp plan` and the README point here.
 """
 
@@ -13,6 +14,8 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tunelab.registries import DEFAULT_ENGINE, TASKS  # names of the help texts
 
 
 class Section(BaseModel):
@@ -83,8 +86,8 @@ class ParallelCfg(Section):
     dp: int = Field(1, ge=1, description="data-parallel degree: FSDP2 (native) or ZeRO (deepspeed) shards")
     tp: int = Field(1, ge=1, description="tensor-parallel degree (native only)")
     pp: int = Field(1, ge=1, description="pipeline-parallel degree: stages of consecutive layers (native only)")
-    backend: Literal["native", "deepspeed"] = Field(
-        "native", description="native: DeviceMesh + FSDP2 + tensor/pipeline parallel; deepspeed: ZeRO data parallel")
+    backend: str = Field(DEFAULT_ENGINE, description="the parallel engine: a name of `exp ls engines` "
+                                                     "(docs/parallelism.md)")
     zero: Literal[1, 2, 3] = Field(
         3, description="what dp shards: 1 optimizer state, 2 + gradients, 3 + parameters "
                        "(native: 3 = FSDP2 resharding after forward, 2 = keeping parameters gathered until backward)")
@@ -121,6 +124,11 @@ class TrainCfg(Section):
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="bf16 = autocast forward in bfloat16 (CPU or GPU); auto = bf16 on CUDA, else fp32")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    loss_chunk: int | None = Field(
+        None, gt=0, description="labelled positions per chunk of the output head and loss, which run in chunks "
+                                "recomputed in backward (the logits and their gradient are never whole); null = "
+                                "chosen from the vocabulary (a chunk's fp32 logits about 32 MiB). Changes memory "
+                                "and speed, not results (float summation order only)")
     eval_every: int | None = Field(
         None, gt=0, description="validation loss every N steps (eval.batch_size, eval.val_batches); null = off")
     save_every: int | None = Field(
@@ -133,13 +141,17 @@ class EvalCfg(Section):
     suite: str | None = Field(None, description="a suite in evals/ (paper, quick, full) or a path to one: its keys "
                               "are the defaults of this section; keys set here override them")
     tasks: list[str] = Field(default_factory=lambda: ["val_loss", "humaneval"], description="tasks to score: "
-                             "val_loss, humaneval, mmlu, gsm8k, bbh, gsm8k_smoke, bbh_smoke")
+                             f"tunelab's ({', '.join(TASKS)}), any lm-eval task or group (`exp ls tasks --all`), "
+                             "or a task of include_path")
+    include_path: str | None = Field(None, description="a folder of lm-eval task YAMLs (as lm_eval's --include_path): "
+                                     "its tasks and groups can be named in tasks; relative to where exp runs")
     limit: int | None = Field(None, gt=0, description="examples per task (per MMLU subject / BBH task); null = all")
     limits: dict[str, int] = Field(default_factory=dict, description="per-task limit, overriding `limit`")
     subtasks: dict[str, list[str]] = Field(default_factory=dict, description="run only these MMLU subjects / "
-                                           "BBH tasks, e.g. {mmlu: [anatomy]}")
-    data_dir: str | None = Field(None, description="local benchmark data (<dir>/<task>/<subset>/<split>.jsonl) "
-                                 "instead of the hub; $TUNELAB_EVAL_DATA sets it too")
+                                           "BBH tasks / members of an lm-eval group, e.g. {mmlu: [anatomy]}")
+    data_dir: str | None = Field(None, description="local benchmark data instead of the hub (tunelab's tasks: "
+                                 "<dir>/<task>/<subset>/<split>.jsonl; lm-eval's: <dir>/<task>/<split>.jsonl); "
+                                 "$TUNELAB_EVAL_DATA sets it too")
     val_batches: int | None = Field(None, gt=0, description="validation batches for val_loss; null = all")
     batch_size: int = Field(8, gt=0)
     max_new_tokens: int | None = Field(None, gt=0, description="cap on generated tokens; null = each task's own "
@@ -164,8 +176,13 @@ class EvalCfg(Section):
         return self.limits.get(task, self.limit)
 
     def id(self) -> str:
-        """Names this evaluation's results: eval/<id>/results.json in a cell's folder."""
-        return content_id(self.model_dump(mode="json"))
+        """Names this evaluation's results: eval/<id>/results.json in a cell's folder. Keys added later are left
+        out while at their default, so evaluations made before them keep their ids (as LATER_KEYS below)."""
+        dump = self.model_dump(mode="json")
+        return content_id({k: v for k, v in dump.items() if k not in EVAL_LATER_KEYS or v != EVAL_LATER_KEYS[k]})
+
+
+EVAL_LATER_KEYS = {"include_path": None}
 
 
 class TrackingCfg(Section):
@@ -179,7 +196,7 @@ class TrackingCfg(Section):
 
 # Training keys added after cells were first run, left out of a cell's identity while at their default (which
 # trains as before the key existed), so that run folders made earlier keep their ids and are not trained again.
-LATER_KEYS = {("train", "group_by_length"): False}
+LATER_KEYS = {("train", "group_by_length"): False, ("train", "loss_chunk"): None}
 
 
 class CellConfig(Section):

@@ -22,17 +22,35 @@ class UserError(Exception):
         super().__init__(f"{where}: {message}" if where else message)
 
 
-def load_yaml(path: str | Path) -> Any:
+def read_text(path: str | Path, what: str = "file") -> str:
+    """A user's text file, or the exit-2 paragraph saying why it cannot be read (missing, a folder, no
+    permission, not UTF-8 text, any other OSError): the one place tunelab reads a file a user named."""
     p = Path(path)
-    if not p.is_file():
-        raise UserError("no such file", file=p)
     try:
-        return yaml.safe_load(p.read_text())
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"no such {what}", file=p) from None
+    except IsADirectoryError:
+        raise UserError(f"this is a folder; expected a {what}", file=p) from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"not UTF-8 text (byte {e.start}: {e.reason}); save the {what} as UTF-8", file=p) from None
+    except OSError as e:
+        raise UserError(f"cannot read the {what}: {e.strerror or e}", file=p) from None
+
+
+def load_yaml(path: str | Path, what: str = "file") -> Any:
+    """A user's YAML file, parsed; every way it can fail is a UserError naming the file (and the line)."""
+    p = Path(path)
+    text = read_text(p, what)
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise UserError(f"YAML syntax error{where}: {problem}", file=p) from None
+    except RecursionError:
+        raise UserError("nested too deeply to read as YAML", file=p) from None
 
 
 def _fields_at(model: type[BaseModel], loc: tuple) -> list[str] | None:
@@ -76,12 +94,21 @@ def problems_of(err: ValidationError, model: type[BaseModel] | None) -> list[Pro
         loc = tuple(e["loc"])
         if e["type"] == "extra_forbidden":
             allowed = _fields_at(model, loc[:-1]) if model else None
-            out.append(Problem(loc, "unknown key" + (f"; allowed keys: {', '.join(allowed)}" if allowed else "")))
+            out.append(Problem(loc, "unknown key" + did_you_mean(str(loc[-1]), allowed or [])
+                               + (f"; allowed keys: {', '.join(allowed)}" if allowed else "")))
         elif e["type"] == "missing":
             out.append(Problem(loc, "required key is missing"))
         else:
             out.append(Problem(loc, e["msg"].removeprefix("Value error, "), e.get("input")))
     return out
+
+
+def did_you_mean(name: str, known: list[str]) -> str:
+    """" (did you mean 'x'?)" for the known names closest to a mistyped one, else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.75)
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
 
 
 def explain(

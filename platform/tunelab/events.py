@@ -20,16 +20,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Stage:
-    name: str  # load | data | train | eval
-    tag: ClassVar[str] = "stage"
-
-    def wire(self) -> dict:
-        return {"stage": self.name}
+    name: str  # load | data | train | eval: its own name is its tag on the wire
 
 
 @dataclass(frozen=True)
@@ -38,20 +34,17 @@ class Step:
     total: int
     loss: float
     metrics: dict[str, Any] = field(default_factory=dict)
-    tag: ClassVar[str] = "train"
 
 
 @dataclass(frozen=True)
 class Resumed:
     step: int
     checkpoint: str
-    tag: ClassVar[str] = "resume"
 
 
 @dataclass(frozen=True)
 class EvalTask:
     task: str
-    tag: ClassVar[str] = "eval"
 
 
 @dataclass(frozen=True)
@@ -59,23 +52,23 @@ class EvalProgress:
     task: str
     done: int
     total: int
-    tag: ClassVar[str] = "eval_progress"
 
 
 @dataclass(frozen=True)
 class DataProgress:
     done: int
     total: int
-    tag: ClassVar[str] = "data_progress"
 
 
 Event = Stage | Step | Resumed | EvalTask | EvalProgress | DataProgress
 Emit = Callable[[Event], None]
-_BY_TAG = {cls.tag: cls for cls in (Step, Resumed, EvalTask, EvalProgress, DataProgress)}
+_BY_TAG: dict[str, type] = {"train": Step, "resume": Resumed, "eval": EvalTask, "eval_progress": EvalProgress,
+                            "data_progress": DataProgress}  # wire tag -> event class (Stage: its name)
+_TAG = {cls: tag for tag, cls in _BY_TAG.items()}
 
 
 def encode(event: Event) -> str:
-    body = event.wire() if isinstance(event, Stage) else {"stage": event.tag, **asdict(event)}
+    body = {"stage": event.name} if isinstance(event, Stage) else {"stage": _TAG[type(event)], **asdict(event)}
     return json.dumps(body, default=str)
 
 

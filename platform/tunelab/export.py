@@ -18,11 +18,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tunelab import __version__
-from tunelab.cellfolder import MERGEABLE, CellFolder, open_finished
+from tunelab.cellfolder import CellFolder, open_finished
+from tunelab.data.recipe import trained_template
 from tunelab.errors import UserError
+from tunelab.registries import PEFT
 from tunelab.store import read_json, write_json, write_text
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Methods whose adapter peft can fold into the base weights; prompt-learning ones add virtual tokens instead.
+MERGEABLE = tuple(n for n, p in PEFT.items() if n != "none" and not p.prompt_learning)
 ADAPTER_NOTE = ("this is a {method} adapter, not a full model: it needs the `peft` package and the base model "
                 "`{base}` to load{why}.")
 
@@ -80,18 +84,18 @@ def _base_source(cell: CellFolder) -> str:
         return resolve(cell.base)
     except Exception as e:  # noqa: BLE001 - a catalog alias that cannot be built here (offline, no pip)
         raise UserError(f"could not materialize the base model {cell.base!r}: {type(e).__name__}: {e}",
-                        file=cell.path / "config.yaml", key="model.name") from None
+                        file=cell.config_file, key="model.name") from None
 
 
 def _load_base(cell: CellFolder, source: str, dtype):
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(source, revision=cell.config["model"].get("revision"),
+        return AutoModelForCausalLM.from_pretrained(source, revision=cell.raw_config()["model"].get("revision"),
                                                     dtype=dtype)
     except OSError as e:
         raise UserError(f"could not load the base model {cell.base!r} (from {source}): {e}",
-                        file=cell.path / "config.yaml", key="model.name") from None
+                        file=cell.config_file, key="model.name") from None
 
 
 def _save_model(model, tok, dest: Path) -> None:
@@ -120,7 +124,7 @@ def export_cell(cell_dir: Path, out: Path, *, merge: bool = False, dtype: str = 
     if out.resolve() == cell.path.resolve() or cell.path.resolve() in out.resolve().parents:
         raise UserError("--out must be outside the cell folder", file=out)
     kind, notes = plan_kind(cell, merge)
-    template = cell.template()
+    template = trained_template(cell.raw_config())
     base_path = cell.base
 
     def build(tmp: Path) -> None:
@@ -138,7 +142,7 @@ def export_cell(cell_dir: Path, out: Path, *, merge: bool = False, dtype: str = 
             from transformers import AutoConfig
 
             base_path = _base_source(cell)
-            revision = cell.config["model"].get("revision")
+            revision = cell.raw_config()["model"].get("revision")
             stored = getattr(AutoConfig.from_pretrained(base_path, revision=revision), "dtype", None) or torch.float32
             log(f"loading the base {cell.base} ({base_path}) in float32 and merging the {cell.method} adapter")
             # Merge in float32 whatever the stored dtype, then cast once: no double rounding of the update.
@@ -156,7 +160,7 @@ def export_cell(cell_dir: Path, out: Path, *, merge: bool = False, dtype: str = 
         write_text(tmp / "README.md", modelcard.render(cell, kind, base_path=base_path, template=template,
                                                       notes=notes))
         write_json(tmp / "tunelab_export.json", {
-            "cell": cell.title, "cell_id": cell.meta.get("id"), "cell_dir": str(cell.path.resolve()),
+            "cell": cell.title, "cell_id": cell.meta().get("id"), "cell_dir": str(cell.path.resolve()),
             "kind": kind, "peft_method": cell.method, "base_model": cell.base, "template": template,
             "dtype": dtype, "exported_at": time.time(), "tunelab": __version__})
 

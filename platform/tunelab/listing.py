@@ -6,11 +6,11 @@ Registered names come with their registry entry's description (tunelab.registrie
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import yaml
 
 from tunelab import paths, registries
-
-KINDS = ("models", "recipes", "suites", "tasks", "optimizers", "peft", "experiments")
 
 
 def _states(states) -> str:
@@ -23,31 +23,56 @@ def _content(kind: str) -> list[tuple[str, str]]:
     for name in paths.available(kind):
         path = paths.find_named(kind, name)
         try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError:
+            data = yaml.safe_load(path.read_text()) if path else {}
+        except (OSError, yaml.YAMLError):
             data = {}
         text = data.get("description", "") if isinstance(data, dict) else ""
         out.append((name, " ".join(str(text).split()) or "(no description)"))
     return out
 
 
-def rows(kind: str) -> list[tuple[str, str]]:
-    """(name, one-line description) of every choice of `kind` (one of KINDS)."""
-    if kind == "models":
-        return [(n, a.description) for n, a in registries.MODELS.items()]
-    if kind == "recipes":
-        return _content("data_recipes")
-    if kind == "suites":
-        return _content("evals")
-    if kind == "experiments":
-        return _content("experiments")
-    if kind == "tasks":
-        return [(n, t.description) for n, t in registries.TASKS.items()]
-    if kind == "peft":
-        return [(n, p.description) for n, p in registries.PEFT.items()]
-    if kind == "optimizers":
-        return [(n, o.description) for n, o in registries.OPTIMIZERS.items()]
-    raise ValueError(f"unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
+def lm_eval_rows(include_path: str | None = None) -> list[tuple[str, str]]:
+    """(name, kind and output type) of every task and group lm-eval ships (and include_path holds), for
+    `exp ls tasks --all`: what `eval.tasks` can name besides tunelab's own. Tags are left out: they are not
+    runnable as one task."""
+    from tunelab.plan import lmtasks
+
+    index = {**lmtasks.builtin(), **lmtasks.local(include_path)}
+    out = []
+    for name in sorted(set(index) - set(registries.TASKS)):  # a name tunelab's tasks take means tunelab's
+        t = index[name]
+        if t.kind == "task":
+            out.append((name, f"lm-eval task, {t.output_type or '?'}"))
+        elif t.kind == "group":
+            out.append((name, f"lm-eval group of {len(lmtasks.leaves(name, index))} tasks, "
+                              f"{lmtasks.output_types(name, index)}"))
+    return out
+
+
+def _registered(registry: registries.Registry) -> list[tuple[str, str]]:
+    return [(n, entry.description) for n, entry in registry.items()]
+
+
+# kind -> its (name, one-line description) rows; everything: lm-eval's tasks and groups after tunelab's tasks
+ROWS: dict[str, Callable[[bool], list[tuple[str, str]]]] = {
+    "models": lambda _: _registered(registries.MODELS),
+    "recipes": lambda _: _content("data_recipes"),
+    "suites": lambda _: _content("evals"),
+    "tasks": lambda everything: _registered(registries.TASKS) + (lm_eval_rows() if everything else []),
+    "optimizers": lambda _: _registered(registries.OPTIMIZERS),
+    "peft": lambda _: _registered(registries.PEFT),
+    "engines": lambda _: _registered(registries.ENGINES),
+    "experiments": lambda _: _content("experiments"),
+}
+KINDS = tuple(ROWS)
+
+
+def rows(kind: str, everything: bool = False) -> list[tuple[str, str]]:
+    """(name, one-line description) of every choice of `kind` (one of KINDS); `everything`: with lm-eval's tasks
+    and groups after tunelab's tasks."""
+    if kind not in ROWS:
+        raise ValueError(f"unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
+    return ROWS[kind](everything)
 
 
 def optimizer_table() -> str:

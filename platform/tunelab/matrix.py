@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tunelab import plan
-from tunelab.config import CellConfig
+from tunelab import inputs, plan
+from tunelab.config import CellConfig, world_size
 from tunelab.errors import UserError, explain, load_yaml
 
 _TIME = re.compile(r"^(?:(\d+)-(\d+)(?::(\d+))?(?::(\d+))?|(\d+)(?::(\d+))?(?::(\d+))?)$")
@@ -128,6 +128,11 @@ class Cell:
     def dirname(self) -> str:
         return f"{self.slug}-{self.id}"
 
+    @property
+    def world_size(self) -> int:
+        """Processes its training needs (the runner starts that many under torchrun)."""
+        return world_size(self.config.parallel)
+
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     """{'optim': {'lr': 1}} -> {'optim.lr': 1}; dotted keys pass through."""
@@ -208,32 +213,23 @@ def load(path: str | Path, sets: dict[str, Any] | None = None) -> tuple[MatrixFi
         except ValidationError as e:
             raise explain(e, MatrixFile, file=path, where=lambda loc: "--set " + ".".join(map(str, loc))) from None
     cells = expand(spec, path, sets)
-    _check_recipes(cells, path)
+    inputs.check([c.config for c in cells], path)
     return spec, cells
 
 
-def _check_recipes(cells: list[Cell], path: Path) -> None:
-    """A recipe file is read when a cell builds its data; a mistake in it is found now, before anything runs."""
-    from tunelab.data.recipe import load_recipe
-
-    for name in dict.fromkeys(c.config.data.recipe for c in cells):
-        try:
-            load_recipe(name)
-        except UserError as e:
-            raise UserError(f"data.recipe {name!r}: {e}", file=path) from None
+Combo = tuple[dict[str, Any], dict[str, str]]  # (dotted overrides, dotted key -> where in the file set it)
 
 
-def expand(spec: MatrixFile, path: Path, sets: dict[str, Any] | None = None) -> list[Cell]:
+def _combos(spec: MatrixFile, path: Path) -> list[Combo]:
+    """The product of the axes, less the excluded combinations, plus the included cells, times the seeds."""
     for key, values in spec.matrix.items():
         if not values:
             raise UserError("an axis needs at least one value", file=path, key=f"matrix.{key}")
     axes = list(spec.matrix.items())
-    combos: list[tuple[dict, dict]] = []  # (dotted overrides, dotted key -> where in the file)
-    for values in itertools.product(*(v for _, v in axes)):
-        picks = {k: v for (k, _), v in zip(axes, values)}
-        origins = {k: f"matrix.{k}[{axes[i][1].index(v)}]" for i, (k, v) in enumerate(picks.items())}
-        combos.append((picks, origins))
-
+    combos: list[Combo] = []
+    for chosen in itertools.product(*(v for _, v in axes)):
+        picks = {k: v for (k, _), v in zip(axes, chosen)}
+        combos.append((picks, {k: f"matrix.{k}[{axes[i][1].index(v)}]" for i, (k, v) in enumerate(picks.items())}))
     for j, ex in enumerate(spec.exclude):
         flat = flatten(ex)
         unknown = [k for k in flat if k not in spec.matrix]
@@ -249,43 +245,47 @@ def expand(spec: MatrixFile, path: Path, sets: dict[str, Any] | None = None) -> 
         combos.append((flat, {k: f"include[{j}].{k}" for k in flat}))
     if not combos:
         raise UserError("every cell was excluded", file=path, key="exclude")
+    if spec.seeds is None:
+        return combos
+    if any("train.seed" in c[0] for c in combos):
+        raise UserError("set train.seed either in 'seeds' or in the matrix, not both", file=path, key="seeds")
+    return [({**p, "train.seed": s}, {**o, "train.seed": f"seeds[{i}]"})
+            for p, o in combos for i, s in enumerate(spec.seeds)]
 
-    if spec.seeds is not None:
-        if any("train.seed" in c[0] for c in combos):
-            raise UserError("set train.seed either in 'seeds' or in the matrix, not both", file=path, key="seeds")
-        combos = [({**p, "train.seed": s}, {**o, "train.seed": f"seeds[{i}]"})
-                  for p, o in combos for i, s in enumerate(spec.seeds)]
 
-    cells, seen = [], set()
+def _configs(spec: MatrixFile, path: Path, combos: list[Combo], sets: dict[str, Any]) -> list[tuple[CellConfig, dict]]:
+    """Each combination checked by the planner (errors name the place in the file); the same training and
+    evaluation twice is one cell."""
+    out, seen = [], set()
     for picks, origins in combos:
         raw = copy.deepcopy(spec.base)
-        for k, v in picks.items():
+        for k, v in {**picks, **sets}.items():  # --set: a stand-in run of a study without editing its file
             set_dotted(raw, k, v)
-        for k, v in (sets or {}).items():  # a stand-in run of a study without editing its file
-            set_dotted(raw, k, v)
-        where = {**origins, **{k: f"--set {k}" for k in sets or {}}}
+        where = {**origins, **{k: f"--set {k}" for k in sets}}
+        label = "cell " + ", ".join(f"{k}={v}" for k, v in picks.items()) if picks else "base"
         try:
             config = plan.cell_config(raw)
         except plan.Invalid as e:
-            label = "cell " + ", ".join(f"{k}={v}" for k, v in picks.items()) if picks else "base"
-            raise explain(e, CellConfig, file=path,
-                          where=lambda loc, o=where, lb=label: _origin(loc, o) if loc else lb) from None
-        key = (config.id(), config.eval.id())
-        if key not in seen:
-            seen.add(key)
-            cells.append((config, key, picks))
+            def place(loc: tuple, o: dict[str, str] = where, lb: str = label) -> str:
+                return _origin(loc, o) if loc else lb
 
-    keys = list(dict.fromkeys(k for _, _, picks in cells for k in picks))
-    dumps = [config.model_dump(mode="json") for config, _, _ in cells]
-    values = [{k: _get(d, k) for k in keys} for d in dumps]
+            raise explain(e, CellConfig, file=path, where=place) from None
+        if (config.id(), config.eval.id()) not in seen:
+            seen.add((config.id(), config.eval.id()))
+            out.append((config, picks))
+    return out
+
+
+def expand(spec: MatrixFile, path: Path, sets: dict[str, Any] | None = None) -> list[Cell]:
+    configs = _configs(spec, path, _combos(spec, path), sets or {})
+    keys = list(dict.fromkeys(k for _, picks in configs for k in picks))
+    values = [{k: _get(config.model_dump(mode="json"), k) for k in keys} for config, _ in configs]
     varying = [k for k in keys if len({json.dumps(v[k], sort_keys=True) for v in values}) > 1]
     varying.sort(key=lambda k: k == "train.seed")  # the seed reads best last
     named = _slug_keys(varying, values)
-    out = []
-    for (config, (cid, eid), _), vals in zip(cells, values):
-        slug = "-".join(_slug_part(k, vals[k]) for k in named) or spec.name
-        out.append(Cell(config=config, id=cid, slug=slug, varying={k: vals[k] for k in varying}, eval_id=eid))
-    return out
+    return [Cell(config=config, id=config.id(), varying={k: vals[k] for k in varying}, eval_id=config.eval.id(),
+                 slug="-".join(_slug_part(k, vals[k]) for k in named) or spec.name)
+            for (config, _), vals in zip(configs, values)]
 
 
 def _slug_keys(varying: list[str], values: list[dict]) -> list[str]:

@@ -12,10 +12,8 @@ from pathlib import Path
 
 from tunelab import __version__
 from tunelab.cellfolder import CellFolder
-from tunelab.folders import eval_results
 from tunelab.plan.sections import HUB_ID
 from tunelab.report.scores import fmt
-from tunelab.store import read_json
 
 KINDS = {
     "full": "the full fine-tuned weights",
@@ -38,7 +36,7 @@ def _score(res: dict) -> str:
 
 
 def scores_markdown(cell: CellFolder) -> str:
-    results = eval_results(cell.path)
+    results = cell.evaluations()
     if not results:
         return "No evaluation results were found in the cell's eval/ folder.\n"
     lines = ["| eval set | task | metric | score | n | stderr |", "|---|---|---|---|---|---|"]
@@ -68,13 +66,13 @@ def render(cell: CellFolder, kind: str, *, base_path: str, template: str | None,
     if hub_base:
         front.insert(1, f"base_model: {hub_base}")
     front.append("---")
-    summary = read_json(cell.path / "train" / "summary.json") or {}
+    summary = cell.summary()
     train_rows = [f"| {k} | {fmt(summary[k])} |" for k in TRAIN_KEYS if k in summary]
     parts = [
         "\n".join(front), "",
         f"# {cell.title}", "",
         f"Exported by tunelab {__version__} on {time.strftime('%Y-%m-%d %H:%M:%S %Z')} from the cell folder "
-        f"`{cell.path.resolve()}` (cell id `{cell.meta.get('id', '?')}`).", "",
+        f"`{cell.path.resolve()}` (cell id `{cell.meta().get('id', '?')}`).", "",
         f"This folder holds {KINDS[kind].format(method=cell.method)}. Base model: `{cell.base}`"
         + (f" (loaded from `{base_path}`)" if base_path != cell.base else "") + ".",
         "",
@@ -86,8 +84,8 @@ def render(cell: CellFolder, kind: str, *, base_path: str, template: str | None,
         "## Training", "",
         *(["| key | value |", "|---|---|", *train_rows, ""] if train_rows else ["No train/summary.json.", ""]),
         "Varying keys of this cell in its matrix: `"
-        + json.dumps(cell.meta.get("varying", {}), sort_keys=True) + "`", "",
+        + json.dumps(cell.meta().get("varying", {}), sort_keys=True) + "`", "",
         "## Config", "", "The cell's resolved config (config.yaml):", "",
-        "```yaml", (cell.path / "config.yaml").read_text().rstrip(), "```", "",
+        "```yaml", cell.config_file.read_text().rstrip(), "```", "",
     ]
     return "\n".join(parts)

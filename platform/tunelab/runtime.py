@@ -18,13 +18,14 @@ import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tunelab.config import CellConfig, ModelCfg, world_size
+from tunelab.config import CellConfig, ModelCfg, ParallelCfg, world_size
 from tunelab.errors import UserError
-from tunelab.registries import MODELS, PEFT
+from tunelab.registries import MODELS, PEFT, uses_engine
 
 DIMS = ("pp", "dp", "tp")
 
@@ -32,7 +33,7 @@ DIMS = ("pp", "dp", "tp")
 @dataclass(frozen=True)
 class Layout:
     device: torch.device
-    mesh: object | None = None  # DeviceMesh with dims DIMS; None for one process
+    mesh: Any = None  # a DeviceMesh with dims DIMS; None for one process
     pp: int = 1
     dp: int = 1
     tp: int = 1
@@ -66,7 +67,7 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def setup(cfg) -> Layout:
+def setup(cfg: ParallelCfg) -> Layout:
     """Join the process group torchrun describes (or the one already joined) and build the mesh.
 
     One process and no process group: a Layout without a mesh, and every engine runs plain.
@@ -157,7 +158,7 @@ def resolve(cfg: CellConfig, layout: Layout | None = None) -> Runtime:
     if layout is None or not layout.distributed:
         layout = Layout(device=device_of(cfg.train.device))
     dtype, attn = model_settings(cfg.model, layout.device)
-    engine = layout.distributed or cfg.parallel.backend != "native"
+    engine = layout.distributed or uses_engine(cfg.parallel)
     return Runtime(layout=layout, dtype=dtype, attn=attn, precision=precision_of(cfg, layout.device, engine, dtype))
 
 
@@ -196,6 +197,7 @@ class Preempted(Exception):  # noqa: N818 - a request, not an error
     def __init__(self, signal_name: str, step: int | None = None):
         super().__init__(f"stopped by {signal_name}" + (f" after step {step} (checkpoint written)" if step else ""))
         self.signal_name, self.step = signal_name, step
+        self.handled = False  # the cell process has requeued its job (SLURM) already
 
 
 @dataclass
@@ -203,6 +205,7 @@ class _Stop:
     installed: bool = False
     signal: str | None = None  # the name of the signal received
     armed: bool = False  # the training loop runs: stop at its next step boundary (elsewhere: at once)
+    interrupts: int = 0  # SIGINTs received: the first is a stop request, the second stops at once
 
 
 STOP = _Stop()
@@ -210,14 +213,23 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
 def catch_stop_signals() -> None:
-    """Every process of a cell calls this (the same way), so that `stop_agreed` is a collective they all run."""
-    def handler(signum, frame) -> None:
+    """Every process of a cell calls this (the same way), so that `stop_agreed` is a collective they all run.
+    SIGUSR1 and SIGTERM (a scheduler, the runner passing on a Ctrl-C) and a first SIGINT (Ctrl-C) ask for a
+    stop at the next step boundary, with a checkpoint; a second SIGINT stops at once (KeyboardInterrupt)."""
+    def handler(signum: int, frame: object) -> None:
         STOP.signal = signal.Signals(signum).name
         if not STOP.armed:
             raise Preempted(STOP.signal)
 
+    def interrupt(signum: int, frame: object) -> None:
+        STOP.interrupts += 1
+        if STOP.interrupts > 1:
+            raise KeyboardInterrupt
+        handler(signum, frame)
+
     for s in STOP_SIGNALS:
         signal.signal(s, handler)
+    signal.signal(signal.SIGINT, interrupt)
     STOP.installed = True
 
 

@@ -53,6 +53,16 @@ def offline() -> bool:
     return (os.environ.get("HF_HUB_OFFLINE") or "").upper() in _TRUE
 
 
+def cached_hub_file(repo: str, filename: str, revision: str | None = None) -> str | None:
+    """The local path of a hub repo's file when the Hugging Face cache holds it, else None; asks no server."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(repo, filename, revision=revision)
+    return found if isinstance(found, str) else None
+
+
 def unreachable(url: str, timeout: float) -> str | None:
     """Why `url` cannot be reached within `timeout` s, or None when anything answers (an HTTP error status is
     an answer: the server is there)."""

@@ -1,4 +1,5 @@
-"""The run store: runs/<matrix>/<cell>/ layout, atomic writes, per-cell locks, status files.
+"""Atomic writes and per-folder locks: how every tunelab file survives a crash (the layouts live in
+cellfolder.py and matrixfolder.py).
 
 What a crash can leave behind, and why none of it is trusted: files are written to a temporary sibling and
 renamed (a reader sees the old file or the new one, never half of one); JSON-lines files are appended one
@@ -20,14 +21,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import yaml
 
 from tunelab.errors import UserError
 
-STATES = ("pending", "running", "done", "failed")
-FAILURE_FIELDS = ("error", "traceback", "exit", "log_tail")  # what status.json says of a failed attempt
 LOCKED_EXIT = 3  # a cell process's exit code when another process holds its folder's lock
 # The launcher holds the cell folder's lock for the cell process it starts (and hands it the descriptor):
 # the cell must not lock again. The value names the folder, so it cannot apply to any other one.
@@ -44,8 +43,9 @@ class WriteFailed(UserError):
 
 
 def _write_failed(path: Path, e: OSError) -> WriteFailed:
-    return WriteFailed(f"cannot write here: {_PLACE_ERRORS[e.errno]} ({e.strerror}); nothing was half-written. "
-                       "Free space or choose another folder (exp run --runs-dir DIR), then run again", file=path)
+    what = _PLACE_ERRORS.get(e.errno or 0, e.strerror)
+    return WriteFailed(f"cannot write here: {what} ({e.strerror}); nothing was half-written. Free space or choose "
+                       "another folder (exp run --runs-dir DIR), then run again", file=path)
 
 
 def make_dir(path: Path, what: str = "") -> Path:
@@ -129,12 +129,16 @@ def _last_byte(path: Path) -> bytes:
         return f.read(1)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Every complete record. A last line without its newline is a record a crash tore while it was being
-    appended: it is left out. Any other line that is not JSON is damage of another kind and raises."""
-    if not path.is_file():
+def read_jsonl(path: Path, *, appended: bool = True) -> list[dict]:
+    """Every record of a JSON-lines file. `appended` (tunelab's own logs, written by append_jsonl): a last line
+    without its newline is a record a crash tore while it was being appended, and is left out; a missing file
+    has no records. Otherwise (a user's data file) every line counts. Any other line that is not JSON is
+    damage or a mistake: ValueError naming the line."""
+    if appended and not path.is_file():
         return []
-    *lines, _torn = path.read_text().split("\n")  # _torn is "" when the file ends with a newline
+    lines = path.read_text().split("\n")
+    if appended:
+        lines = lines[:-1]  # "" when the file ends with a newline, else the torn record
     out = []
     for n, line in enumerate(lines, 1):
         if line.strip():
@@ -143,21 +147,6 @@ def read_jsonl(path: Path) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: line {n} is not JSON ({e.msg})") from None
     return out
-
-
-def read_status(run_dir: Path) -> dict:
-    return read_json(run_dir / "status.json") or {}
-
-
-def write_status(run_dir: Path, state: str, **fields: Any) -> dict:
-    """Merge into status.json, keeping earlier fields (timings) unless overwritten."""
-    assert state in STATES, state
-    status = {**read_status(run_dir), **fields, "state": state, "updated_at": time.time()}
-    if state in ("pending", "running"):  # a new attempt: the last one's failure no longer describes it
-        for key in FAILURE_FIELDS:
-            status.pop(key, None)
-    write_json(run_dir / "status.json", status)
-    return status
 
 
 class Locked(Exception):
@@ -176,7 +165,7 @@ class CellLock:
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / ".lock"
-        self._f = None
+        self._f: IO[str] | None = None
 
     def acquire(self, wait: float | None = 0.0) -> bool:
         """Take the lock: at once (wait=0), within `wait` seconds, or whenever it is free (wait=None)."""
@@ -188,7 +177,7 @@ class CellLock:
                 fcntl.flock(f, fcntl.LOCK_EX | (0 if wait is None else fcntl.LOCK_NB))
                 break
             except BlockingIOError:
-                if time.monotonic() >= deadline:
+                if deadline is not None and time.monotonic() >= deadline:
                     f.close()
                     return False
                 time.sleep(self.POLL_S)
@@ -254,14 +243,3 @@ def lock_holder(run_dir: Path) -> str:
         return "; ".join((run_dir / ".lock").read_text().split("\n")).strip("; ") or "another process"
     except OSError:
         return "another process"
-
-
-def live_state(run_dir: Path, status: dict | None = None) -> str:
-    """The status's state, except that "running" under a free lock is "interrupted": the process that
-    wrote it died without a word (killed, out of memory, machine lost); the next `exp run` resumes it."""
-    state = (status if status is not None else read_status(run_dir)).get("state", "?")
-    return "interrupted" if state == "running" and not is_locked(run_dir) else state
-
-
-def cell_dirs(matrix_dir: Path) -> list[Path]:
-    return sorted(p.parent for p in matrix_dir.glob("*/cell.json"))

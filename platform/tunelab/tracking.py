@@ -12,7 +12,9 @@ import os
 import secrets
 import sys
 from pathlib import Path
+from typing import Any
 
+from tunelab.config import CellConfig, TrackingCfg
 from tunelab.errors import UserError
 from tunelab.events import Step
 from tunelab.store import write_text
@@ -20,7 +22,7 @@ from tunelab.store import write_text
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # what wandb itself accepts
 
 
-def wandb_mode(cfg) -> str:
+def wandb_mode(cfg: TrackingCfg) -> str:
     """Explicit config wins, then WANDB_MODE; without an API key a run stays offline."""
     if cfg.mode:
         return cfg.mode
@@ -61,7 +63,7 @@ class Tracker:
     """`resuming`: the cell continues from a checkpoint, so it continues its W&B run too (same run id,
     kept in the cell folder). A cell that starts over gets a new run: W&B drops steps already logged."""
 
-    def __init__(self, cfg, run_dir: Path, *, group: str, name: str, config: dict, tags: list[str],
+    def __init__(self, cfg: CellConfig, run_dir: Path, *, group: str, name: str, config: dict, tags: list[str],
                  resuming: bool = False):
         self.run = None
         mode = wandb_mode(cfg.tracking)
@@ -90,7 +92,7 @@ class Tracker:
                 _say(f"the offline run failed too ({_why(e2)}); this cell is not tracked in W&B")
 
     @staticmethod
-    def _init(mode: str, kwargs: dict):
+    def _init(mode: Any, kwargs: dict) -> Any:
         import wandb
 
         timeout = float(os.environ.get("WANDB_INIT_TIMEOUT") or INIT_TIMEOUT_S)
@@ -102,7 +104,8 @@ class Tracker:
         _say(f"{what} failed ({_why(e)}); W&B tracking stops for this cell, its local files keep every value")
         run, self.run = self.run, None
         try:
-            run.finish(exit_code=1)
+            if run is not None:
+                run.finish(exit_code=1)
         except Exception:  # noqa: BLE001 - already reported
             pass
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import torch
 
 STEPS, GRAD_ACCUM, BATCH, MAX_NORM, LR = 3, 2, 4, 1.0, 1e-2
-# adalomo: full-parameter, updated inside backward; tied: full AdamW on the model with tied embeddings
-METHODS = ("full", "lora", "adalomo", "tied")
+# adalomo, lomo: full-parameter, updated inside backward; tied: full AdamW on the model with tied embeddings
+METHODS = ("full", "lora", "adalomo", "lomo", "tied")
+FUSED = ("adalomo", "lomo")
+# Labelled positions per chunk of the output head and loss (train.loss_chunk): a micro-batch's 20-50 labelled
+# positions (10-25 per pipeline chunk) run in several chunks on every layout; the reference is the plain head.
+LOSS_CHUNK = 8
 
 
 def tiny_base(method: str, layers: int = 4):
@@ -76,8 +80,14 @@ def adalomo(params):
     return AdaLomo(params, lr=LR, clip_grad_norm=MAX_NORM)
 
 
+def lomo(params):
+    from tunelab.train.optimizers import Lomo
+
+    return Lomo(params, lr=LR, clip_grad_norm=MAX_NORM)
+
+
 def optimizer(method: str):
-    return adalomo if method == "adalomo" else adamw
+    return {"adalomo": adalomo, "lomo": lomo}.get(method, adamw)
 
 
 def reference(method: str, steps: int = STEPS) -> dict:
@@ -88,7 +98,7 @@ def reference(method: str, steps: int = STEPS) -> dict:
     losses, norms = [], []
     for step in batches(steps):
         n, total = n_items(step), 0.0
-        if method == "adalomo":  # the optimizer runs backward (twice: norm, then clipped update)
+        if method in FUSED:  # the optimizer runs backward (twice: norm, then clipped update)
             loss, norm = opt.fused_step(lambda s=step, n=n: torch.stack(
                 [model(**b, num_items_in_batch=torch.tensor(n)).loss for b in s]).sum())
             losses.append(loss)
@@ -115,10 +125,10 @@ def cell(parallel: dict, method: str):
     return CellConfig.model_validate({
         "model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"},
         "peft": {"method": "lora" if method == "lora" else "none"},
-        "optim": {"name": "adalomo" if method == "adalomo" else "adamw"},
+        "optim": {"name": method if method in FUSED else "adamw"},
         "parallel": parallel,
         # A cell refuses grad_accum > 1 with an in-backward optimizer (nothing to accumulate into); the
         # engine still takes the step's micro-batches, running them as one graph, as the reference does.
-        "train": {"batch_size": BATCH, "grad_accum": 1 if method == "adalomo" else GRAD_ACCUM,
-                  "max_grad_norm": MAX_NORM},
+        "train": {"batch_size": BATCH, "grad_accum": 1 if method in FUSED else GRAD_ACCUM,
+                  "max_grad_norm": MAX_NORM, "loss_chunk": LOSS_CHUNK},
     })

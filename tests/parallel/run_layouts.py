@@ -51,9 +51,14 @@ CKPT_RUNS, CKPT_AFTER = ("dp2xtp2/full", "pp2-1f1b/tied", "ds-zero3/adalomo"), 2
 DS_RESUMES = {"ds-zero3/adalomo": "ds-zero1"}
 
 
+# Plain LOMO where each engine's own path for in-backward optimizers runs (FSDP2, tensor parallel, a pipeline,
+# DeepSpeed at stage 0 and ZeRO-3); AdaLomo, which shares that machinery, runs on every layout.
+LOMO_LAYOUTS = ("dp2", "tp2", "pp2-1f1b", "ds-zero2", "ds-zero3")
+
+
 def methods(name: str) -> list[str]:
     p = LAYOUTS[name]
-    skip = set()
+    skip = set() if name in LOMO_LAYOUTS else {"lomo"}
     if p.get("cpu_offload") and p.get("zero") != 3:  # offloads optimizer state, which AdaLomo barely has
         skip.add("adalomo")
     if p.get("pp", 1) == 1:  # tied embeddings only need care where pipeline stages split them

@@ -11,14 +11,17 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
 import pyarrow as pa
 from datasets import Dataset, DatasetDict, load_from_disk
 
+from tunelab.config import DataCfg
 from tunelab.data.collect import Collected, collect
 from tunelab.data.pack import pack
 from tunelab.data.recipe import Recipe, load_recipe
@@ -27,6 +30,8 @@ from tunelab.data.templates import TEMPLATES
 from tunelab.data.tokenize import IGNORE, ExampleError, Settings, Tokenized, tokenize
 from tunelab.errors import UserError
 from tunelab.store import atomic_dir
+
+Progress = Callable[[int, int], None]  # (examples done, total)
 
 __all__ = ["IGNORE", "Built", "build", "build_info", "fingerprint"]
 
@@ -41,11 +46,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256((body + extra).encode()).hexdigest()[:16]
 
 
-def template_name(cfg, recipe: Recipe) -> str:
+def template_name(cfg: DataCfg, recipe: Recipe) -> str:
     return cfg.template or recipe.template
 
 
-def fingerprint(cfg, recipe: Recipe, recipe_path: Path, tokenizer) -> str:
+def fingerprint(cfg: DataCfg, recipe: Recipe, recipe_path: Path, tokenizer) -> str:
     """Everything a build's output depends on; cells that share it share the cached dataset."""
     parts = {
         "v": BUILD_VERSION,
@@ -66,11 +71,13 @@ class Built:
     cached: bool
 
 
-def build(cfg, tokenizer, cache_dir: Path | str, *, num_proc: int | None = None, progress=None) -> DatasetDict:
+def build(cfg: DataCfg, tokenizer: Any, cache_dir: Path | str, *, num_proc: int | None = None,
+          progress: Progress | None = None) -> DatasetDict:
     return build_info(cfg, tokenizer, cache_dir, num_proc=num_proc, progress=progress).datasets
 
 
-def build_info(cfg, tokenizer, cache_dir: Path | str, *, num_proc: int | None = None, progress=None) -> Built:
+def build_info(cfg: DataCfg, tokenizer: Any, cache_dir: Path | str, *, num_proc: int | None = None,
+               progress: Progress | None = None) -> Built:
     """`progress(done, total)`: examples tokenized so far (a cache hit reports nothing)."""
     recipe, recipe_path = load_recipe(cfg.recipe)
     target = Path(cache_dir) / "data" / fingerprint(cfg, recipe, recipe_path, tokenizer)
@@ -96,10 +103,10 @@ def _save(ds: DatasetDict, stats: dict, target: Path) -> None:
             datasets.enable_progress_bars()
 
 
-def make(cfg, recipe: Recipe, recipe_path: Path, tokenizer, num_proc: int | None = None, progress=None):
+def make(cfg: DataCfg, recipe: Recipe, recipe_path: Path, tokenizer, num_proc: int | None = None, progress=None):
     """The build itself, uncached: -> (DatasetDict, stats)."""
     got = collect(recipe, recipe_path)
-    settings = Settings(TEMPLATES[template_name(cfg, recipe)], cfg.max_length, cfg.train_on_prompt,
+    settings = Settings(TEMPLATES[template_name(cfg, recipe)].load(), cfg.max_length, cfg.train_on_prompt,
                         cfg.truncation, recipe.filters.min_tokens, recipe.filters.max_tokens)
     try:
         ex = tokenize(got.convs, got.sources, tokenizer, settings, num_proc, progress)
@@ -178,7 +185,8 @@ def _packed_dataset(p) -> Dataset:
                              "position_ids": _list_column(p.position_ids, p.offsets)}))
 
 
-def _stats(cfg, recipe, recipe_path, got: Collected, ex: Tokenized, train: Tokenized, packed) -> dict:
+def _stats(cfg: DataCfg, recipe: Recipe, recipe_path: Path, got: Collected, ex: Tokenized, train: Tokenized,
+           packed: Any) -> dict:
     q = [50, 90, 95, 99]
     lengths = ex.length
     stats = {

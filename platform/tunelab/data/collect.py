@@ -41,7 +41,7 @@ class Collected:
 
 def _convert(recipe: Recipe, recipe_path: Path, index: int, st: SourceStats, limit: int | None):
     src = recipe.sources[index]
-    fmt = FORMATS[src.format]
+    fmt = FORMATS[src.format].load()
     rows = read_rows(src, recipe_path, index)
     st.read = len(rows)
     for j, row in enumerate(rows[:limit] if limit else rows):

@@ -38,7 +38,8 @@ def exact_keep(texts: list[str]) -> list[int]:
 
 def _word_ids(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     vocab: dict[str, int] = {}
-    flat, lengths = [], []
+    flat: list[int] = []
+    lengths: list[int] = []
     for t in texts:
         words = WORD.findall(t.lower())
         flat.extend(vocab.setdefault(w, len(vocab) + 1) for w in words)

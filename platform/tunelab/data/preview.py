@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from itertools import zip_longest
+from typing import Any
 
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from tunelab.config import DataCfg
 from tunelab.data.collect import collect
 from tunelab.data.recipe import load_recipe
 from tunelab.data.templates import TEMPLATES, TemplateError
@@ -50,9 +52,9 @@ def _tokens(tokenizer, ids, labels) -> Text:
     return text
 
 
-def panels(cfg, tokenizer, n: int) -> list[Panel]:
+def panels(cfg: DataCfg, tokenizer: Any, n: int) -> list[Panel]:
     recipe, path = load_recipe(cfg.recipe)
-    template = TEMPLATES[cfg.template or recipe.template]
+    template = TEMPLATES[cfg.template or recipe.template].load()
     got = collect(recipe, path, limit=n, dedup=False)
     settings = Settings(template, cfg.max_length, cfg.train_on_prompt, cfg.truncation,
                         recipe.filters.min_tokens, recipe.filters.max_tokens)

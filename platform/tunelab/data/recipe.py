@@ -45,10 +45,10 @@ class Source(BaseModel):
             raise ValueError(GENERATORS.unknown(self.generator))
         if self.format not in FORMATS:
             raise ValueError(FORMATS.unknown(self.format))
-        unknown = sorted(set(self.fields) - set(FORMATS[self.format].fields))
+        unknown = sorted(set(self.fields) - set(FORMATS[self.format].load().fields))
         if unknown:
             raise ValueError(f"fields {unknown} are not fields of format {self.format!r}; "
-                             f"its fields: {', '.join(FORMATS[self.format].fields)}")
+                             f"its fields: {', '.join(FORMATS[self.format].load().fields)}")
         return self
 
     @property
@@ -112,3 +112,45 @@ def load_recipe(name: str) -> tuple[Recipe, Path]:
         return Recipe.model_validate(raw), path
     except ValidationError as e:
         raise explain(e, Recipe, file=path) from None
+
+
+def trained_template(config: dict) -> str | None:
+    """The prompt template a cell trained with, from its config.yaml: data.template, else its recipe's; None if
+    the recipe cannot be found any more."""
+    data = config.get("data") or {}
+    if data.get("template"):
+        return data["template"]
+    try:
+        return load_recipe(data["recipe"])[0].template
+    except (UserError, KeyError):
+        return None
+
+
+def input_files(name: str) -> list[Path]:
+    """The files a recipe reads: itself and its local sources (for a failed cell's record of its input)."""
+    from tunelab.data.sources import source_file
+
+    recipe, path = load_recipe(name)
+    return [path.resolve(), *(source_file(s, path) for s in recipe.sources if s.path)]
+
+
+def check_files(name: str) -> None:
+    """A recipe's local files exist, can be read and have a type the readers know: found at plan time, not when
+    the cell builds its data."""
+    import os
+
+    from tunelab.data.sources import FILE_READERS, source_file
+
+    recipe, path = load_recipe(name)
+    for i, src in enumerate(recipe.sources):
+        if not src.path:
+            continue
+        file, where = source_file(src, path), f"sources[{i}].path"
+        if file.suffix.lower() not in FILE_READERS:
+            raise UserError(f"cannot read {file.name!r}: the file types read are {', '.join(FILE_READERS)}",
+                            file=path, key=where)
+        if not file.is_file():
+            raise UserError(f"file {str(file)!r} does not exist" + (" (it is a folder)" if file.is_dir() else ""),
+                            file=path, key=where)
+        if not os.access(file, os.R_OK):
+            raise UserError(f"file {str(file)!r} cannot be read: permission denied", file=path, key=where)

@@ -10,11 +10,13 @@ import csv
 import hashlib
 import inspect
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from tunelab.data.generators import GENERATORS
 from tunelab.errors import UserError
+from tunelab.store import read_jsonl
 
 
 def _read_json(file: Path) -> list[dict]:
@@ -22,17 +24,6 @@ def _read_json(file: Path) -> list[dict]:
     if not isinstance(data, list):
         raise ValueError("a .json source holds one list of records (use .jsonl for one record per line)")
     return data
-
-
-def _read_jsonl(file: Path) -> list[dict]:
-    rows = []
-    for n, line in enumerate(file.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"line {n} is not JSON: {e.msg}") from None
-    return rows
 
 
 def _read_parquet(file: Path) -> list[dict]:
@@ -47,7 +38,8 @@ def _read_csv(file: Path) -> list[dict]:
 
 
 FILE_READERS: dict[str, Callable[[Path], list[dict]]] = {
-    ".json": _read_json, ".jsonl": _read_jsonl, ".parquet": _read_parquet, ".csv": _read_csv,
+    ".json": _read_json, ".jsonl": lambda file: read_jsonl(file, appended=False), ".parquet": _read_parquet,
+    ".csv": _read_csv,
 }
 
 
@@ -89,7 +81,7 @@ def _hub_rows(src, recipe_path: Path, where: str) -> list[dict]:
 
 def _generator_rows(src, recipe_path: Path, where: str) -> list[dict]:
     try:
-        return GENERATORS[src.generator](**src.args)
+        return GENERATORS[src.generator].load()(**src.args)
     except TypeError as e:
         raise UserError(f"generator {src.generator!r} rejected its args: {e}", file=recipe_path,
                         key=f"{where}.args") from None
@@ -120,6 +112,6 @@ def source_fingerprint(src, recipe_path: Path) -> str:
         file = source_file(src, recipe_path)
         return f"{file.name}:{_file_digest(file)}" if file.is_file() else str(file)
     if src.generator:
-        code = inspect.getsource(inspect.getmodule(GENERATORS[src.generator]))
+        code = inspect.getsource(sys.modules[GENERATORS[src.generator].load().__module__])  # its helpers too
         return hashlib.sha256(code.encode()).hexdigest()[:16]
     return f"{src.hub}:{src.config}:{src.split}:{src.revision}"

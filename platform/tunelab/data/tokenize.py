@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -75,7 +76,7 @@ class Tokenized:
     @staticmethod
     def concat(parts: list[Tokenized]) -> Tokenized:
         sizes = [p.offsets[-1] for p in parts]
-        shift = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if parts else []
+        shift: Any = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if parts else []
         offsets = np.concatenate([[0]] + [p.offsets[1:] + s for p, s in zip(parts, shift)]).astype(np.int64)
         dropped = sum((p.dropped for p in parts), Counter())
 
@@ -118,7 +119,8 @@ def tokenize_chunk(convs: list[list[dict]], sources: list[int], tokenizer, s: Se
     prefix = special_prefix(tokenizer) if s.template.add_special_tokens else []
     eos = tokenizer.eos_token_id
     ids, labels, offsets = array("i"), array("i"), [0]
-    src, length, truncated, dropped = [], [], [], Counter()
+    src, length, truncated = [], [], []
+    dropped: Counter[tuple[int, str]] = Counter()
     k = 0
     for row, source in zip(segs, sources):
         ex_ids, ex_labels, first_trained = list(prefix), [IGNORE] * len(prefix), None

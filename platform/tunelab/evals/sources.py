@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,7 +96,7 @@ AUTO_PULL = {"mmlu": pull_mmlu}  # benchmarks with an offline source
 
 
 # Splits that may be missing locally and are then taken from the exemplars lm-eval ships.
-SHIPPED = {
+SHIPPED: dict[tuple[str, str], Callable[[str], tuple[dict, ...]]] = {
     ("mmlu", "dev"): exemplars.mmlu,
     ("gsm8k", "fewshot"): lambda name: exemplars.gsm8k(),
     ("bbh", "fewshot"): exemplars.bbh,
@@ -126,7 +127,7 @@ def generated_docs(generator: str, n: int, seed: int, held_out: bool = False) ->
     """Items made by a tunelab generator, in the GSM8K schema (question, answer ending in '#### N')."""
     from tunelab.data.generators import GENERATORS
 
-    rows = GENERATORS[generator](n=n, seed=seed, **({"held_out": True} if held_out else {}))
+    rows = GENERATORS[generator].load()(n=n, seed=seed, **({"held_out": True} if held_out else {}))
     return [{"question": (r["input"] or r["instruction"]),
              "answer": f"{r['output']}\n#### {r['output'].rsplit('The answer is ', 1)[1].rstrip('.')}"}
             for r in rows]

@@ -8,13 +8,15 @@ machine is checked where the cell runs (`tunelab.runtime.check_host`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
 
+from tunelab import layouts
 from tunelab.config import CellConfig, DataCfg, EvalCfg, ModelCfg
 from tunelab.errors import Invalid, Problem, problems_of
-from tunelab.plan import optim, parallel, sections
+from tunelab.plan import optim, sections
 
 __all__ = ["Invalid", "Problem", "cell_config", "check", "eval_config", "section_config"]
 
@@ -24,8 +26,9 @@ def cell_config(raw: dict[str, Any]) -> CellConfig:
     return _validated(CellConfig, _with_suite(raw, ("eval",)), check)
 
 
-SECTIONS = {"model": (ModelCfg, sections.model_section), "data": (DataCfg, sections.data_section),
-            "eval": (EvalCfg, sections.eval_section)}
+SECTIONS: dict[str, tuple[type, Callable[[Any], list[Problem]]]] = {
+    "model": (ModelCfg, sections.model_section), "data": (DataCfg, sections.data_section),
+    "eval": (EvalCfg, sections.eval_section)}
 
 
 def section_config(key: str, raw: dict[str, Any]):
@@ -55,20 +58,20 @@ def eval_config(raw: dict[str, Any]) -> EvalCfg:
 def _with_suite(raw: dict, prefix: tuple) -> dict:
     """The eval section with its suite's settings as defaults (keys the cell sets win)."""
     ev = raw.get("eval") if isinstance(raw, dict) else None
-    if not isinstance(ev, dict) or not ev.get("suite"):
-        return raw
+    if not isinstance(ev, dict) or not ev.get("suite") or not isinstance(ev["suite"], str):
+        return raw  # no suite, or not a name: the schema says what is wrong with it
     try:
         return {**raw, "eval": {**sections.load_suite(ev["suite"]), **ev}}
     except ValueError as e:
         raise Invalid([Problem((*prefix, "suite"), str(e), ev["suite"])]) from None
 
 
-def check(cell: CellConfig) -> list[Problem]:
-    """Every plan-time problem of a schema-valid cell: the sections, then how they fit together."""
-    problems = [*sections.model_section(cell.model), *sections.data_section(cell.data),
-                *optim.section(cell.optim), *sections.eval_section(cell.eval), *parallel.section(cell.parallel)]
+def check(cfg: CellConfig) -> list[Problem]:
+    """Every plan-time problem of a schema-valid cfg: the sections, then how they fit together."""
+    problems = [*sections.model_section(cfg.model), *sections.data_section(cfg.data),
+                *optim.section(cfg.optim), *sections.eval_section(cfg.eval), *layouts.section(cfg.parallel)]
     if problems:  # cross-section checks assume each section is sound
         return problems
-    across = (optim.compatible(cell) + parallel.across(cell) + sections.peft_across(cell)
-              + sections.batching_across(cell))
+    across = (optim.compatible(cfg) + layouts.across(cfg) + sections.peft_across(cfg)
+              + sections.batching_across(cfg))
     return [Problem((), "; ".join(across))] if across else []

@@ -2,47 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Callable
-
-from tunelab.config import OptimCfg
+from tunelab.config import CellConfig, OptimCfg
 from tunelab.errors import Problem
-from tunelab.registries import OPTIMIZERS, OptimizerSpec
-from tunelab.registry import UnknownName, import_target
+from tunelab.registries import OptimizerSpec, accepts
+from tunelab.registries import optimizer_spec as spec
 
 # Set through their own keys in the optim section, never through optim.kwargs.
 RESERVED = {"params": "the trainable parameters", "lr": "optim.lr", "weight_decay": "optim.weight_decay"}
-
-
-def spec(name: str) -> OptimizerSpec:
-    """The registry entry, or one made for 'torch.optim.Name' / 'package.module:Class' (ValueError if neither).
-    Classes outside the registry declare no facts: they are assumed to keep Adam-like state (2 values)."""
-    if name in OPTIMIZERS:
-        return OPTIMIZERS[name]
-    if not (name.startswith("torch.optim.") or ":" in name):
-        raise UnknownName(OPTIMIZERS.unknown(name))
-    try:
-        cls = import_target(name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"cannot import optimizer {name!r}: {e}") from None
-    import torch
-
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ValueError(f"{name!r} is not a torch.optim.Optimizer subclass")
-    target = name if ":" in name else "{}:{}".format(*name.rsplit(".", 1))
-    return OptimizerSpec(target, name, 2, f"{name} (not in tunelab's registry)")
-
-
-@functools.cache  # signatures are read once per class: plan time validates every cell
-def accepts(factory: Callable) -> tuple[frozenset[str], bool]:
-    """(keyword names the constructor takes, whether it takes **kwargs too)."""
-    try:
-        params = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):  # no introspectable signature (a C extension): accept anything
-        return frozenset(), True
-    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return frozenset(names), any(p.kind is p.VAR_KEYWORD for p in params)
 
 
 def section(cfg: OptimCfg) -> list[Problem]:
@@ -78,22 +44,22 @@ def _args_problem(cfg: OptimCfg, s: OptimizerSpec, cls) -> str | None:
     return None
 
 
-def compatible(cell) -> list[str]:
+def compatible(cfg: CellConfig) -> list[str]:
     """What an optimizer cannot train as configured.
 
     LOMO and AdaLomo apply each parameter's update during backward and free its gradient at once, so
     gradients of several micro-batches can never be summed; and they do fp32 math on fp32 or bf16 weights
     without the dynamic loss scaling fp16 weights would need.
     """
-    name = cell.optim.name
+    name = cfg.optim.name
     if not spec(name).fused:
         return []
     out = []
-    if cell.train.grad_accum > 1:
+    if cfg.train.grad_accum > 1:
         out.append(f"optim.name {name!r} updates each parameter inside backward and frees its gradient at once, "
-                   f"so gradients of {cell.train.grad_accum} micro-batches cannot be accumulated; set "
+                   f"so gradients of {cfg.train.grad_accum} micro-batches cannot be accumulated; set "
                    "train.grad_accum to 1 and raise train.batch_size instead")
-    if cell.model.dtype == "float16":
+    if cfg.model.dtype == "float16":
         out.append(f"optim.name {name!r} with model.dtype float16 would need dynamic loss scaling, which tunelab "
                    "does not implement; use bfloat16 or float32")
     return out

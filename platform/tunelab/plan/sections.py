@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 from tunelab import paths
-from tunelab.config import DataCfg, EvalCfg, ModelCfg
-from tunelab.errors import Problem, load_yaml
+from tunelab.config import CellConfig, DataCfg, EvalCfg, ModelCfg
+from tunelab.errors import Problem, did_you_mean, load_yaml
+from tunelab.plan import lmtasks
 from tunelab.registries import MODELS, PEFT, TASKS, TEMPLATES
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -24,16 +26,17 @@ def model_section(cfg: ModelCfg) -> list[Problem]:
     name = cfg.name
     if name in MODELS or looks_like_path(name) or HUB_ID.match(name):
         return []
-    return [Problem(("model", "name"), f"{name!r} is not a catalog alias, a local folder path or a hub id "
-                    f"(org/name); aliases: {', '.join(MODELS)}", name)]
+    return [Problem(("model", "name"), f"{name!r} is not a catalog alias{did_you_mean(name, MODELS.names())}, a "
+                    f"local folder path or a hub id (org/name); aliases: {', '.join(MODELS)}", name)]
 
 
 def find_recipe(name: str):
     """The recipe file for a name in data_recipes/ or a path; ValueError naming the available ones."""
     path = paths.find_named("data_recipes", name)
     if path is None:
-        raise ValueError(f"no recipe {name!r}: not a file and not in data_recipes/ "
-                         f"(available: {', '.join(paths.available('data_recipes'))})")
+        known = paths.available("data_recipes")
+        raise ValueError(f"no recipe {name!r}{did_you_mean(name, known)}: not a file and not in data_recipes/ "
+                         f"(available: {', '.join(known)})")
     return path
 
 
@@ -52,7 +55,8 @@ def load_suite(name: str) -> dict:
     """The settings of suite `name` (a file in evals/ or a path); ValueError when it cannot be used."""
     path = paths.find_named("evals", name)
     if path is None:
-        raise ValueError(f"unknown suite {name!r}; suites in evals/: {', '.join(paths.available('evals'))}")
+        known = paths.available("evals")
+        raise ValueError(f"unknown suite {name!r}{did_you_mean(name, known)}; suites in evals/: {', '.join(known)}")
     data = load_yaml(path) or {}
     if not isinstance(data, dict):
         raise ValueError(f"suite file {path} must be a mapping of eval settings")
@@ -64,24 +68,30 @@ def load_suite(name: str) -> dict:
 
 
 def eval_section(cfg: EvalCfg) -> list[Problem]:
+    """Every task name is tunelab's (the TASKS registry), or lm-eval's, or one of eval.include_path's: the latter
+    two checked against lm-eval's task index (plan/lmtasks.py), which reads YAML and loads no data."""
+    if cfg.include_path and not Path(cfg.include_path).expanduser().is_dir():
+        return [Problem(("eval", "include_path"), "no such folder (a folder of lm-eval task YAMLs, as lm_eval's "
+                        "--include_path)", cfg.include_path)]
     out = []
     for key, names in (("tasks", cfg.tasks), ("limits", list(cfg.limits)), ("subtasks", list(cfg.subtasks))):
-        unknown = [t for t in names if t not in TASKS]
-        if unknown:
-            out.append(Problem(("eval", key), f"unknown task(s) {unknown}; known: {', '.join(TASKS)}"))
+        why = {n: lmtasks.refused(n, cfg.include_path) for n in names if n not in TASKS}
+        out += [Problem(("eval", key), w) for w in why.values() if w]
+        if missing := [n for n, w in why.items() if w == ""]:
+            out.append(Problem(("eval", key), lmtasks.unknown(missing, cfg.include_path, TASKS.names())))
     return out
 
 
-def peft_across(cell) -> list[str]:
+def peft_across(cfg: CellConfig) -> list[str]:
     """A CUDA-only method with train.device cpu cannot run anywhere; without CUDA on this machine it may still
     run on the machine that runs the cell, so that is checked there."""
-    if PEFT[cell.peft.method].needs_cuda and cell.train.device == "cpu":
-        return [f"peft.method {cell.peft.method} needs a CUDA device, but train.device is cpu"]
+    if PEFT[cfg.peft.method].needs_cuda and cfg.train.device == "cpu":
+        return [f"peft.method {cfg.peft.method} needs a CUDA device, but train.device is cpu"]
     return []
 
 
-def batching_across(cell) -> list[str]:
-    if cell.train.group_by_length and cell.data.pack:
+def batching_across(cfg: CellConfig) -> list[str]:
+    if cfg.train.group_by_length and cfg.data.pack:
         return ["train.group_by_length sorts padded rows by length, and with data.pack: true every row is already "
                 "full (no padding to save); set one of them to false"]
     return []

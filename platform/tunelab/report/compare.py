@@ -8,19 +8,18 @@ speed) with their differences.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from tunelab import folders
+from tunelab.cellfolder import CellFolder
 from tunelab.errors import UserError
 from tunelab.registries import TASKS
 from tunelab.report.records import TRAIN_FIGURES, Record, collect, read
-from tunelab.report.stats import Paired, paired
-from tunelab.store import read_json
+from tunelab.report.stats import RATIOS, Paired, paired
+from tunelab.store import read_jsonl
 
 ITEM_SCORE_FIELDS = ("acc", "exact_match", "passed")  # the per-item score in samples.jsonl, by task kind
 
@@ -42,43 +41,44 @@ class Comparison:
     figures: dict[str, tuple] = field(default_factory=dict)  # column -> (A, B)
 
 
-def _samples(rec: Record) -> Path | None:
-    """The samples.jsonl of the evaluation the record's scores come from."""
-    found = [(p.stat().st_mtime, p) for p in (rec.dir / "eval").glob("*/samples.jsonl")]
-    if rec.eval_id and (folders.eval_dir(rec.dir, rec.eval_id) / "samples.jsonl").is_file():
-        return folders.eval_dir(rec.dir, rec.eval_id) / "samples.jsonl"
-    old = rec.dir / "eval" / "samples.jsonl"
-    return max(found)[1] if found else (old if old.is_file() else None)
+def _score(value):
+    """An item's score: a number (a bool is 0/1), or the (log-likelihood, words or bytes) pair of a perplexity
+    item, whose task's headline is a ratio of sums (stats.RATIOS); None when it is neither."""
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(x, (int, float)) for x in value):
+        return (float(value[0]), float(value[1]))
+    return None
 
 
 def items(rec: Record) -> dict[str, dict[tuple, tuple[str, float]]]:
-    """{task: {item key: (subtask, score)}}; HumanEval's score is the pass rate of a problem's samples."""
-    path = _samples(rec)
+    """{task: {item key: (subtask, score)}}; HumanEval's score is the pass rate of a problem's samples. An lm-eval
+    record names its score's key (`item_metric`); older records hold acc or exact_match."""
+    path = rec.folder.samples_file(rec.eval_id)
     out: dict[str, dict] = defaultdict(dict)
     passes: dict[tuple, list[float]] = defaultdict(list)
-    for line in (path.read_text().splitlines() if path else []):
-        r = json.loads(line)
-        field_ = next((f for f in ITEM_SCORE_FIELDS if f in r), None)
-        if field_ is None:
+    for r in read_jsonl(path) if path else []:
+        field_ = r.get("item_metric") or next((f for f in ITEM_SCORE_FIELDS if f in r), None)
+        if field_ is None or (score := _score(r.get(field_))) is None:
             continue
         if r["task"] == "humaneval":
-            passes[(r["task"], r["task_id"])].append(float(r["passed"]))
+            passes[(r["task"], r["task_id"])].append(score)
             continue
         key = (r.get("subtask"), r.get("doc_id"), r.get("doc_hash"))
-        out[r["task"]][key] = (str(r.get("subtask")), float(r[field_]))
+        out[r["task"]][key] = (str(r.get("subtask")), score)
     for (task, tid), ps in passes.items():
         out[task][(tid,)] = ("", sum(ps) / len(ps))
     return out
 
 
-def _task(task: str, a: dict, b: dict, resamples: int, seed: int) -> TaskComparison:
+def _task(task: str, a: dict, b: dict, resamples: int, seed: int, average: str = "micro") -> TaskComparison:
     if set(a) != set(b):
         return TaskComparison(task, refused=f"the two sides scored different items ({len(a)} and {len(b)}, "
                               f"{len(set(a) & set(b))} in common): a paired test needs the same items; "
                               "evaluate both with the same eval settings")
     keys = sorted(a, key=repr)
     groups = np.array([a[k][0] for k in keys])
-    average = TASKS[task].average if task in TASKS else "micro"
+    average = TASKS[task].average if task in TASKS else average
     sa, sb = (np.array([side[k][1] for k in keys]) for side in (a, b))
     return TaskComparison(task, paired(sa, sb, groups, average, resamples, seed))
 
@@ -95,7 +95,11 @@ def compare_cells(a: Record, b: Record, resamples: int = 10_000, seed: int = 0) 
             why = "no per-item results" if task == "val_loss" else "scored on one side only, or no samples"
             out.tasks.append(TaskComparison(task, refused=why, values=values))
         else:
-            out.tasks.append(_task(task, ia[task], ib[task], resamples, seed))
+            res = (a.results.get("tasks") or {}).get(task, {})
+            # how the task's headline is made from its items: lm-eval's groups say (micro or macro), a perplexity
+            # is a ratio of sums (stats.RATIOS)
+            average = res.get("metric") if res.get("metric") in RATIOS else res.get("average") or "micro"
+            out.tasks.append(_task(task, ia[task], ib[task], resamples, seed, average))
             out.tasks[-1].values = values
     for key, (header, _) in TRAIN_FIGURES.items():
         out.figures[header] = (a.train.get(key), b.train.get(key))
@@ -104,11 +108,11 @@ def compare_cells(a: Record, b: Record, resamples: int = 10_000, seed: int = 0) 
 
 
 def _record(path: Path) -> Record:
-    meta = read_json(path / "cell.json")
-    if meta is None:
+    folder = CellFolder(path)
+    if not folder.meta_file.is_file():
         raise UserError("not a cell folder (no cell.json): give a cell folder runs/<matrix>/<cell>/ or a matrix's "
                         "run folder runs/<matrix>/", file=path)
-    return read(path, {**meta, "eval_id": None})
+    return read(folder, {**folder.meta(), "eval_id": None})
 
 
 def pairs(a: Path, b: Path) -> list[tuple[Record, Record]]:
@@ -116,9 +120,10 @@ def pairs(a: Path, b: Path) -> list[tuple[Record, Record]]:
     for p in (a, b):
         if not p.is_dir():
             raise UserError("no such folder", file=p)
-    if (a / "cell.json").is_file() and (b / "cell.json").is_file():
+    cells = [CellFolder(p).meta_file.is_file() for p in (a, b)]
+    if all(cells):
         return [(_record(a), _record(b))]
-    if (a / "cell.json").is_file() or (b / "cell.json").is_file():
+    if any(cells):
         raise UserError(f"compare two cells or two matrices, not one of each ({a} and {b})")
     ra, rb = collect(a), collect(b)
     if not ra or not rb:

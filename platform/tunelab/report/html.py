@@ -16,14 +16,13 @@ from collections import Counter
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 from tunelab import __version__
+from tunelab.matrixfolder import MatrixFolder
 from tunelab.report import plots, provenance
 from tunelab.report.leaderboard import FIGURES_NOTE, to_html
 from tunelab.report.records import Record
 from tunelab.report.table import build
-from tunelab.store import read_json
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1200px; padding: 0 1em; color: #222; }
@@ -63,7 +62,7 @@ def _table(rows: list[dict], empty: str) -> str:
 def counts(matrix_dir: Path, records: list[Record]) -> Counter:
     """Cells by state; a cell of cells.json that has no folder yet (not started) counts as pending."""
     states = Counter(r.state for r in records)
-    index = read_json(matrix_dir / "cells.json") or []
+    index = MatrixFolder(matrix_dir).index() or []
     started = {r.id for r in records}
     not_started = sum(1 for e in index if isinstance(e, dict) and e.get("id") not in started)
     if not_started:
@@ -72,11 +71,8 @@ def counts(matrix_dir: Path, records: list[Record]) -> Counter:
 
 
 def _header(matrix_dir: Path, records: list[Record], generated: float) -> str:
-    spec = read_json(matrix_dir / "cells.json")
-    try:
-        desc = (yaml.safe_load((matrix_dir / "matrix.yaml").read_text()) or {}).get("description") or ""
-    except (OSError, yaml.YAMLError, AttributeError):
-        desc = ""
+    spec = MatrixFolder(matrix_dir).index()
+    desc = MatrixFolder(matrix_dir).description()
     states = counts(matrix_dir, records)
     total = sum(states.values())
     shown = ["done", "failed", "pending", *sorted(s for s in states if s not in ("done", "failed", "pending"))]

@@ -22,8 +22,11 @@ from tunelab.report.table import Board, Stat, build
 from tunelab.store import write_text
 
 FORMATS = ("md", "csv", "latex", "html", "json")
-FIGURES_NOTE = ("tok/s: non-padding tokens per second of training; peak MB: peak process RSS on CPU, CUDA max "
-                "allocated on GPU (of the main process under multi-process layouts).")
+FIGURES_NOTE = ("tok/s: non-padding tokens per second of training; peak MB: measured, the peak resident memory of the "
+                "process on CPU (interpreter and libraries included) or CUDA's max allocated on GPU (tensors), of "
+                "the main process under multi-process layouts; predicted MB: `exp memory`'s model of the tensors "
+                "alone (weights, gradients, optimizer state, activations, engine buffers), so on CPU it falls "
+                "short of peak MB by the process's baseline (train/memory.json: rss_before_load_mb).")
 
 
 def note(board: Board) -> str:
@@ -57,6 +60,21 @@ def frame(board: Board, bold=lambda text: text, spread: bool = True, joined: boo
     return df.drop(columns=empty)
 
 
+def to_csv(board: Board) -> str:
+    """Numbers stay numbers (a program reads them as written): each score or figure is its value, its spread
+    and its marks (subset, stand-in, unavailable, best), each in a column of its own."""
+    out = []
+    for r in board.rows:
+        row = {"cell": r["cell"], **{k: r[k] for k in board.keys}, "status": r["status"], "runs": r["runs"]}
+        for col in board.columns:
+            st: Stat = r[col.name]
+            marks = [m for m, on in (("subset", st.subset), ("stand-in", st.stand_in),
+                                      ("unavailable", st.unavailable), ("best", st.best)) if on]
+            row |= {col.name: st.mean, f"{col.name} ±": st.spread, f"{col.name} marks": " ".join(marks)}
+        out.append(row)
+    return pd.DataFrame(out).to_csv(index=False)
+
+
 def _latex_escape(text: str) -> str:
     for a, b in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("$", r"\$"), ("#", r"\#"),
                  ("_", r"\_"), ("{", r"\{"), ("}", r"\}"), ("~", r"\textasciitilde{}"), ("^", r"\^{}")):
@@ -69,7 +87,9 @@ def to_latex(board: Board, title: str) -> str:
     df = frame(board, bold=lambda t: f"\\textbf{{{_latex_escape(t)}}}", joined=True)
     df = df.map(lambda v: (v if str(v).startswith("\\textbf") else _latex_escape(str(v))).replace("±", r"$\pm$"))
     df.columns = [_latex_escape(c) for c in df.columns]
-    body = df.to_latex(index=False, escape=False, column_format="l" * len(df.columns))
+    numeric = {_latex_escape(c.name) for c in board.columns} | {"runs"}
+    body = df.to_latex(index=False, escape=False,  # numbers right-aligned, so their digits line up
+                       column_format="".join("r" if c in numeric else "l" for c in df.columns))
     return f"% {title}: {note(board)}\n{body}"
 
 
@@ -96,7 +116,7 @@ def render(board: Board, fmt_name: str, title: str) -> str:
             index=False, tablefmt="pipe")
         return f"# {title}\n\n{table}\n\n{note(board)}\n"
     if fmt_name == "csv":
-        return frame(board).to_csv(index=False)
+        return to_csv(board)
     if fmt_name == "latex":
         return to_latex(board, title)
     if fmt_name == "html":

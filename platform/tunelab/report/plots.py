@@ -9,6 +9,7 @@ configuration: seeds folded into a mean, the standard deviation over runs as its
 from __future__ import annotations
 
 import io
+from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -50,7 +51,7 @@ def loss_curves(records: list[Record]) -> bytes | None:
     ax = fig.add_subplot()
     colors = [f"C{i}" for i in range(10)]
     for i, (slug, (steps, loss), (vsteps, vloss)) in enumerate(curves):
-        style = dict(color=colors[i % 10], linestyle=("-", "--", ":", "-.")[i // 10 % 4])
+        style: dict[str, Any] = dict(color=colors[i % 10], linestyle=("-", "--", ":", "-.")[i // 10 % 4])
         ax.plot(steps, loss, label=slug, linewidth=1.5, marker="." if len(steps) < 30 else None, **style)
         if vsteps:
             ax.plot(vsteps, vloss, linestyle="none", marker="o", markersize=6, markerfacecolor="none",

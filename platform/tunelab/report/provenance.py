@@ -12,7 +12,6 @@ from collections import Counter
 from tunelab.registries import TASKS
 from tunelab.report.records import Record
 from tunelab.report.scores import Score, fmt, marked
-from tunelab.store import read_status
 
 
 def marks(s: Score) -> str:
@@ -30,10 +29,13 @@ def marks(s: Score) -> str:
 
 
 def _harness(res: dict, versions: dict) -> str:
-    """lm-eval for the benchmarks it runs (version as the task recorded it); tunelab's own code otherwise
-    (val_loss, HumanEval's generator and sandbox)."""
+    """lm-eval for the tasks it runs (version as the task recorded it, and which code served the requests: the
+    engine, or lm-eval's hf code and why); tunelab's own code otherwise (val_loss, HumanEval's generator and
+    sandbox)."""
     if "lm_eval_task" in res:
-        return f"lm-eval {res.get('lm_eval_version') or versions.get('lm_eval') or '?'}"
+        served = sorted({path for paths in (res.get("served") or {}).values() for path in paths})
+        how = f" ({', '.join('tunelab engine' if p == 'engine' else p for p in served)})" if served else ""
+        return f"lm-eval {res.get('lm_eval_version') or versions.get('lm_eval') or '?'}{how}"
     return f"tunelab {versions.get('tunelab') or '?'}"
 
 
@@ -75,7 +77,7 @@ def cell_rows(records: list[Record]) -> list[dict]:
     rows = []
     for r in records:
         pkgs = r.env.get("packages") or {}
-        error = read_status(r.dir).get("error") or ""
+        error = r.folder.status().get("error") or ""
         rows.append({"cell": r.slug, "id": r.id, "state": r.state, "folder": r.dir.name,
                      "torch": pkgs.get("torch") or "-", "transformers": pkgs.get("transformers") or "-",
                      "device": device(r.env), "python": r.env.get("python") or "-",

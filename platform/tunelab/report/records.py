@@ -5,11 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
-from tunelab import folders
+from tunelab.cellfolder import CellFolder
+from tunelab.matrixfolder import MatrixFolder
 from tunelab.report.scores import Score
-from tunelab.store import cell_dirs, read_json, read_jsonl, read_status
 
 TRAIN_FIGURES = {  # train/summary.json key -> column header, and whether higher is better
     "final_loss": ("train loss", False),
@@ -34,8 +32,12 @@ class Record:
     results: dict = field(default_factory=dict)  # the evaluation's results.json (provenance, versions)
     env: dict = field(default_factory=dict)
 
+    @property
+    def folder(self) -> CellFolder:
+        return CellFolder(self.dir)
+
     def metrics(self) -> list[dict]:
-        return read_jsonl(self.dir / "train" / "metrics.jsonl")
+        return self.folder.metrics()
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -48,34 +50,29 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _entries(matrix_dir: Path) -> list[tuple[Path, dict]]:
+def _entries(matrix: MatrixFolder) -> list[tuple[CellFolder, dict]]:
     """(cell folder, {id, eval_id, slug, varying}) for each cell of the matrix as last run (cells.json); for a
     runs folder without one, every cell folder with its newest evaluation."""
-    index = read_json(matrix_dir / "cells.json")
+    index = matrix.index()
     if index is None:
-        return [(d, {**(read_json(d / "cell.json") or {}), "eval_id": None}) for d in cell_dirs(matrix_dir)]
-    return [(d, entry) for entry in index if (d := folders.find(matrix_dir, entry["id"])) is not None]
+        return [(f, {**f.meta(), "eval_id": None}) for f in matrix.cells()]
+    return [(f, entry) for entry in index if (f := matrix.find(entry["id"])) is not None]
 
 
-def _state(d: Path, eval_id: str | None) -> str:
-    state = read_status(d).get("state", "?")
-    if state == "done" and eval_id is not None and not folders.eval_done(d, eval_id):
+def _state(f: CellFolder, eval_id: str | None) -> str:
+    state = f.status().get("state", "?")
+    if state == "done" and eval_id is not None and not f.eval_done(eval_id):
         return "pending"  # trained, but not yet evaluated as the matrix now asks
     return state
 
 
-def read(d: Path, meta: dict) -> Record:
-    results = folders.results(d, meta.get("eval_id"))
-    try:
-        config = flatten(yaml.safe_load((d / "config.yaml").read_text()) or {})
-    except (OSError, yaml.YAMLError):
-        config = {}
-    return Record(dir=d, slug=meta.get("slug", d.name), id=meta.get("id", ""), eval_id=meta.get("eval_id"),
-                  varying=meta.get("varying", {}), config=config, state=_state(d, meta.get("eval_id")),
+def read(f: CellFolder, meta: dict) -> Record:
+    results = f.results(meta.get("eval_id"))
+    return Record(dir=f.path, slug=meta.get("slug", f.path.name), id=meta.get("id", ""), eval_id=meta.get("eval_id"),
+                  varying=meta.get("varying", {}), config=flatten(f.raw_config()), state=_state(f, meta.get("eval_id")),
                   scores={t: Score.of(t, r) for t, r in (results.get("tasks") or {}).items()},
-                  train=read_json(d / "train" / "summary.json") or {}, results=results,
-                  env=read_json(d / "env.json") or {})
+                  train=f.summary(), results=results, env=f.env())
 
 
 def collect(matrix_dir: Path) -> list[Record]:
-    return [read(d, meta) for d, meta in _entries(matrix_dir)]
+    return [read(f, meta) for f, meta in _entries(MatrixFolder(matrix_dir))]

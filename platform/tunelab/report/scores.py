@@ -29,14 +29,18 @@ class Score:
     subset: bool
     stand_in: bool
     reason: str = ""
+    higher: bool | None = None  # as results.json says (lm-eval's higher_is_better); None: by the metric's name
+    columns: tuple[tuple[str, float | None], ...] = ()  # more values with a leaderboard column each (IFEval's)
 
     @classmethod
     def of(cls, task: str, res: dict) -> Score:
         spec = TASKS[task] if task in TASKS else None
         n = int(res.get("n") or 0)
         subset = bool(res.get("subset")) or bool(spec and spec.partial(n))  # older results: the rule again
+        board = bool(spec and spec.harness and spec.harness.board)
         return cls(task, res.get("metric") or "", res.get("value"), res.get("stderr"), n,
-                   res.get("status", "ok"), subset, bool(spec and spec.stand_in), res.get("reason", ""))
+                   res.get("status", "ok"), subset, bool(spec and spec.stand_in), res.get("reason", ""),
+                   res.get("higher_is_better"), tuple((res.get("also") or {}).items()) if board else ())
 
     @property
     def header(self) -> str:
@@ -44,7 +48,7 @@ class Score:
 
     @property
     def higher_is_better(self) -> bool:
-        return self.metric not in LOWER_IS_BETTER
+        return self.higher if self.higher is not None else self.metric not in LOWER_IS_BETTER
 
     @property
     def ok(self) -> bool:

@@ -6,6 +6,8 @@ means, BBH). Two tests:
 - paired bootstrap (Efron & Tibshirani; Koehn 2004): resample items with replacement (for a macro average
   within each subtask, unless a subtask has a single item), recompute both headlines; the 95% interval of the
   difference and a two-sided p-value (twice the share of resamples on the far side of 0);
+- a perplexity (word, byte) or bits per byte: each item is a (log-likelihood, words or bytes) pair and the headline
+  a ratio of sums over items (RATIOS), recomputed on each resample;
 - exact McNemar for binary items under a micro average: only the items where the sides disagree carry
   information; p from the binomial distribution of those discordant pairs at 1/2.
 """
@@ -38,7 +40,15 @@ class Paired:
         return "McNemar (exact)" if self.p_mcnemar is not None else "paired bootstrap"
 
 
+# Corpus-level metrics of (log-likelihood, words or bytes) items: a function of sum(ll) / sum(count), as lm-eval's
+# weighted_perplexity and bits_per_byte aggregate them.
+RATIOS = {"word_perplexity": lambda x: math.exp(-x), "byte_perplexity": lambda x: math.exp(-x),
+          "bits_per_byte": lambda x: -x / math.log(2)}
+
+
 def headline(scores: np.ndarray, groups: np.ndarray, average: str) -> float:
+    if average in RATIOS:
+        return float(RATIOS[average](scores[:, 0].sum() / scores[:, 1].sum()))
     if average == "macro":
         return float(np.mean([scores[groups == g].mean() for g in np.unique(groups)]))
     return float(scores.mean())
@@ -73,6 +83,9 @@ def paired(a: np.ndarray, b: np.ndarray, groups: np.ndarray, average: str = "mic
         # A subtask of one item has no spread to resample within (its draws would all be that item, and
         # the interval would shrink to a point): resample the items of all subtasks together instead, the
         # macro average taken over the subtasks each draw holds.
+        draws = rng.integers(0, len(a), size=(resamples, len(a)))
+        diffs = np.array([headline(b[d], groups[d], average) - headline(a[d], groups[d], average) for d in draws])
+    elif average in RATIOS:  # a ratio of sums over items: resample the items, recompute both
         draws = rng.integers(0, len(a), size=(resamples, len(a)))
         diffs = np.array([headline(b[d], groups[d], average) - headline(a[d], groups[d], average) for d in draws])
     else:  # a micro average is the mean over items: resample the items

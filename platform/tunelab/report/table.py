@@ -13,7 +13,9 @@ import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
+from tunelab.errors import UserError, did_you_mean
 from tunelab.registries import PEFT
 from tunelab.report.records import TRAIN_FIGURES, Record
 
@@ -37,6 +39,7 @@ class Column:
     kind: str  # score | figure
     higher_is_better: bool | None = None
     source: str = ""  # the task of a score column, the train/summary.json key of a figure
+    field: str = ""  # a score column of one of the task's other values (Score.columns), not its headline
 
 
 @dataclass
@@ -88,7 +91,9 @@ def _row(group: list[Record], keys: list[str], columns: list[Column], label: str
         if col.kind == "score":
             scores = [s for r in done if (s := r.scores.get(col.source)) is not None]
             ok = [s for s in scores if s.ok]
-            row[col.name] = _stat([s.value for s in ok], [s.stderr for s in ok], any(s.subset for s in scores),
+            values = [s.value if not col.field else dict(s.columns).get(col.field) for s in ok]
+            row[col.name] = _stat([v for v in values if v is not None],
+                                  [s.stderr for s in ok] if not col.field else [], any(s.subset for s in scores),
                                   bool(scores) and not ok, any(s.stand_in for s in scores))
         else:
             vals = [float(r.train[col.source]) for r in done if isinstance(r.train.get(col.source), (int, float))]
@@ -97,10 +102,13 @@ def _row(group: list[Record], keys: list[str], columns: list[Column], label: str
 
 
 def _columns(records: list[Record]) -> list[Column]:
-    scores = {}
+    scores: dict[str, Any] = {}
     for r in records:
         for s in r.scores.values():
             scores.setdefault(s.header, Column(s.header, "score", s.higher_is_better, s.task))
+            for label, _ in s.columns:
+                name = f"{s.task} {label}"
+                scores.setdefault(name, Column(name, "score", s.higher_is_better, s.task, label))
     figures = [Column(h, "figure", hib, k) for k, (h, hib) in TRAIN_FIGURES.items()
                if any(k in r.train for r in records)]
     return list(scores.values()) + figures
@@ -131,8 +139,21 @@ def _mark_best(board: Board) -> None:
 def build(records: list[Record], *, aggregate: bool = True, by: list[str] | None = None,
           where: dict[str, str] | None = None, sort: str | None = None) -> Board:
     """The leaderboard of `records`: rows grouped by `by` (default: every varying key but the seed when
-    `aggregate`, else one row per cell), filtered by `where` (key -> value as written in YAML)."""
-    records = [r for r in records if all(str(r.config.get(k)) == v for k, v in (where or {}).items())]
+    `aggregate`, else one row per cell), filtered by `where` (key -> value as written in YAML). An unknown key,
+    or a filter no cell matches, is a UserError naming it."""
+    known = sorted({k for r in records for k in r.config})
+    for option, keys in (("--where", list(where or {})), ("--by", by or [])):
+        for key in keys:
+            if records and key not in known:
+                varying = sorted({k for r in records for k in r.varying})
+                raise UserError(f"{option} {key!r}: no such config key{did_you_mean(key, known)}; keys are dotted "
+                                f"config keys, like the ones this matrix varies: {', '.join(varying) or known[0]}")
+    kept = [r for r in records if all(str(r.config.get(k)) == v for k, v in (where or {}).items())]
+    if records and not kept:
+        values = {k: sorted({str(r.config.get(k)) for r in records}) for k in where or {}}
+        raise UserError("--where " + " ".join(f"{k}={v}" for k, v in (where or {}).items()) + " matches no cell; "
+                        + "; ".join(f"{k} takes {', '.join(vs)}" for k, vs in values.items()))
+    records = kept
     group_keys = by or ([k for k in dict.fromkeys(k for r in records for k in r.varying) if k != SEED]
                         if aggregate else None)
     keys = by or shown_keys(records, exclude=(SEED,) if aggregate else ())
@@ -173,7 +194,5 @@ def _sort(board: Board, column: str) -> None:
     elif name in board.keys or name in ("cell", "status"):
         board.rows.sort(key=lambda r: str(r.get(name)), reverse=reverse)
     else:
-        from tunelab.errors import UserError
-
         names = ["cell", "status", *board.keys, *(c.name for c in board.columns)]
-        raise UserError(f"--sort {column!r}: no such column; columns: {', '.join(names)}")
+        raise UserError(f"--sort {column!r}: no such column{did_you_mean(name, names)}; columns: {', '.join(names)}")

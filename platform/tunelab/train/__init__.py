@@ -1,17 +1,22 @@
 """The training core: optimizers, PEFT, the loop and its metrics.
 
-`train.run` and `train.TrainResult` are loaded on first use (PEP 562), so importing a light submodule
-(the memory model behind `exp memory`) does not import torch and the loop.
+`train.run` and `train.TrainResult` are loaded on first use (PEP 562, through registry.Lazy), so importing a
+light submodule (the memory model behind `exp memory`) does not import torch and the loop.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from tunelab.registry import Lazy
+
 __all__ = ["TrainResult", "run"]
 
 
-def __getattr__(name: str):
-    if name in __all__:
-        from tunelab.train import loop
+_LAZY = {"run": Lazy("tunelab.train.loop:run"), "TrainResult": Lazy("tunelab.train.loop:TrainResult")}
 
-        return getattr(loop, name)
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return _LAZY[name].load()
     raise AttributeError(f"module 'tunelab.train' has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""Checkpoints under RUN_DIR/checkpoints/step-N/: everything a run needs to continue bit for bit.
+"""Checkpoints under a cell folder's checkpoints/step-N/ (`root` below: CellFolder.checkpoints): everything a
+run needs to continue bit for bit.
 
   model.pt        one process: the trainable parameters (full model, or the adapter); frozen ones come
   optimizer.pt    from the source; the optimizer's state_dict, when it has one (train/parallel/local.py)
@@ -27,20 +28,15 @@ from tunelab.errors import UserError
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def folder(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
-
-
-def all_steps(run_dir: Path) -> list[tuple[int, Path]]:
-    root = folder(run_dir)
+def all_steps(root: Path) -> list[tuple[int, Path]]:
     if not root.is_dir():
         return []
     found = ((STEP_DIR.match(p.name), p) for p in root.iterdir() if p.is_dir())
     return sorted((int(m.group(1)), p) for m, p in found if m)
 
 
-def latest(run_dir: Path) -> Path | None:
-    steps = all_steps(run_dir)
+def latest(root: Path) -> Path | None:
+    steps = all_steps(root)
     return steps[-1][1] if steps else None
 
 
@@ -59,11 +55,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(run_dir: Path, step: int, *, stepper, sched, loop_state: dict, keep: int, main: bool = True) -> Path:
+def save(root: Path, step: int, *, stepper, sched, loop_state: dict, keep: int, main: bool = True) -> Path:
     """Every process calls it (engines write shards from each rank); the main one renames and prunes."""
     import torch.distributed as dist
 
-    root = folder(run_dir)
     tmp, dest = root / f".step-{step}-partial", root / f"step-{step}"
     if main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -80,7 +75,7 @@ def save(run_dir: Path, step: int, *, stepper, sched, loop_state: dict, keep: in
                    tmp / "state.pt")
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
-        for _, old in all_steps(run_dir)[:-keep]:
+        for _, old in all_steps(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return dest

@@ -1,4 +1,4 @@
-"""train.run(model, tokenizer, datasets, cfg, run_dir) -> TrainResult: the training loop.
+"""train.run(model, tokenizer, datasets, cfg, folder) -> TrainResult: the training loop.
 
 The loop keeps the data order, the schedule, logging and checkpoint bookkeeping; a Stepper does each step
 (train/parallel: one process or a parallel engine). Per optimizer step: `grad_accum` micro-batches, loss =
@@ -16,16 +16,21 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from tunelab.cellfolder import CellFolder
+from tunelab.config import CellConfig
 from tunelab.events import Emit, Resumed, Step, ignore
+from tunelab.registries import uses_engine
 from tunelab.runtime import STOP, Layout, Preempted, Runtime, precision_of, stop_agreed
 from tunelab.store import append_jsonl, read_jsonl, write_json, write_text
 from tunelab.train import checkpoint, optim, parallel, segments
 from tunelab.train.data import batch_tokens, is_packed, label_tokens, loader
 from tunelab.train.metrics import mfu, peak_flops, peak_memory_mb
 from tunelab.train.optimizers.tied import prepare_for_fused
+from tunelab.train.parallel.deferred import Deferred
 from tunelab.train.parallel.predict import predicted_peak_mb
 from tunelab.train.validation import Validation, validation_loss
 
@@ -47,7 +52,7 @@ class TrainResult:
     predicted_peak_mb: float | None = None  # `exp memory`'s prediction for this cell (tensors only)
     peak_mem_mb_ranks: list[float] | None = None  # every process's peak (the same kind), by rank
     validation: dict | None = None  # how val_loss was measured: {batch_size, max_batches}
-    model: object = field(default=None, repr=False)  # the trained model with full weights (main process)
+    model: Any = field(default=None, repr=False)  # the trained model with full weights (main process)
 
     def summary(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "model"}
@@ -119,15 +124,15 @@ class LoopState:
 
 
 @dataclass
-class _Loop:
-    """One run of the loop: what every step needs."""
+class Training:
+    """One run of the loop, its parts listed: what every step needs."""
 
-    cfg: object
+    cfg: CellConfig
     runtime: Runtime
-    stepper: parallel.Stepper
+    stepper: parallel.Stepper  # one process or a parallel engine: does each step, saves and loads its state
     sched: torch.optim.lr_scheduler.LambdaLR
-    stream: BatchStream
-    run_dir: Path
+    stream: BatchStream  # the training micro-batches, with a position a checkpoint restores
+    folder: CellFolder  # train/metrics.jsonl, checkpoints/, summary, final/
     emit: Emit
     validate: Callable[[], float] | None  # None: no validation set
     n_params: int
@@ -136,22 +141,23 @@ class _Loop:
 
     @property
     def metrics_path(self) -> Path:
-        return self.run_dir / "train" / "metrics.jsonl"
+        return self.folder.metrics_file
 
 
-def _local_runtime(model, cfg) -> Runtime:
+def _local_runtime(model: Any, cfg: CellConfig) -> Runtime:
     """A one-process runtime for a model loaded by the caller (library use, tests): its device and dtype."""
     p = next(model.parameters())
-    engine = cfg.parallel.backend != "native"
+    engine = uses_engine(cfg.parallel)
     attn = getattr(model.config, "_attn_implementation", "sdpa")
     return Runtime(Layout(device=p.device), p.dtype, attn, precision_of(cfg, p.device, engine, p.dtype))
 
 
-def _setup(model, tokenizer, datasets, cfg, run_dir, emit, runtime, validation, weights) -> _Loop:
+def _setup(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, folder: CellFolder, emit: Emit,
+           runtime: Runtime, validation: Validation, weights: Deferred | None) -> Training:
     t = cfg.train
     n_params = sum(p.numel() for p in model.parameters())  # before an engine shards them
     # One process: torch's fused Adam/AdamW kernel (optim.build); the engines keep their optimizers as they were.
-    one_process = not runtime.layout.distributed and cfg.parallel.backend == "native"
+    one_process = not (runtime.layout.distributed or uses_engine(cfg.parallel))
     stepper = parallel.prepare(model, lambda ps: optim.build(ps, cfg.optim, max_grad_norm=t.max_grad_norm,
                                                              fused_kernel=one_process),
                                cfg, runtime.layout, runtime.precision, weights=weights)
@@ -170,14 +176,14 @@ def _setup(model, tokenizer, datasets, cfg, run_dir, emit, runtime, validation, 
     validate = (lambda: validation_loss(stepper.eval_loss, val_ds, pad, validation.batch_size,
                                         validation.max_batches)) if len(val_ds) else None
     if runtime.is_main:
-        (run_dir / "train").mkdir(parents=True, exist_ok=True)
+        folder.train_dir.mkdir(parents=True, exist_ok=True)
     attention = (lambda: segments.attending_by_example(model)) if by_example else contextlib.nullcontext
-    return _Loop(cfg, runtime, stepper, sched, stream, run_dir, emit, validate, n_params, attention=attention)
+    return Training(cfg, runtime, stepper, sched, stream, folder, emit, validate, n_params, attention=attention)
 
 
-def _resume(loop: _Loop) -> tuple[int, int | None]:
+def _resume(loop: Training) -> tuple[int, int | None]:
     """(first step to run, the step resumed from): from the latest checkpoint, when there is one."""
-    ckpt = checkpoint.latest(loop.run_dir) if loop.cfg.train.resume else None
+    ckpt = checkpoint.latest(loop.folder.checkpoints) if loop.cfg.train.resume else None
     if ckpt is None:
         if loop.runtime.is_main:
             loop.metrics_path.unlink(missing_ok=True)
@@ -192,7 +198,7 @@ def _resume(loop: _Loop) -> tuple[int, int | None]:
     return saved["step"] + 1, saved["step"]
 
 
-def _step(loop: _Loop, step: int, peak: float | None) -> None:
+def _step(loop: Training, step: int, peak: float | None) -> None:
     t, st = loop.cfg.train, loop.state
     t0 = time.perf_counter()
     micro = [next(loop.stream) for _ in range(t.grad_accum)]
@@ -217,12 +223,13 @@ def _step(loop: _Loop, step: int, peak: float | None) -> None:
         _checkpoint(loop, step)
 
 
-def _checkpoint(loop: _Loop, step: int) -> None:
-    checkpoint.save(loop.run_dir, step, stepper=loop.stepper, sched=loop.sched, keep=loop.cfg.train.keep_checkpoints,
-                    loop_state={"data": loop.stream.state(), "loop": asdict(loop.state)}, main=loop.runtime.is_main)
+def _checkpoint(loop: Training, step: int) -> None:
+    checkpoint.save(loop.folder.checkpoints, step, stepper=loop.stepper, sched=loop.sched,
+                    keep=loop.cfg.train.keep_checkpoints, main=loop.runtime.is_main,
+                    loop_state={"data": loop.stream.state(), "loop": asdict(loop.state)})
 
 
-def _steps(loop: _Loop, start: int, peak: float | None) -> None:
+def _steps(loop: Training, start: int, peak: float | None) -> None:
     """The optimizer steps; a stop signal (runtime.catch_stop_signals) ends them at a step boundary, all ranks
     at the same one, after a checkpoint of that step."""
     t = loop.cfg.train
@@ -249,16 +256,17 @@ def _gather(value: float, layout: Layout) -> list[float]:
     return out
 
 
-def run(model, tokenizer, datasets, cfg, run_dir: Path, emit: Emit = ignore, *, runtime: Runtime | None = None,
-        validation: Validation = Validation(), weights=None) -> TrainResult:
-    """Every process of a layout calls this with the same model and data; only the main one writes files.
-    `weights`: the model is on the meta device and the engine fills each process's shards from these
-    (train/parallel/deferred.py)."""
+def run(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, out: CellFolder | Path, emit: Emit = ignore, *,
+        runtime: Runtime | None = None, validation: Validation = Validation(),
+        weights: Deferred | None = None) -> TrainResult:
+    """Every process of a layout calls this with the same model and data; only the main one writes files (into
+    `out`, a cell folder). The caller has seeded the RNGs (the cell does it once). `weights`: the model is on the
+    meta device and the engine fills each process's shards from these (train/parallel/deferred.py)."""
     t = cfg.train
-    torch.manual_seed(t.seed)
+    folder = out if isinstance(out, CellFolder) else CellFolder(out)
     runtime = runtime or _local_runtime(model, cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    loop = _setup(model, tokenizer, datasets, cfg, run_dir, emit, runtime, validation, weights)
+    loop = _setup(model, tokenizer, datasets, cfg, folder, emit, runtime, validation, weights)
     peak = peak_flops(runtime.device)  # before the RNG states a checkpoint restores (a CPU may measure here)
     start, resumed_from = _resume(loop)
     model.train()
@@ -277,8 +285,8 @@ def run(model, tokenizer, datasets, cfg, run_dir: Path, emit: Emit = ignore, *, 
         model=loop.stepper.unwrap(),  # every rank takes part in gathering the weights
     )
     if runtime.is_main:
-        write_json(run_dir / "train" / "summary.json", result.summary())
+        write_json(folder.summary_file, result.summary())
         if t.save_final:
-            result.model.save_pretrained(run_dir / "final")
-            tokenizer.save_pretrained(run_dir / "final")
+            result.model.save_pretrained(folder.final)
+            tokenizer.save_pretrained(folder.final)
     return result

@@ -16,11 +16,19 @@ have the body called directly: `root_forward_loss` calls the root forward with t
 `logits_to_keep` set to the labelled positions (a boolean mask; where transformers takes positions only,
 the positions where any row has a label), so the head and the fp32 cross-entropy run there only: the same
 sum, up to float rounding.
+
+In every case the head and the cross-entropy run together in chunks of positions, recomputed in backward
+(train/chunked.py): the logits and their gradient are never whole.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from tunelab.train.chunked import CHUNK_ATTR, auto_chunk, computing_loss, head_loss
+from tunelab.train.optimizers.sophia import sampled_loss_whole
 
 IGNORE = -100
 # Causal-LM classes whose forward is exactly body -> lm_head -> transformers' ForCausalLMLoss
@@ -32,14 +40,17 @@ _BODY_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids"})
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def _causal_lm(model, root_hooks_ok: bool = False):
+def _causal_lm(model: Any, root_hooks_ok: bool = False) -> Any:
     """The transformers causal LM under `model` when the head-only-at-labels path is exact, else None.
     `root_hooks_ok`: the caller runs the root forward itself (hooks on it then run too)."""
     try:
         from peft import PeftModel
+
+        peft_types: tuple[type, ...] = (PeftModel,)
     except ImportError:  # peft is optional for full-parameter training
-        PeftModel = ()
-    if isinstance(model, PeftModel):
+        peft_types = ()
+    is_peft = bool(peft_types) and isinstance(model, peft_types)
+    if is_peft:
         if model.active_peft_config.is_prompt_learning:
             return None
         if not root_hooks_ok and (model._forward_hooks or model._forward_pre_hooks):
@@ -74,12 +85,6 @@ def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE)
 
 
-def summed_at_labels(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed fp32 cross-entropy of `logits` taken at `shifted_labels(labels) != IGNORE`, in order."""
-    shift = shifted_labels(labels)
-    return torch.nn.functional.cross_entropy(logits.float(), shift[shift != IGNORE], reduction="sum")
-
-
 def plain_loss(model, batch: dict, n_items: torch.Tensor) -> torch.Tensor:
     return model(**batch, num_items_in_batch=n_items).loss
 
@@ -97,9 +102,30 @@ def causal_lm_loss(model, batch: dict, n_items: int | torch.Tensor) -> torch.Ten
     rows = (shift != IGNORE).nonzero().squeeze(1)
     body = getattr(lm, lm.base_model_prefix)
     hidden = body(**{k: v for k, v in batch.items() if k != "labels"}).last_hidden_state
-    logits = lm.get_output_embeddings()(hidden.flatten(0, 1)[rows]).float()
-    loss = torch.nn.functional.cross_entropy(logits, shift[rows], reduction="sum")
+    loss = head_loss(lm.get_output_embeddings(), hidden.flatten(0, 1)[rows], shift[rows])
     return loss / n_items
+
+
+def sampled_label_loss(model, batch: dict) -> tuple[torch.Tensor | None, int]:
+    """(mean cross-entropy against labels sampled from the model's own predictions at the labelled positions,
+    their count): SophiaG's Gauss-Newton-Bartlett estimate. Where the head-at-labels path is exact, the head
+    runs in chunks for the sampling and for the loss, so no (positions, vocabulary) tensor is whole."""
+    labels = batch["labels"]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    lm = _causal_lm(model)
+    if lm is None or not set(inputs) <= _BODY_INPUTS:
+        return sampled_loss_whole(model, batch)
+    shift = shifted_labels(labels).flatten()
+    rows = (shift != IGNORE).nonzero().squeeze(1)
+    if not rows.numel():
+        return None, 0
+    hidden = getattr(lm, lm.base_model_prefix)(**inputs).last_hidden_state.flatten(0, 1)[rows]
+    head = lm.get_output_embeddings()
+    chunk = getattr(head, CHUNK_ATTR, None) or auto_chunk(lm.config.vocab_size)
+    with torch.no_grad():
+        sampled = torch.cat([torch.distributions.Categorical(logits=head(hidden[a:a + chunk]).float()).sample()
+                             for a in range(0, rows.numel(), chunk)])
+    return head_loss(head, hidden, sampled) / rows.numel(), rows.numel()
 
 
 def root_forward_loss(model, batch: dict, n_items: int | torch.Tensor, inner=None) -> torch.Tensor:
@@ -107,18 +133,20 @@ def root_forward_loss(model, batch: dict, n_items: int | torch.Tensor, inner=Non
     module is `inner`): the head and the loss at the positions where any row has a label."""
     labels = batch["labels"]
     n_items = torch.as_tensor(n_items, device=labels.device)
-    if _causal_lm(inner if inner is not None else model, root_hooks_ok=True) is None or \
-            not set(batch) - {"labels"} <= _BODY_INPUTS:
+    lm = _causal_lm(inner if inner is not None else model, root_hooks_ok=True)
+    if lm is None or not set(batch) - {"labels"} <= _BODY_INPUTS:
         return plain_loss(model, batch, n_items)
     shift = shifted_labels(labels)
-    if _MASK_TO_KEEP:  # exactly the labelled positions, returned as (labelled tokens, vocabulary)
+    rows = None
+    if _MASK_TO_KEEP:  # exactly the labelled positions, handed to the head as (labelled tokens, hidden)
         keep, targets = shift != IGNORE, shift[shift != IGNORE]
-    else:  # the positions where any row has a label, the same for every row
+    else:  # the positions where any row has a label, the same for every row; the head drops the others
         keep = (shift != IGNORE).any(0).nonzero().squeeze(1)
         targets = shift[:, keep].flatten()
-    logits = model(**{k: v for k, v in batch.items() if k != "labels"}, logits_to_keep=keep).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(targets.numel(), -1).float(), targets,
-                                             ignore_index=IGNORE, reduction="sum")
+        rows, targets = targets != IGNORE, targets[targets != IGNORE]
+    # The head module computes the summed loss in chunks where the model calls it: `.logits` is that loss.
+    with computing_loss(lm.get_output_embeddings(), targets, rows):
+        loss = model(**{k: v for k, v in batch.items() if k != "labels"}, logits_to_keep=keep).logits
     return loss / n_items
 
 

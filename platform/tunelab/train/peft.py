@@ -8,9 +8,13 @@ functions here. Defaults for which modules to adapt come from the model family (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from tunelab.config import CellConfig, PeftCfg
 from tunelab.errors import UserError
 from tunelab.registries import PEFT
+from tunelab.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,7 @@ def family(model) -> Family | None:
     return FAMILIES.get(getattr(model.config, "model_type", ""))
 
 
-def _targets(model, cfg):
+def _targets(model: Any, cfg: PeftCfg):
     if cfg.target_modules is not None:
         return list(cfg.target_modules)
     fam = family(model)
@@ -46,7 +50,7 @@ def _targets(model, cfg):
     return list(fam.linear) if fam else "all-linear"
 
 
-def _get_peft_model(model, config):
+def _get_peft_model(model: Any, config: Any) -> Any:
     from peft import get_peft_model
 
     try:
@@ -55,26 +59,26 @@ def _get_peft_model(model, config):
         raise UserError(f"peft could not wrap the model: {e}", key="peft") from None
 
 
-def _lora_config(model, cfg, **extra):
+def _lora_config(model: Any, cfg: PeftCfg, **extra):
     from peft import LoraConfig
 
-    return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=_targets(model, cfg),
+    return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # peft's hint says int; floats work lora_dropout=cfg.dropout, target_modules=_targets(model, cfg),
                       task_type="CAUSAL_LM", **extra)
 
 
-def full(model, cfg):
+def full(model: Any, cfg: PeftCfg):
     return model
 
 
-def lora(model, cfg):
+def lora(model: Any, cfg: PeftCfg):
     return _get_peft_model(model, _lora_config(model, cfg))
 
 
-def dora(model, cfg):
+def dora(model: Any, cfg: PeftCfg):
     return _get_peft_model(model, _lora_config(model, cfg, use_dora=True))
 
 
-def ia3(model, cfg):
+def ia3(model: Any, cfg: PeftCfg):
     from peft import IA3Config
 
     fam = family(model)
@@ -85,7 +89,7 @@ def ia3(model, cfg):
     return _get_peft_model(model, IA3Config(target_modules=targets, feedforward_modules=ff, task_type="CAUSAL_LM"))
 
 
-def prefix(model, cfg):
+def prefix(model: Any, cfg: PeftCfg):
     from peft import PrefixTuningConfig
 
     return _get_peft_model(model, PrefixTuningConfig(num_virtual_tokens=cfg.num_virtual_tokens,
@@ -93,14 +97,14 @@ def prefix(model, cfg):
                                                      task_type="CAUSAL_LM"))
 
 
-def prompt(model, cfg):
+def prompt(model: Any, cfg: PeftCfg):
     from peft import PromptTuningConfig
 
     return _get_peft_model(model, PromptTuningConfig(num_virtual_tokens=cfg.num_virtual_tokens,
                                                      task_type="CAUSAL_LM"))
 
 
-def p_tuning(model, cfg):
+def p_tuning(model: Any, cfg: PeftCfg):
     from peft import PromptEncoderConfig
 
     hidden = cfg.encoder_hidden_size or model.config.hidden_size
@@ -108,7 +112,7 @@ def p_tuning(model, cfg):
                                                       encoder_hidden_size=hidden, task_type="CAUSAL_LM"))
 
 
-def qlora_load_kwargs(cfg, device) -> dict:
+def qlora_load_kwargs(cfg: PeftCfg, device: Any) -> dict:
     import importlib.util
 
     import torch
@@ -125,7 +129,7 @@ def qlora_load_kwargs(cfg, device) -> dict:
         bnb_4bit_compute_dtype=torch.bfloat16)}
 
 
-def qlora(model, cfg):
+def qlora(model: Any, cfg: PeftCfg):
     from peft import prepare_model_for_kbit_training
 
     # The loop turns on gradient checkpointing itself when train.gradient_checkpointing says so.
@@ -133,13 +137,13 @@ def qlora(model, cfg):
     return _get_peft_model(model, _lora_config(model, cfg))
 
 
-def load_kwargs(cfg, device) -> dict:
+def load_kwargs(cfg: PeftCfg, device: Any) -> dict:
     """Extra `from_pretrained` arguments the method needs (4-bit quantization for qlora)."""
     hook = PEFT[cfg.method].load_kwargs
     return hook.load()(cfg, device) if hook else {}
 
 
-def apply(model, cfg):
+def apply(model: Any, cfg: PeftCfg):
     return PEFT[cfg.method].wrap.load()(model, cfg)
 
 
@@ -157,7 +161,7 @@ def for_eval(model):
     return model.merge_and_unload()
 
 
-def load_trained(cfg, final_dir, runtime):
+def load_trained(cfg: CellConfig, final_dir: Path, runtime: Runtime) -> tuple[Any, Any]:
     """A cell's saved final/ folder as a model to evaluate again: the full weights, or the base model
     (cfg.model, quantized as the method loads it) with the adapter on top. -> (model, tokenizer)."""
     from transformers import AutoTokenizer

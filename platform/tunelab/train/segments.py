@@ -21,6 +21,7 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -28,7 +29,9 @@ NAME = "tunelab_by_example"
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> usable(model)
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+               **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Causal SDPA over each example of a flattened packed row; examples start where position_ids is 0."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -54,7 +57,7 @@ def _register() -> None:
 
 
 @contextlib.contextmanager
-def attending_by_example(model) -> Iterator[None]:
+def attending_by_example(model: Any) -> Iterator[None]:
     """The model's attention is `NAME` inside; restored on exit."""
     _register()
     config = model.config
@@ -66,17 +69,18 @@ def attending_by_example(model) -> Iterator[None]:
         config._attn_implementation = saved
 
 
-def usable(model) -> bool:
+def usable(model: Any) -> bool:
     """Whether packed rows of `model` may be attended example by example (see the module docstring)."""
     if model not in _CHECKED:
         _CHECKED[model] = _check(model)
     return _CHECKED[model]
 
 
-def _check(model) -> bool:
+def _check(model: Any) -> bool:
     config = getattr(model, "config", None)
     param = next(model.parameters(), None)
-    if getattr(config, "_attn_implementation", None) != "sdpa" or param is None or param.device.type != "cpu":
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or param is None or \
+            param.device.type != "cpu":
         return False
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, min(int(config.vocab_size), 1000), (1, 13), generator=gen)

@@ -12,10 +12,15 @@ on that batch when step % k == 0. Until the first estimate h is 0 and the step i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
-import torch.nn.functional as F
 
 from tunelab.train.optimizers.closure import evaluate
+
+IGNORE = -100  # the label of a position that is not trained on
+SampledLoss = Callable[[Any, dict], tuple[torch.Tensor | None, int]]
 
 
 class SophiaG(torch.optim.Optimizer):
@@ -68,32 +73,40 @@ class SophiaG(torch.optim.Optimizer):
                 b = beta2[id(p)]
                 self._state(p)["hessian"].mul_(b).addcmul_(grad, grad, value=(1.0 - b) * batch_size)
 
-    def after_step(self, *, step: int, model, batch: dict) -> None:
+    def after_step(self, *, step: int, model, batch: dict, sampled_loss: SampledLoss | None = None) -> None:
+        """`sampled_loss(model, batch)`: the loss on sampled labels; the trainer passes its own (tunelab's runs the
+        head in chunks, train/loss.py), else the whole-logits one below."""
         if step % self.hessian_interval == 0:
-            grads, n = gnb_gradients(model, batch, [p for g in self.param_groups for p in g["params"]])
+            params = [p for g in self.param_groups for p in g["params"]]
+            grads, n = gnb_gradients(model, batch, params, sampled_loss or sampled_loss_whole)
             if n:
                 self.update_hessian(grads, n)
 
 
-def gnb_gradients(model, batch: dict, params: list[torch.Tensor]) -> tuple[list, int]:
+def sampled_loss_whole(model, batch: dict) -> tuple[torch.Tensor | None, int]:
+    """(mean cross-entropy against labels sampled from the model's own predictions at the labelled positions,
+    their count), from the model's whole logits."""
+    labels = batch["labels"]
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    # Prompt-learning PEFT methods prepend virtual tokens to the logits: keep the real positions.
+    picked = logits[:, -labels.size(1):][:, :-1][labels[:, 1:] != IGNORE].float()
+    if not picked.numel():
+        return None, 0
+    sampled = torch.distributions.Categorical(logits=picked.detach()).sample()
+    return torch.nn.functional.cross_entropy(picked, sampled), picked.shape[0]
+
+
+def gnb_gradients(model, batch: dict, params: list[torch.Tensor],
+                  sampled_loss: SampledLoss = sampled_loss_whole) -> tuple[list, int]:
     """Gradients of the mean loss on labels sampled from the model, over the batch's label positions.
 
     Returns (one gradient or None per param, B = number of positions). Uses torch.autograd.grad so the
     training gradients (.grad) are never touched.
     """
-    labels = batch["labels"]
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
     with torch.enable_grad():
-        logits = model(**inputs).logits
-        # Prompt-learning PEFT methods prepend virtual tokens to the logits: keep the real positions.
-        logits = logits[:, -labels.size(1):][:, :-1]
-        mask = labels[:, 1:] != -100  # the positions the training loss covers (causal shift)
-        n = int(mask.sum())
-        if n == 0:
+        loss, n = sampled_loss(model, batch)
+        if n == 0 or loss is None:
             return [None] * len(params), 0
-        picked = logits[mask].float()
-        sampled = torch.distributions.Categorical(logits=picked.detach()).sample()
-        loss = F.cross_entropy(picked, sampled)
         trainable = [p for p in params if p.requires_grad]
         grads = iter(torch.autograd.grad(loss, trainable, allow_unused=True))
     return [next(grads) if p.requires_grad else None for p in params], n

@@ -7,14 +7,16 @@ the embedding's dense gradient, two with a sparse one, which autograd never adds
 tensor). For the update-in-backward optimizers that was most of what a step adds to memory; for the others
 (the loop prepares every one-process model) it is two weight-sized allocations per step saved.
 
-`prepare_for_fused(model)` routes both contributions through two small autograd functions. The head's
-backward keeps only its factors (the logits' gradient and the hidden states, a few MB) and returns no
-weight gradient; the embedding's backward, which runs last, builds G^T H in one buffer, adds the looked-up
-rows' gradients into it in place and hands that single tensor to autograd as W's gradient. W's hook then
-sees one dense gradient equal to autograd's sum (up to float rounding order), built only after the
-activations a plain backward frees have been freed. In the norm pass of a clipped step (its graph
-retained, so every activation still alive) the lookup only measures that gradient, a block of rows at a
-time, and reports the squared norm to the optimizer. Forward values are unchanged.
+`prepare_for_fused(model)` routes both contributions to the embedding lookup's backward, which runs last:
+the head's backward returns no weight gradient but keeps only its factors, and the lookup builds W's whole
+gradient from them a block of vocabulary rows at a time, adds the looked-up rows' gradients into it in
+place and hands that single tensor to autograd as W's gradient. W's hook then sees one dense gradient equal
+to autograd's sum (up to float rounding order), built only after the activations a plain backward frees
+have been freed. The factors: for the chunked head and loss (train/chunked.py, what training runs) the
+hidden states, log-sum-exps and targets, from which a block's logits are recomputed (`HeadFactors`); for a
+plain head call (the loss's fallback path) the logits' gradient and the hidden states. In the norm pass of
+a clipped step (its graph retained, so every activation still alive) the lookup only measures that
+gradient, block by block, and reports the squared norm to the optimizer. Forward values are unchanged.
 
 Only for a single process: FSDP/TP shard or wrap the modules themselves.
 """
@@ -24,12 +26,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import types
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-CHUNK_ROWS = 4096  # rows of the shared weight's gradient built at a time when only its norm is needed
+CHUNK_ROWS = 4096  # rows of the shared weight's gradient built at a time from a plain head's factors
 
 
 class _Link:
@@ -37,10 +40,22 @@ class _Link:
 
     def __init__(self, optimizer=None):
         self.optimizer = optimizer  # the fused optimizer: in its norm pass the gradient is only measured
-        # (backward pass id, logits' grad, head input) per head call, both as (tokens, features). The id
-        # keeps a pass that ran the head but not the lookup (autograd.grad on some inner tensor) from
-        # leaking into the next pass.
-        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        # (backward pass id, factors with .block(a, b) and .block_rows()) per head call. The id keeps a pass
+        # that ran the head but not the lookup (autograd.grad on some inner tensor) from leaking into the next.
+        self.pending: list[tuple[int, object]] = []
+
+
+class _Product:
+    """A plain head call's factors: the logits' gradient g and the head's input h, as (tokens, features)."""
+
+    def __init__(self, g: torch.Tensor, h: torch.Tensor):
+        self.g, self.h = g, h
+
+    def block(self, a: int, b: int) -> torch.Tensor:
+        return torch.mm(self.g[:, a:b].t(), self.h.to(self.g.dtype))
+
+    def block_rows(self) -> int:
+        return CHUNK_ROWS
 
 
 def _reaches(node, target) -> bool:
@@ -74,29 +89,17 @@ class _Lookup(torch.autograd.Function):
             keep = idx != ctx.padding_idx
             idx, rows = idx[keep], rows[keep]
         opt = ctx.link.optimizer
+        parts = [f for t, f in pending if t == task]
+        pending.clear()
         if opt is not None and opt.measuring:
             # The clipping pass needs only the norm, while its retained graph holds every activation: build
             # the gradient a block of rows at a time, never whole (the update pass builds it whole).
-            parts = [(g, h) for t, g, h in pending if t == task]
-            pending.clear()
-            opt.add_sq_norm(_sq_norm(parts, idx, rows, ctx.shape))
+            opt.add_sq_norm(_blocks(parts, idx, rows, ctx.shape, None))
             return None, None, None, None
         if rows.device.type == "cpu" and opt is not None:  # memory is LOMO's point; the others keep the pages
             _release_freed_pages()
-        grad = None
-        while pending:  # popped one by one: each logits' gradient is freed as soon as it is used
-            t, g, h = pending.pop()
-            if t != task:
-                continue
-            part = torch.mm(g.t(), h.to(g.dtype))
-            del g, h
-            grad = part if grad is None else grad.add_(part)
-            del part
-        if grad is None:
-            grad = rows.new_zeros(ctx.shape)
-        elif grad.dtype != rows.dtype:
-            grad = grad.to(rows.dtype)
-        grad.index_add_(0, idx, rows.to(grad.dtype))
+        grad = rows.new_empty(ctx.shape)
+        _blocks(parts, idx, rows, ctx.shape, grad)
         return None, grad, None, None
 
 
@@ -116,19 +119,26 @@ def _release_freed_pages() -> None:
         libc.malloc_trim(0)
 
 
-def _sq_norm(parts: list, idx: torch.Tensor, rows: torch.Tensor, shape) -> torch.Tensor:
-    """Squared norm of sum(g^T h) + the looked-up rows, in the dtypes the whole gradient would have."""
+def _blocks(parts: list, idx: torch.Tensor, rows: torch.Tensor, shape, out: torch.Tensor | None) -> torch.Tensor:
+    """sum(head factors) + the looked-up rows, a block of vocabulary rows at a time: written into `out`, or
+    (out None) only measured. Returns the squared norm (0 when written), in the dtypes the whole gradient has."""
     total = torch.zeros((), dtype=torch.float32, device=rows.device)
-    for a in range(0, shape[0], CHUNK_ROWS):
-        b = min(a + CHUNK_ROWS, shape[0])
+    step = min([f.block_rows() for f in parts] or [CHUNK_ROWS])
+    for a in range(0, shape[0], step):
+        b = min(a + step, shape[0])
         block = None
-        for g, h in parts:
-            piece = torch.mm(g[:, a:b].t(), h.to(g.dtype))
+        for f in parts:
+            piece = f.block(a, b)
             block = piece if block is None else block.add_(piece)
+            del piece
         block = rows.new_zeros((b - a, shape[1])) if block is None else block.to(rows.dtype)
         sel = (idx >= a) & (idx < b)
         block.index_add_(0, idx[sel] - a, rows[sel].to(block.dtype))
-        total += torch.linalg.vector_norm(block.float()).square()
+        if out is None:
+            total += torch.linalg.vector_norm(block.float()).square()
+        else:
+            out[a:b] = block
+        del block
     return total
 
 
@@ -154,11 +164,11 @@ class _Head(torch.autograd.Function):
         if ctx.link is None:  # no lookup in this forward (inputs_embeds): the head's own gradient
             return grad_hidden, torch.mm(g.t(), h).to(weight.dtype), None, None
         # The lookup's backward, which runs last in this pass, builds W's whole gradient.
-        ctx.link.pending.append((torch._C._current_graph_task_id(), g, h))
+        ctx.link.pending.append((torch._C._current_graph_task_id(), _Product(g, h)))
         return grad_hidden, None, None, None
 
 
-def prepare_for_fused(model: nn.Module, optimizer=None) -> bool:
+def prepare_for_fused(model: Any, optimizer=None) -> bool:
     """Make a tied embedding/head pair share one gradient buffer; False (and no change) when not tied.
 
     Call once, in a single-process run. With the LOMO/AdaLomo `optimizer` its clipping pass measures the
@@ -179,18 +189,23 @@ def prepare_for_fused(model: nn.Module, optimizer=None) -> bool:
         current["node"] = out.grad_fn
         return out
 
+    def link_for(hidden):
+        """The latest lookup's link when its backward is sure to run after this head's: its output must be
+        upstream of the head's input (not so for inputs_embeds, or a detached lookup)."""
+        link = current["link"]
+        if link is not None and not _reaches(hidden.grad_fn, current["node"]):
+            link = None
+        return link
+
     def head(self, hidden):
         if not torch.is_grad_enabled() or not self.weight.requires_grad:
             return F.linear(hidden, self.weight)
         dev = hidden.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-        # Deferred to the lookup only when its backward is sure to run after this head's: its output must
-        # be upstream of the head's input (not so for inputs_embeds, or a detached lookup).
-        link = current["link"]
-        if link is not None and not _reaches(hidden.grad_fn, current["node"]):
-            link = None
-        return _Head.apply(hidden, self.weight, link, dtype)
+        return _Head.apply(hidden, self.weight, link_for(hidden), dtype)
 
     inp.forward = types.MethodType(lookup, inp)
     out.forward = types.MethodType(head, out)
+    # The chunked head and loss (train/chunked.py) ask for the link themselves.
+    out.tied_link = lambda hidden: link_for(hidden) if torch.is_grad_enabled() and out.weight.requires_grad else None
     return True

@@ -13,21 +13,25 @@ docs/parallelism.md explains the layouts.
 
 from __future__ import annotations
 
+from typing import Any
+
+from tunelab.registry import Lazy
+
 __all__ = ["ENGINES", "Layout", "Stepper", "enable_gradient_checkpointing", "init_mode", "load_partitioned",
            "prepare", "setup", "with_adapters"]
 
-# Loaded on first use (PEP 562): `exp memory` imports parallel/memory.py, which needs neither torch nor the
-# engines, and every `exp` command registers it at start-up.
-_WHERE = {"ENGINES": "tunelab.registries", "Layout": "tunelab.runtime", "setup": "tunelab.runtime",
-          "Stepper": "tunelab.train.parallel.stepper", "prepare": "tunelab.train.parallel.steppers",
-          "enable_gradient_checkpointing": "tunelab.train.parallel.steppers",
-          "init_mode": "tunelab.train.parallel.steppers", "with_adapters": "tunelab.train.parallel.deferred",
-          "load_partitioned": "tunelab.train.parallel.ds"}
+# Loaded on first use (PEP 562, through registry.Lazy): `exp memory` imports parallel/memory.py, which needs
+# neither torch nor the engines, and every `exp` command registers it at start-up.
+_LAZY = {"ENGINES": Lazy("tunelab.registries:ENGINES"), "Layout": Lazy("tunelab.runtime:Layout"),
+         "setup": Lazy("tunelab.runtime:setup"), "Stepper": Lazy("tunelab.train.parallel.stepper:Stepper"),
+         "prepare": Lazy("tunelab.train.parallel.steppers:prepare"),
+         "enable_gradient_checkpointing": Lazy("tunelab.train.parallel.steppers:enable_gradient_checkpointing"),
+         "init_mode": Lazy("tunelab.train.parallel.steppers:init_mode"),
+         "with_adapters": Lazy("tunelab.train.parallel.deferred:with_adapters"),
+         "load_partitioned": Lazy("tunelab.train.parallel.ds:load_partitioned")}
 
 
-def __getattr__(name: str):
-    if name in _WHERE:
-        import importlib
-
-        return getattr(importlib.import_module(_WHERE[name]), name)
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return _LAZY[name].load()
     raise AttributeError(f"module 'tunelab.train.parallel' has no attribute {name!r}")

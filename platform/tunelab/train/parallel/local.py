@@ -1,8 +1,8 @@
 """One process: the Stepper that runs a cell with no parallel engine, so the loop has one step path.
 
 What only a single process can do lives here: bf16 autocast (engines run the model in its own dtype), the
-output head and loss at labelled positions by calling the decoder body alone (train/loss.py; the engines, whose
-hooks sit on the root forward, use its `root_forward_loss`),
+output head and loss at labelled positions, in chunks recomputed in backward, by calling the decoder body alone
+(train/loss.py, train/chunked.py; the engines, whose hooks sit on the root forward, use its `root_forward_loss`),
 LOMO/AdaLomo running forward and backward themselves with one gradient buffer for a tied embedding
 (optimizers/tied.py), and Sophia's Hessian refresh between steps. Checkpoints are the trainable parameters
 (model.pt) and the optimizer's state (optimizer.pt), in the checkpoint folder itself; `load` also reads an
@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from tunelab.plan.optim import spec as optim_spec
+from tunelab.registries import optimizer_spec as optim_spec
 from tunelab.runtime import Layout
 from tunelab.train.data import label_tokens
-from tunelab.train.loss import causal_lm_loss
+from tunelab.train.loss import causal_lm_loss, sampled_label_loss
 from tunelab.train.optimizers.tied import prepare_for_fused
 from tunelab.train.parallel.stepper import Stepper
 
@@ -86,7 +87,8 @@ class LocalStepper(Stepper):
         opt.step()
         opt.zero_grad(set_to_none=True)
         if hasattr(opt, "after_step"):  # e.g. Sophia refreshes its Hessian estimate
-            opt.after_step(step=step, model=model, batch={k: v.to(device) for k, v in micro_batches[-1].items()})
+            opt.after_step(step=step, model=model, batch={k: v.to(device) for k, v in micro_batches[-1].items()},
+                           sampled_loss=sampled_label_loss)  # the head in chunks
         loss_f, norm_f = torch.stack([loss.float(), norm.float().to(device)]).tolist()  # one device sync
         return loss_f, norm_f
 
@@ -124,10 +126,11 @@ class LocalStepper(Stepper):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(self._model, self.optimizer)
+        optim_sd = dict(optim_sd)  # the groups' names are taken out below
         # This optimizer was given names (Muon tells matrices by them); an engine's was not, so its groups hold
         # no `param_names`: those stay this optimizer's own, everything else must be in the checkpoint.
-        names = [g.pop("param_names", None) for g in optim_sd["param_groups"]]
-        state = {"train": {"model": model_sd, "optim": optim_sd}}
+        names = [g.pop("param_names", None) for g in optim_sd["param_groups"]]  # type: ignore[union-attr]
+        state: dict[str, Any] = {"train": {"model": model_sd, "optim": optim_sd}}
         dcp.load(state, checkpoint_id=str(path))
         for group, n in zip(state["train"]["optim"]["param_groups"], names):
             if n is not None:

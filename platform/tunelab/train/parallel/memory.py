@@ -20,17 +20,29 @@ Activations are counted as transformers' Llama-family modules keep them for back
 attention: nothing quadratic in the sequence):
   per layer and token: 6h replicated under tp (two RMSNorms' input and output, the two blocks'
   inputs) + 3h + 2kv + 4i split under tp (query, attention output and its copy, key, value;
-  gate, SiLU, up, product); plus 3h + 3v per token at the head (final norm, logits, the shifted
-  copy, log-softmax). Checked against measured peaks in tests/test_parallel_memory.py.
+  gate, SiLU, up, product); plus 3h per token at the head (final norm's input and output, the labelled
+  rows' copy). The head and loss run in chunks recomputed in backward (train/chunked.py): one chunk's fp32
+  logits (chunk x v fp32 values; measured, its temporaries do not meet the peak) instead of the whole batch's
+  logits and their gradient, and, as backward starts with all activations alive, the head weight's fp32 gradient
+  being summed (v x h; not under LOMO/AdaLomo with a tied embedding, whose lookup builds it at the end of
+  backward). Checked against measured peaks in tests/test_parallel_memory.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from tunelab.registries import OPTIMIZERS
+from tunelab.registries import DEFAULT_ENGINE, ENGINES, OPTIMIZERS
 
 GB = 1e9
+CHUNK_BYTES = 64 * 2**20  # the chunked head's (train/chunked.py) fp32 logits of one chunk and a temporary
+
+
+def auto_chunk(vocab: int) -> int:
+    """Positions per chunk of the head and loss: a chunk's logits and one temporary (2 x 4 bytes a value)
+    within CHUNK_BYTES."""
+    return max(16, CHUNK_BYTES // (8 * vocab))
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Optimizer state per trainable parameter (fp32 values), and whether it updates inside backward (one
 # parameter's gradient at a time), come from the optimizer registry: tunelab.registries.OPTIMIZERS.
@@ -112,7 +124,8 @@ class Setup:
     microbatches: int = 1
     pp_schedule: str = "1f1b"
     activation_checkpointing: bool = False
-    backend: str = "native"  # native | deepspeed
+    backend: str = DEFAULT_ENGINE  # a name of registries.ENGINES, whose facts the model reads
+    loss_chunk: int | None = None  # train.loss_chunk: labelled positions per chunk of the head (None: automatic)
     whole_init: bool = False  # built whole on every process even where tunelab shards at construction (DoRA)
 
     @property
@@ -122,7 +135,7 @@ class Setup:
     @property
     def sharded_init(self) -> bool:
         """Built sharded (parallel.init_mode "meta" or "zero3"), not whole on every process."""
-        return not self.whole_init and self.world > 1 and (self.backend == "native" or self.zero == 3)
+        return not self.whole_init and self.world > 1 and self.zero >= ENGINES[self.backend].whole_below_zero
 
 
 @dataclass(frozen=True)
@@ -135,10 +148,11 @@ class Estimate:
     total_params: int
     buffers: float = 0.0  # the engine's gathered weights and communication buckets
     load: float = 0.0  # what a process holds while the model loads, before the engine shards it
+    step: float = 0.0  # the optimizer step's temporaries, beside the gradients
 
     @property
     def train(self) -> float:
-        return self.params + self.optimizer + self.buffers + max(self.grads, self.activations)
+        return self.params + self.optimizer + self.buffers + max(self.grads + self.step, self.activations)
 
     @property
     def peak(self) -> float:
@@ -185,9 +199,15 @@ def estimate(shape: Shape, s: Setup) -> Estimate:
     opt_values = _state_values(shape, s, opt, matrices, trainable_here)
     # Mixed precision keeps an fp32 master copy of the trainable weights (fused optimizers update in place);
     # DeepSpeed's ZeRO optimizer keeps one of its partitions whatever the weights' dtype.
-    master = trainable_here if not opt.fused and (s.dtype != "float32" or s.backend == "deepspeed") else 0
+    master = trainable_here if not opt.fused and (s.dtype != "float32" or ENGINES[s.backend].fp32_master) else 0
     optimizer = (opt_values + master) * 4 / s.dp  # FSDP2 and every ZeRO stage shard optimizer state
-    return Estimate(params=params, grads=grads, optimizer=optimizer, activations=_activations(shape, s) * b,
+    # A per-parameter step with moments (torch's AdamW on CPU, tunelab's) builds its update of one parameter
+    # beside the moments: about two fp32 temporaries of the largest matrix (measured: AdamW under gradient
+    # checkpointing, where the step and not the activations sets the peak).
+    per_param = not opt.fused and isinstance(opt.states, (int, float)) and opt.states > 0
+    step = 2 * max(a * c for a, c in matrices + [(shape.vocab, shape.hidden)] * (s.peft == "none")) * 4 / s.dp \
+        if per_param else 0.0
+    return Estimate(params=params, grads=grads, optimizer=optimizer, activations=_activations(shape, s) * b, step=step,
                     trainable=int(trainable), total_params=shape.total(), buffers=_buffers(shape, s, opt, stage),
                     load=_load(shape, s, stage))
 
@@ -199,7 +219,7 @@ def _layer_values(shape: Shape, s: Setup) -> float:
 
 def _buffers(shape: Shape, s: Setup, opt, stage: float) -> float:
     b = DTYPE_BYTES[s.dtype]
-    if s.backend == "deepspeed":
+    if ENGINES[s.backend].buffers == "buckets":
         if s.dp == 1 or opt.fused:  # no ZeRO optimizer: nothing is bucketed (ds_fused.py)
             return 0.0
         if s.zero == 3:
@@ -221,7 +241,7 @@ def _load(shape: Shape, s: Setup, stage: float) -> float:
     if not s.sharded_init:
         return stage * b
     largest = max([shape.embed_params(), *(x * y for x, y in shape.layer_matrices())])
-    share = s.dp if s.zero >= 3 or s.backend == "native" else 1
+    share = s.dp if s.zero >= ENGINES[s.backend].shards_all_from_zero else 1
     return (stage / share + largest / share) * b
 
 
@@ -250,7 +270,7 @@ def _unsaved_inputs(shape: Shape, s: Setup) -> float:
 
 
 def _activations(shape: Shape, s: Setup) -> float:
-    h, kv, i, v = shape.hidden, shape.kv, shape.inter, shape.vocab
+    h, kv, i = shape.hidden, shape.kv, shape.inter
     rows = s.batch / s.dp
     if s.pp > 1:  # the first stage holds the most micro-batches in flight
         in_flight = s.microbatches if s.pp_schedule == "gpipe" else min(s.pp, s.microbatches)
@@ -259,8 +279,17 @@ def _activations(shape: Shape, s: Setup) -> float:
     per_layer = 6 * h + (3 * h + 2 * kv + 4 * i) / s.tp - _unsaved_inputs(shape, s)
     layers = shape.layers / s.pp
     body = tokens * (layers * h + per_layer) if s.activation_checkpointing else tokens * layers * per_layer
-    head = tokens * (3 * h + 3 * v)
-    return body + head
+    return body + tokens * 3 * h + _head(shape, s, tokens)
+
+
+def _head(shape: Shape, s: Setup, tokens: float) -> float:
+    """The chunked head and loss (train/chunked.py) as backward starts, in values of the model's dtype: one
+    chunk's fp32 logits, and the head weight's fp32 gradient being summed (for a trainable
+    head, unless a fused optimizer's tied lookup builds it later)."""
+    fp32 = 4 / DTYPE_BYTES[s.dtype]
+    chunk = min(tokens, s.loss_chunk or auto_chunk(shape.vocab))
+    trainable_head = s.peft == "none" and s.pp == 1 and not (OPTIMIZERS[s.optim].fused and shape.tied)
+    return (chunk * shape.vocab + (shape.vocab * shape.hidden if trainable_head else 0)) * fp32
 
 
 def devices_needed(shape: Shape, s: Setup, device_gb: float, max_devices: int = 4096) -> int | None:

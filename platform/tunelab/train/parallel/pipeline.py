@@ -2,16 +2,17 @@
 summed token cross-entropy / label tokens of the whole optimizer step.
 
 With `at_labels` the last stage runs the final norm and the output head only at the positions that
-carry a label (train/loss.py): every rank passes the micro-batch's mask of those positions as a
-keyword argument, which the schedule splits like the inputs and hands to each stage without sending
-it between ranks; the last stage returns (labelled positions, vocabulary) logits in order."""
+carry a label (train/loss.py), the head and the loss together in chunks (train/chunked.py): every rank
+passes the micro-batch's shifted labels as a keyword argument, which the schedule splits like the inputs
+and hands to each stage without sending it between ranks; the last stage returns the summed token loss
+of its micro-batch."""
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from tunelab.train.loss import IGNORE, shifted_labels, summed_at_labels
+from tunelab.train.loss import shifted_labels
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 MAX_CACHED_SHAPES = 8
@@ -42,8 +43,8 @@ class Pipeline:
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         n = torch.tensor(self._n_items, device=logits.device)
-        if self._at_labels:
-            return summed_at_labels(logits, labels) / n * self._scale
+        if self._at_labels:  # the last stage returned the summed loss itself (1 element)
+            return logits.sum() / n * self._scale
         loss = self._loss_function(logits=logits, labels=labels, vocab_size=self._vocab, num_items_in_batch=n)
         return loss * self._scale
 
@@ -75,7 +76,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         target = {"target": b["labels"], "losses": losses} if self.last else {}
         args = (b["input_ids"], b["attention_mask"]) if self.first else ()
-        keep = {"keep": shifted_labels(b["labels"]) != IGNORE} if self._at_labels else {}
+        keep = {"targets": shifted_labels(b["labels"])} if self._at_labels else {}
         sched(*args, **keep, **target)
         for p, g in kept.items():
             p.grad = g if p.grad is None else p.grad + g

@@ -18,7 +18,7 @@ def setup_of(cell, dtype: str) -> Setup | None:
     p, t = cell.parallel, cell.train
     if cell.optim.name not in OPTIMIZERS or cell.peft.method not in ("none", "lora"):
         return None
-    targets = ALL_LINEAR
+    targets: tuple[str, ...] = ALL_LINEAR
     if cell.peft.target_modules is not None:
         if any(m not in SHORT for m in cell.peft.target_modules):
             return None
@@ -26,7 +26,8 @@ def setup_of(cell, dtype: str) -> Setup | None:
     return Setup(optim=cell.optim.name, peft=cell.peft.method, lora_r=cell.peft.r, lora_targets=targets, dtype=dtype,
                  dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, seq=cell.data.max_length, batch=t.batch_size,
                  microbatches=p.microbatches, pp_schedule=p.pp_schedule,
-                 activation_checkpointing=p.activation_checkpointing or t.gradient_checkpointing)
+                 activation_checkpointing=p.activation_checkpointing or t.gradient_checkpointing,
+                 loss_chunk=t.loss_chunk)
 
 
 def predicted_peak_mb(model_config, cell, dtype: str) -> float | None:

@@ -17,6 +17,8 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 
 from tunelab.errors import UserError
+from tunelab.train.chunked import head_loss
+from tunelab.train.loss import IGNORE
 from tunelab.train.parallel import tied
 from tunelab.train.parallel.anatomy import Anatomy
 
@@ -49,8 +51,10 @@ class Stage(nn.Module):
             norm=root.get_submodule(a.norm) if last else None,
             lm_head=root.get_submodule(a.lm_head) if last else None)
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor | None = None):
-        """`keep` (the last stage): the positions whose logits to return, as (positions, vocabulary)."""
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor | None = None):
+        """`targets` (the last stage): the shifted labels; the stage then returns the summed token loss at the
+        labelled positions, the head and the loss in chunks (train/chunked.py), instead of the logits: as a
+        1-element tensor, which the schedule can concatenate over micro-batches as it does outputs."""
         p = self.parts
         h = p.embed(x) if p.first else x
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
@@ -59,8 +63,11 @@ class Stage(nn.Module):
                                   position_ids=pos)
         for layer in p.layers:
             h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos)
+        if p.last and targets is not None:
+            keep = targets != IGNORE
+            return head_loss(p.lm_head, p.norm(h[keep]), targets[keep]).reshape(1)
         if p.last:
-            return p.lm_head(p.norm(h if keep is None else h[keep]))
+            return p.lm_head(p.norm(h))
         return h, attention_mask
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from tunelab.errors import UserError
-from tunelab.plan.parallel import check_layout, uses_engine
-from tunelab.registries import ENGINES
+from tunelab.layouts import check_layout
+from tunelab.registries import ENGINES, uses_engine
 from tunelab.runtime import Layout
+from tunelab.train.chunked import set_chunk
+from tunelab.train.parallel.anatomy import causal_lm
 from tunelab.train.parallel.deferred import Deferred, needs_whole
 from tunelab.train.parallel.stepper import Stepper
 
@@ -30,14 +32,15 @@ def init_mode(cell, layout: Layout, safetensors: bool = True) -> tuple[str, str]
     if not layout.distributed:
         return "whole", "one process"
     p = cell.parallel
-    if p.backend == "deepspeed" and p.zero < 3:
+    engine = ENGINES[p.backend]
+    if p.zero < engine.whole_below_zero:
         return "whole", f"ZeRO-{p.zero} keeps whole weights on every rank"
     reason = needs_whole(cell.peft.method)
     if reason:
         return "whole", reason
     if not safetensors:
         return "whole", "the checkpoint has no safetensors files to read per shard"
-    return ("zero3" if p.backend == "deepspeed" else "meta"), "sharded at construction"
+    return engine.sharded_build, "sharded at construction"
 
 
 def prepare(model, optim_builder, cell, layout: Layout, precision: str = "fp32",
@@ -55,7 +58,10 @@ def prepare(model, optim_builder, cell, layout: Layout, precision: str = "fp32",
         raise UserError(str(e), key="parallel") from None
     if cell.train.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    if not (layout.distributed or uses_engine(cell)):
+    head = causal_lm(model).get_output_embeddings()
+    if head is not None:  # the chunk of the head's loss (train/chunked.py), read by every layout's head call
+        set_chunk(head, cell.train.loss_chunk)
+    if not (layout.distributed or uses_engine(cell.parallel)):
         from tunelab.train.parallel.local import LocalStepper
 
         return LocalStepper(model, optim_builder, cell, layout, precision)

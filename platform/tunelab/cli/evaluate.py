@@ -1,4 +1,5 @@
-"""`exp eval ...`: run an evaluation suite on any model, and fetch what can be had offline.
+"""`exp eval ...` and `exp chat`: run an evaluation suite on any model, fetch what can be had offline, talk to a
+model.
 
 A typer group cannot take a positional MODEL and subcommands at once, hence `exp eval run MODEL`.
 """
@@ -10,18 +11,27 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
-app = typer.Typer(no_args_is_help=True)
+from tunelab.cli.common import EVALUATE, RunsDir, app, err, interruptible, quiet_libraries
+from tunelab.errors import UserError
+
+eval_app = typer.Typer(no_args_is_help=True)
+app.add_typer(eval_app, name="eval", help="Evaluate any model on a suite; fetch offline eval data.",
+              rich_help_panel=EVALUATE)
 
 
-@app.command("run")
+@eval_app.command("run")
 def run_cmd(
     model: Annotated[str, typer.Argument(help="catalog alias, local folder (a cell's final/) or hub id")],
     suite: Annotated[str, typer.Option(help="suite in evals/ (paper, quick, full) or a suite YAML")] = "quick",
     out: Annotated[Path, typer.Option(help="folder for results.json and samples.jsonl")] = Path("eval-out"),
-    tasks: Annotated[str | None, typer.Option(help="comma-separated tasks, replacing the suite's")] = None,
+    tasks: Annotated[str | None, typer.Option(help="comma-separated tasks (tunelab's, lm-eval's, include-path's), "
+                                              "replacing the suite's")] = None,
     limit: Annotated[int | None, typer.Option(help="examples per task (per subject), replacing the suite's")] = None,
     data_dir: Annotated[str | None, typer.Option(help="local benchmark data instead of the hub")] = None,
+    include_path: Annotated[str | None, typer.Option(help="a folder of lm-eval task YAMLs whose tasks --tasks "
+                                                     "may name")] = None,
     batch_size: Annotated[int | None, typer.Option(help="batch size, replacing the suite's")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
 ) -> None:
@@ -34,8 +44,8 @@ def run_cmd(
     from tunelab.report.scores import fmt
     from tunelab.runtime import device_of
 
-    raw = {"suite": suite, **{k: v for k, v in (("limit", limit), ("data_dir", data_dir), ("batch_size", batch_size))
-                              if v is not None}}
+    given = {"limit": limit, "data_dir": data_dir, "batch_size": batch_size, "include_path": include_path}
+    raw: dict[str, object] = {"suite": suite, **{k: v for k, v in given.items() if v is not None}}
     if limit is not None:
         raw["limits"] = {}  # the suite's per-task limits too: --limit is the one limit
     if tasks:
@@ -96,7 +106,7 @@ def _bars(console):
             finish(progress)
 
 
-@app.command("pull")
+@eval_app.command("pull")
 def pull_cmd(
     dest: Annotated[Path | None, typer.Option(help="target folder; default: $TUNELAB_CACHE/eval-data")] = None,
 ) -> None:
@@ -104,3 +114,39 @@ def pull_cmd(
     from tunelab.evals.pull import pull
 
     pull(dest)
+
+
+@app.command("chat", rich_help_panel=EVALUATE)
+def chat_cmd(
+    target: Annotated[str, typer.Argument(help="a done cell (its folder, or its name as the leaderboard prints it), "
+                                               "an export, a catalog alias, a folder or a hub id")],
+    prompt: Annotated[str | None, typer.Option(help="answer this one message and exit (no terminal needed)")] = None,
+    system: Annotated[str | None, typer.Option(help="a system message that starts the conversation")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="most tokens per answer")] = 256,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy, else sampling temperature")] = 0.7,
+    template: Annotated[str, typer.Option(help="auto (the template a cell trained with, else the tokenizer's chat "
+                                               "template, else alpaca), chat, alpaca or plain")] = "auto",
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
+    runs_dir: RunsDir = Path("runs"),
+) -> None:
+    """Talk to a model, its answers streamed token by token."""
+    from tunelab import chat
+    from tunelab.matrixfolder import find_cells, resolve_cell
+
+    if not Path(target).expanduser().exists() and runs_dir.is_dir() and find_cells(target, runs_dir):
+        target = str(resolve_cell(target, "chat", runs_dir))  # a cell's name, as the leaderboard prints it
+
+    if device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device {device!r}: allowed are auto, cpu, cuda")
+    if template not in chat.TEMPLATE_CHOICES:  # before the model loads, which takes a while
+        raise UserError(f"--template {template!r}: allowed are {', '.join(chat.TEMPLATE_CHOICES)}")
+    from tunelab.runtime import device_of as device_for
+
+    quiet_libraries()
+    with interruptible("chat ended"):
+        model, tok, trained, label = chat.load_target(target, device_for(device))
+        name, note = chat.choose_template(template, tok, trained)
+        if note:
+            err.print(f"[dim]{escape(note)}", highlight=False, soft_wrap=True)
+        chat.session(model, tok, name, system=system, max_new_tokens=max_new_tokens, temperature=temperature,
+                     prompt=prompt, label=label, info=lambda m: err.print(f"[dim]{escape(m)}", highlight=False))

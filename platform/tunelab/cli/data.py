@@ -11,12 +11,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tunelab import plan
+from tunelab.cli.common import INSPECT, app, out
 from tunelab.config import DataCfg
 from tunelab.errors import UserError, explain
 from tunelab.paths import cache_dir as default_cache
 
-app = typer.Typer(no_args_is_help=True)
-out = Console()
+data_app = typer.Typer(no_args_is_help=True)
+app.add_typer(data_app, name="data", help="Build, inspect and preview data recipes.", rich_help_panel=INSPECT)
 
 Recipe = Annotated[str, typer.Argument(help="recipe name in data_recipes/ or a path to a recipe YAML")]
 Model = Annotated[str, typer.Option("--model", "-m", help="model whose tokenizer is used: alias, folder or hub id")]
@@ -64,7 +65,7 @@ def _built(recipe, model, max_length, template, truncation, train_on_prompt, pac
                           progress=lambda done, total: bar.update(task, completed=done, total=total))
 
 
-@app.command()
+@data_app.command()
 def build(recipe: Recipe, model: Model, max_length: MaxLength = 512, template: Template = None,
           truncation: Truncation = "cut", train_on_prompt: TrainOnPrompt = False, pack: Pack = False,
           num_proc: NumProc = None, cache_dir: CacheDir = None) -> None:
@@ -75,7 +76,7 @@ def build(recipe: Recipe, model: Model, max_length: MaxLength = 512, template: T
     out.print(f"{recipe}: {rows} ({how})\n{b.path}")
 
 
-@app.command()
+@data_app.command()
 def stats(recipe: Recipe, model: Model, max_length: MaxLength = 512, template: Template = None,
           truncation: Truncation = "cut", train_on_prompt: TrainOnPrompt = False, pack: Pack = False,
           num_proc: NumProc = None, cache_dir: CacheDir = None,
@@ -91,7 +92,7 @@ def stats(recipe: Recipe, model: Model, max_length: MaxLength = 512, template: T
         out.print(table)
 
 
-@app.command()
+@data_app.command()
 def preview(recipe: Recipe, n: Annotated[int, typer.Option("-n", help="examples to show")] = 5,
             model: Annotated[str | None, typer.Option("--model", "-m", help="show tokens of this model's "
                                                       "tokenizer; without it, text segments")] = None,

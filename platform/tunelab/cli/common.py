@@ -1,0 +1,97 @@
+"""What every `exp` command shares: the app, the consoles, the common options and how tables are printed.
+
+Heavy imports (torch, transformers, the stages) stay inside the commands, so `exp --help` and the light
+commands do not pay for them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,  # ours: __init__.py
+                  context_settings={"help_option_names": ["-h", "--help"]},  # subcommands inherit it
+                  help="tunelab: instruction-tuning experiment matrices, trained, evaluated and tabulated.")
+
+def _no_flag_types() -> None:
+    """Typer prints a value type beside every option in -h, `<bool>` beside flags too; a flag takes no value,
+    so there it is noise (typer has no setting for it)."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+
+    def display(self: TyperOption, ctx: Any) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    TyperOption.display_type_rich = display  # type: ignore[method-assign]
+
+
+_no_flag_types()
+out = Console()  # rich honours NO_COLOR (and FORCE_COLOR, TERM=dumb) from the environment
+err = Console(stderr=True)
+
+# `exp --help` lists commands by what a user does.
+RUN, INSPECT, EVALUATE, EXPORT = "Run", "Inspect", "Evaluate", "Export"
+
+RunsDir = Annotated[Path, typer.Option("--runs-dir", help="where runs/<matrix>/<cell>/ folders go")]
+Json = Annotated[bool, typer.Option("--json", help="print JSON for programs instead of a table")]
+Sets = Annotated[list[str] | None, typer.Option("--set", help="KEY=VALUE for every cell, over the file's own "
+                                                "values (repeatable): --set model.name=tiny-random-llama")]
+MatrixDir = Annotated[Path, typer.Argument(help="runs/<matrix> folder")]
+
+
+def print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+def print_wide(table: Table) -> None:
+    """A terminal's width is respected; a pipe or log file has none, so tables are not squeezed there."""
+    (out if out.is_terminal else Console(width=200)).print(table)
+
+
+def table(title: str, columns: list[str], rows: list[list[str]], right: frozenset[str] = frozenset()) -> Table:
+    t = Table(title=title, title_justify="left")
+    for col in columns:
+        t.add_column(col, justify="right" if col in right else "left")
+    for row in rows:
+        t.add_row(*row)
+    return t
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{int(n)} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@contextmanager
+def interruptible(what: str) -> Iterator[None]:
+    """Ctrl-C ends a command with a line of its own saying what it left behind."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        err.print(f"interrupted: {what}")
+        raise typer.Exit(130) from None
+
+
+def quiet_libraries() -> None:
+    """transformers' per-file progress bars and advice, and other libraries' warnings, say nothing a user of
+    export or chat needs (their own errors still end in exp's one-paragraph message)."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch").setLevel(logging.ERROR)

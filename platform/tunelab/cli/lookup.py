@@ -1,0 +1,109 @@
+"""`exp ls`, `exp models`, `exp memory`: what a matrix can name, and what a layout will need."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import asdict
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from tunelab.cli.common import INSPECT, Json, app, out, print_json, print_wide
+from tunelab.errors import UserError
+from tunelab.registries import ENGINES, OPTIMIZERS
+from tunelab.train.parallel.memory import DTYPE_BYTES, GB, SHAPES, Estimate, Setup, devices_needed, estimate
+
+
+@app.command("ls", rich_help_panel=INSPECT)
+def ls(kind: Annotated[str | None, typer.Argument(help="models, recipes, suites, tasks, optimizers, peft, engines or "
+                                                  "experiments; all of them when left out")] = None,
+       as_json: Json = False,
+       everything: Annotated[bool, typer.Option("--all", help="tasks: also every task and group of lm-eval, with "
+                                                "its output type")] = False) -> None:
+    """List what a matrix can name, one line each: registered names and the content folders' files."""
+    from tunelab.listing import KINDS, rows
+
+    if kind is not None and kind not in KINDS:
+        raise UserError(f"exp ls {kind!r}: allowed are {', '.join(KINDS)}")
+    kinds = [kind] if kind else list(KINDS)
+    if as_json:
+        return print_json({k: dict(rows(k, everything)) for k in kinds})
+    for k in kinds:
+        table = Table(title=k, title_justify="left")
+        table.add_column("name")
+        table.add_column("what")
+        for name, what in rows(k, everything):
+            table.add_row(name, what)
+        print_wide(table)
+
+
+@app.command(rich_help_panel=INSPECT)
+def models(as_json: Json = False) -> None:
+    """List the model catalog's aliases (the same as `exp ls models`)."""
+    ls("models", as_json)
+
+
+@app.command("memory", rich_help_panel=INSPECT)
+def memory(
+    model: Annotated[str, typer.Option(help=f"catalog alias, local folder, hub id, or one of {', '.join(SHAPES)}")],
+    optim: Annotated[str, typer.Option(help=f"one of {', '.join(OPTIMIZERS)}")] = "adamw",
+    peft: Annotated[str, typer.Option(help="none or lora")] = "none",
+    lora_r: Annotated[int, typer.Option(help="LoRA rank")] = 8,
+    dp: Annotated[int, typer.Option(help="data-parallel degree")] = 1,
+    tp: Annotated[int, typer.Option(help="tensor-parallel degree")] = 1,
+    pp: Annotated[int, typer.Option(help="pipeline-parallel degree")] = 1,
+    zero: Annotated[int, typer.Option(help="what dp shards: 1 optimizer, 2 + gradients, 3 + parameters")] = 3,
+    backend: Annotated[str, typer.Option(help=f"the parallel engine: {', '.join(ENGINES)}")] = ENGINES.names()[0],
+    microbatches: Annotated[int, typer.Option(help="pipeline chunks per batch")] = 1,
+    pp_schedule: Annotated[str, typer.Option(help="gpipe, 1f1b or interleaved_1f1b")] = "1f1b",
+    seq: Annotated[int, typer.Option(help="tokens per row")] = 2048,
+    batch: Annotated[int, typer.Option(help="rows per step (global micro-batch)")] = 1,
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16")] = "bfloat16",
+    activation_checkpointing: Annotated[bool, typer.Option(help="recompute each layer in backward")] = False,
+    device_gb: Annotated[float, typer.Option(help="memory of one device, GB")] = 80.0,
+    as_json: Json = False,
+) -> None:
+    """Predict per-device memory (parameters, gradients, optimizer state, activations) from the model's config."""
+    from tunelab.train.parallel.memory import load_shape
+
+    allowed: dict[str, tuple[object, Collection]] = {
+        "--optim": (optim, OPTIMIZERS), "--peft": (peft, ("none", "lora")), "--dtype": (dtype, DTYPE_BYTES),
+        "--pp-schedule": (pp_schedule, ("gpipe", "1f1b", "interleaved_1f1b")), "--zero": (zero, (1, 2, 3)),
+        "--backend": (backend, ENGINES)}
+    for flag, (value, choices) in allowed.items():
+        if value not in choices:
+            raise UserError(f"{flag} {value!r} is not one of {', '.join(map(str, choices))}")
+    if min(dp, tp, pp, microbatches, seq, batch, lora_r) < 1 or device_gb <= 0:
+        raise UserError("--dp, --tp, --pp, --microbatches, --seq, --batch, --lora-r and --device-gb must be positive")
+    try:
+        shape = load_shape(model)
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read the config of {model!r}: {err}", key="--model") from None
+    s = Setup(optim=optim, peft=peft, lora_r=lora_r, dtype=dtype, dp=dp, tp=tp, pp=pp, zero=zero, seq=seq,
+              batch=batch, microbatches=microbatches, pp_schedule=pp_schedule,
+              activation_checkpointing=activation_checkpointing, backend=backend)
+    est, need = estimate(shape, s), devices_needed(shape, s, device_gb)
+    if as_json:
+        return print_json({"model": model, "setup": asdict(s), "estimate_bytes": est.as_dict(),
+                           "devices": dp * tp * pp, "device_gb": device_gb, "fits": est.peak <= device_gb * GB,
+                           "devices_needed": need})
+    _print_estimate(model, s, est, need, device_gb)
+
+
+def _print_estimate(model: str, s: Setup, est: Estimate, need: int | None, device_gb: float) -> None:
+    table = Table(title=f"{model}: {est.total_params / 1e9:.3f} B parameters ({est.trainable / 1e9:.4f} B "
+                        f"trainable), {s.optim}, peft {s.peft}, dp {s.dp} x tp {s.tp} x pp {s.pp}, zero {s.zero}, "
+                        f"{s.backend}, {s.dtype}")
+    table.add_column("per device")
+    table.add_column("GB", justify="right")
+    built = "sharded" if s.sharded_init else "whole"
+    for name, label in (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
+                        ("activations", "activations"), ("buffers", "engine buffers"), ("train", "training step"),
+                        ("load", f"load (built {built})"), ("peak", "peak")):
+        table.add_row(label, f"{getattr(est, name) / GB:.2f}")
+    out.print(table)
+    fits = "fits" if est.peak <= device_gb * GB else "does NOT fit"
+    out.print(f"this layout ({s.dp * s.tp * s.pp} devices) {fits} on {device_gb:g} GB devices")
+    out.print(f"devices needed (growing dp, tp {s.tp} x pp {s.pp}, zero {s.zero}): "
+              + (str(need) if need else "none fits: use zero 3, more tp/pp, or activation checkpointing"))

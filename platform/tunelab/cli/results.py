@@ -1,0 +1,174 @@
+"""`exp leaderboard`, `exp compare`, `exp report`: the results of a matrix's run folder."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from tunelab.cli.common import INSPECT, Json, MatrixDir, RunsDir, app, out, print_json, print_wide
+from tunelab.errors import UserError
+from tunelab.report.compare import Comparison
+from tunelab.report.scores import fmt
+
+
+def _where(pairs: list[str]) -> dict[str, str]:
+    found = {}
+    for p in pairs:
+        key, eq, value = p.partition("=")
+        if not eq or not key:
+            raise UserError(f"--where {p!r}: expected KEY=VALUE with a dotted config key, e.g. optim.name=adamw")
+        found[key] = value
+    return found
+
+
+@app.command("leaderboard", rich_help_panel=INSPECT, help="Rebuild the leaderboard files of a matrix's run folder and "
+             "print it (seeds folded, best values bold).\n\nExample: exp leaderboard runs/quickstart --by optim.name "
+             "--where peft.method=none --sort -mmlu")
+def leaderboard_cmd(
+    matrix_dir: MatrixDir,
+    fmt_: Annotated[str | None, typer.Option("--format", help="md, csv, latex, html or json to stdout "
+                                             "(default: a table for the terminal)")] = None,
+    aggregate: Annotated[bool, typer.Option(help="fold train.seed: one row per configuration, mean ± std "
+                                            "over its seeds")] = True,
+    by: Annotated[str | None, typer.Option(help="comma-separated keys the rows are grouped by; everything "
+                                           "else is folded (e.g. optim.name)")] = None,
+    where: Annotated[list[str] | None, typer.Option(help="only cells whose KEY=VALUE (repeatable)")] = None,
+    sort: Annotated[str | None, typer.Option(help="column to sort by, best first ('-COLUMN' reverses)")] = None,
+    as_json: Json = False,
+) -> None:
+    from tunelab.matrixfolder import open_matrix
+    from tunelab.report import leaderboard
+    from tunelab.report.records import collect
+    from tunelab.report.table import build
+
+    folder = open_matrix(matrix_dir, "leaderboard")
+    fmt_ = "json" if as_json else fmt_
+    if fmt_ is not None and fmt_ not in leaderboard.FORMATS:
+        raise UserError(f"--format {fmt_!r}: allowed are {', '.join(leaderboard.FORMATS)}")
+    board = build(collect(folder.path), aggregate=aggregate, by=by.split(",") if by else None,
+                  where=_where(where or []), sort=sort)
+    leaderboard.write(folder.path)  # the files keep the default view; written once the options proved sound
+    title = f"{folder.name} leaderboard"
+    if fmt_ is None:
+        return print_wide(leaderboard.to_rich(board, title))
+    print(leaderboard.render(board, fmt_, title), end="")
+
+
+def _pct(p: float | None) -> str:
+    return "-" if p is None else (f"{p:.3g}" if p >= 1e-4 else "<1e-4")
+
+
+def _show(c: Comparison) -> None:
+    out.print(f"[bold]A[/] {c.a.dir}\n[bold]B[/] {c.b.dir}")
+    table = Table(title="config: what differs", title_justify="left")
+    for col in ("key", "A", "B"):
+        table.add_column(col)
+    for k, (va, vb) in c.config_diff.items():
+        table.add_row(k, fmt(va), fmt(vb))
+    out.print(table if c.config_diff else "config: identical")
+    table = Table(title="scores: B - A, paired over the same items", title_justify="left")
+    for col in ("task", "A", "B", "B - A", "95% CI", "p", "test", "items"):
+        table.add_column(col, justify="left" if col in ("task", "test") else "right")
+    for t in c.tasks:
+        r = t.result
+        if r is None:
+            va, vb = t.values
+            both = isinstance(va, (int, float)) and isinstance(vb, (int, float))
+            table.add_row(t.task, fmt(va), fmt(vb), f"{vb - va:+.4g}" if both else "", "", "",
+                          f"no test: {t.refused}", "")
+        else:
+            table.add_row(t.task, fmt(r.a), fmt(r.b), f"{r.diff:+.4g}", f"[{r.ci[0]:+.3g}, {r.ci[1]:+.3g}]",
+                          _pct(r.p), r.test, str(r.n))
+    out.print(table)
+    table = Table(title="training", title_justify="left")
+    for col in ("figure", "A", "B", "B - A", "B / A"):
+        table.add_column(col, justify="left" if col == "figure" else "right")
+    for name, (va, vb) in c.figures.items():
+        both = isinstance(va, (int, float)) and isinstance(vb, (int, float))
+        table.add_row(name, fmt(va), fmt(vb), f"{vb - va:+.4g}" if both else "-",
+                      f"{vb / va:.3g}x" if both and va else "-")
+    out.print(table)
+
+
+def _as_json(c: Comparison) -> dict:
+    return {"a": str(c.a.dir), "b": str(c.b.dir), "config_diff": c.config_diff, "figures": c.figures,
+            "tasks": [{"task": t.task, "refused": t.refused or None, "values": t.values,
+                       **({**asdict(t.result), "p": t.result.p, "test": t.result.test} if t.result else {})}
+                      for t in c.tasks]}
+
+
+
+def _named(arg: Path, runs_dir: Path) -> Path:
+    """A folder as given; else a matrix of the runs folder, or the cell the leaderboard names so."""
+    from tunelab.matrixfolder import resolve_cell
+
+    if arg.exists() or (runs_dir / arg).is_dir():
+        return arg if arg.exists() else runs_dir / arg
+    return resolve_cell(str(arg), "compare", runs_dir)
+
+
+@app.command("compare", rich_help_panel=INSPECT, help="Compare two cells (or two matrices, cell by cell): config, "
+             "scores with paired significance tests (McNemar, paired bootstrap), training loss, memory and speed."
+             "\n\nExample: exp compare runs/quickstart/adamw-none runs/quickstart/adamw-lora")
+def compare_cmd(
+    a: Annotated[Path, typer.Argument(help="a cell (folder, or the name the leaderboard prints) or a matrix's run "
+                                           "folder")],
+    b: Annotated[Path, typer.Argument(help="the other cell (or matrix)")],
+    resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
+    seed: Annotated[int, typer.Option(help="seed of the bootstrap")] = 0,
+    runs_dir: RunsDir = Path("runs"),
+    as_json: Json = False,
+) -> None:
+    from tunelab.report.compare import compare_cells, pairs
+
+    a, b = (_named(x, runs_dir) for x in (a, b))
+    if resamples < 100:
+        raise UserError(f"--resamples {resamples}: use at least 100 (the p-values are counts over resamples)")
+    results = [compare_cells(x, y, resamples, seed) for x, y in pairs(a, b)]
+    if as_json:
+        return print_json([_as_json(c) for c in results])
+    for c in results:
+        _show(c)
+
+
+def check_out(out: Path) -> None:
+    """--out must name a file in a folder this process can write (made if missing, under a writable one)."""
+    if out.is_dir():
+        raise UserError("--out names a folder; give a file name such as report.html", file=out)
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"--out cannot be written: {parent} is a file, not a folder", file=out)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"--out cannot be written: no permission to write in {parent}", file=out)
+
+
+
+@app.command("report", rich_help_panel=INSPECT)
+def report_cmd(
+    matrix_dir: MatrixDir,
+    out_file: Annotated[Path | None, typer.Option("--out", help="the HTML file to write (default: DIR/report.html)")]
+    = None,
+) -> None:
+    """Write one self-contained HTML page of a matrix's results: leaderboard, loss curves, memory and speed
+    bars, and the provenance of every score."""
+    from tunelab.matrixfolder import open_matrix
+    from tunelab.report.html import page
+    from tunelab.report.records import collect
+    from tunelab.store import write_text
+
+    folder = open_matrix(matrix_dir, "report")
+    target = out_file if out_file is not None else folder.report_file
+    check_out(target)
+    text = page(folder.path, collect(folder.path))
+    try:
+        write_text(target, text)
+    except OSError as e:  # what os.access cannot foresee: a read-only file system, a full disk
+        raise UserError(f"--out cannot be written: {e.strerror or e}", file=target) from None
+    print(f"wrote {target} ({len(text.encode()) / 1024:.0f} KB)")

@@ -1,0 +1,190 @@
+"""`exp plan`, `exp run`, `exp status`, `exp clean`: a matrix from its file to its run folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from tunelab.cli.common import RUN, Json, MatrixDir, RunsDir, Sets, app, err, human_bytes, out, print_json, print_wide
+
+RUN_EXAMPLE = """
+
+Example: exp run experiments/tiny.yaml --set train.steps=3 --only 'adamw*'"""
+
+
+def _plan_table(name: str, cells: list) -> Table:
+    table = Table(title=f"{name}: {len(cells)} cells")
+    keys = list(dict.fromkeys(k for c in cells for k in c.varying))
+    for col in ("id", "cell", *keys):
+        table.add_column(col)
+    for c in cells:
+        table.add_row(c.id, c.slug, *(str(c.varying.get(k)) for k in keys))
+    return table
+
+
+@app.command(rich_help_panel=RUN)
+def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets = None, as_json: Json = False) -> None:
+    """Expand a matrix file and print its cells; runs nothing."""
+    from tunelab import matrix
+
+    spec, cells = matrix.load(file, matrix.parse_sets(sets or []))
+    if as_json:
+        return print_json([{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
+                            "config": c.config.model_dump(mode="json")} for c in cells])
+    print_wide(_plan_table(spec.name, cells))
+    from tunelab.inputs import offline_problems
+    from tunelab.plan.later import run_time_checks
+
+    for line in offline_problems([c.config for c in cells]):
+        err.print(f"[yellow]cannot run on this machine:[/] {escape(line)}", highlight=False, soft_wrap=True)
+    for line in run_time_checks([c.config for c in cells]):
+        out.print(f"[dim]checked when the cells run: {escape(line)}", highlight=False, soft_wrap=True)
+
+
+@app.command(rich_help_panel=RUN, help="Run every cell of a matrix (skipping done ones), then print and write the "
+             "leaderboard." + RUN_EXAMPLE)
+def run(
+    file: Annotated[Path, typer.Argument(help="matrix YAML")],
+    only: Annotated[str | None, typer.Option(help="run only cells whose slug or id matches this glob")] = None,
+    rerun_failed: Annotated[bool, typer.Option(help="run cells that failed before again")] = False,
+    fail_fast: Annotated[bool, typer.Option(help="stop at the first failed cell")] = False,
+    runs_dir: RunsDir = Path("runs"),
+    nnodes: Annotated[int, typer.Option(help="nodes a multi-process cell spans (torchrun rendezvous)")] = 1,
+    node_rank: Annotated[int, typer.Option(help="this node's rank, 0..nnodes-1")] = 0,
+    rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT of the rendezvous, for --nnodes > 1")] = None,
+    launcher: Annotated[str, typer.Option(help="local: run here; slurm: one sbatch job per cell (or job arrays)")
+                        ] = "local",
+    partition: Annotated[str | None, typer.Option(help="slurm: --partition (overrides launcher.partition)")] = None,
+    time: Annotated[str | None, typer.Option(help="slurm: --time limit, e.g. 04:00:00 (overrides launcher.time)")
+                    ] = None,
+    account: Annotated[str | None, typer.Option(help="slurm: --account (overrides launcher.account)")] = None,
+    qos: Annotated[str | None, typer.Option(help="slurm: --qos (overrides launcher.qos)")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(help="slurm: --gpus-per-node (overrides the file's)")] = None,
+    dry_run: Annotated[bool, typer.Option(help="slurm: write the sbatch scripts, do not submit")] = False,
+    sets: Sets = None,
+) -> None:
+    from tunelab import experiment, matrix
+    from tunelab.launch import Launch
+
+    flags = {"partition": partition, "time": time, "account": account, "qos": qos, "gpus_per_node": gpus_per_node}
+    req = experiment.Request(
+        file, matrix.parse_sets(sets or []), only, rerun_failed, fail_fast, runs_dir,
+        Launch(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, launcher=launcher, dry_run=dry_run),
+        {k: v for k, v in flags.items() if v is not None})
+    planned = experiment.plan(req)
+    outcomes = experiment.run(req, planned, err)
+    if planned.how.launcher == "slurm":
+        raise typer.Exit(1 if any(o.state == "failed" for o in outcomes) else 0)
+    if planned.how.node_rank == 0:
+        from tunelab.report import leaderboard
+
+        board = experiment.write_results(planned.folder)
+        print_wide(leaderboard.to_rich(board, f"{planned.spec.name} leaderboard"))
+        mdir = planned.folder.path
+        out.print(f"wrote {mdir / 'leaderboard.md'} (and .csv, .tex, .json) and the report {mdir / 'report.html'}")
+    raise typer.Exit(_say_outcomes(planned, outcomes))
+
+
+def _say_outcomes(planned, outcomes: list) -> int:
+    """What needs the user's attention, and the exit code: failed and stopped cells, cells never started."""
+    mdir = planned.folder
+    failed = [o for o in outcomes if o.state in ("failed", "skipped-failed")]
+    for o in failed:
+        log = mdir.folder(o.cell).log_file
+        err.print(f"[red]{o.cell.dirname} failed:[/] {escape(str(o.error))} (log: {log}; `exp status {mdir.path}` "
+                  "shows its last lines)", soft_wrap=True)  # paths stay whole, to be copied
+    if any(o.state == "skipped-failed" for o in failed):
+        err.print("run again with --rerun-failed to retry failed cells")
+    stopped = [o for o in outcomes if o.state == "interrupted"]
+    for o in stopped:
+        err.print(f"[yellow]{o.cell.dirname} stopped[/] ({escape(str(o.error))}): run again to resume it",
+                  soft_wrap=True)
+    reached = {o.cell.id for o in outcomes}
+    never = [c for c in planned.chosen if c.id not in reached]
+    if never:
+        err.print(f"[yellow]{len(never)} cell(s) not started[/] ({', '.join(c.slug for c in never)}): the same "
+                  "`exp run` starts them", soft_wrap=True)
+    if failed:
+        return 1
+    return 130 if stopped or never else 0
+
+
+@app.command(rich_help_panel=RUN)
+def status(matrix_dir: MatrixDir, as_json: Json = False) -> None:
+    """Print the state of every cell of a matrix's run folder; why failed cells failed."""
+    from tunelab.matrixfolder import open_matrix
+    from tunelab.report.status import STATE_NOTES, rows
+
+    found = rows(open_matrix(matrix_dir, "status"))
+    if as_json:
+        return print_json(found)
+    print_wide(_status_table(matrix_dir, found))
+    for r in (r for r in found if r["state"] == "failed" and r["log_tail"]):
+        out.print(f"[red]{escape(r['cell'])}[/]: last lines of {escape(r['dir'])}/cell.log", highlight=False)
+        for line in r["log_tail"][-8:]:
+            out.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
+    for state in dict.fromkeys(r["state"] for r in found):
+        if state in STATE_NOTES:
+            out.print(f"{state}: {STATE_NOTES[state]}", highlight=False)
+
+
+def _status_table(matrix_dir: Path, found: list[dict]) -> Table:
+    table = Table(title=str(matrix_dir))
+    slurm = any(r["slurm_job"] for r in found)  # the job id column when the cells went to SLURM
+    for col in ("cell", "state", *(["slurm job"] if slurm else []), "train s", "eval s", "disk", "cause / note"):
+        table.add_column(col, justify="right" if col in ("train s", "eval s", "disk") else "left")
+    colors = {"done": "green", "failed": "red", "running": "yellow", "interrupted": "yellow", "pending": "dim"}
+    for r in found:
+        t = r["timings"]
+        cause = "; ".join(dict.fromkeys(c for c in (r["error"], r["exit"], r["note"]) if c))
+        table.add_row(r["cell"], f"[{colors.get(r['state'], 'white')}]{r['state']}",
+                      *([r["slurm_job"] or "-"] if slurm else []),
+                      f"{t['train_s']:.0f}" if "train_s" in t else "-",
+                      f"{t['eval_s']:.0f}" if "eval_s" in t else "-", human_bytes(r["disk_bytes"]),
+                      escape(cause[:160]))
+    return table
+
+
+@app.command(rich_help_panel=RUN)
+def clean(
+    root: Annotated[Path, typer.Argument(help="runs/, runs/<matrix>/ or one cell folder")],
+    checkpoints: Annotated[bool, typer.Option("--checkpoints", help="delete checkpoints/ of done cells (the "
+                                              "default when neither flag is given)")] = False,
+    failed: Annotated[bool, typer.Option("--failed", help="delete failed cells' folders (they rerun from "
+                                         "scratch)")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask for confirmation")] = False,
+) -> None:
+    """Free disk: show what would go and how much, ask, then delete. Locked (running) cells are left alone."""
+    from tunelab import clean as cleaning
+
+    items = cleaning.plan(root, checkpoints=checkpoints or not failed, failed=failed)
+    if not items:
+        out.print("nothing to clean")
+        return
+    rows = [[escape(i.label), i.state, f"[dim]left alone: {i.skip}" if i.skip else
+             ("checkpoints/" if i.target != i.cell.path else "the cell folder"), str(i.size), human_bytes(i.size)]
+            for i in items]
+    from tunelab.cli.common import table
+
+    out.print(table(f"exp clean {root}", ["cell", "state", "delete", "bytes", "size"], rows,
+                    frozenset({"bytes", "size"})))
+    todo = [i for i in items if not i.skip]
+    total = sum(i.size for i in todo)
+    if not todo:
+        out.print("nothing to clean: every match is locked")
+        return
+    out.print(f"{len(todo)} deletion(s), {total} bytes ({human_bytes(total)})", highlight=False)
+    if not yes and not typer.confirm("delete?", default=False):
+        err.print("nothing deleted")
+        raise typer.Exit(1)
+    done = [i for i in todo if cleaning.delete(i)]
+    for i in todo:
+        if i not in done:
+            err.print(f"{escape(i.label)}: left alone, it was locked or changed state meanwhile", highlight=False)
+    cleaning.refresh_leaderboards(done)
+    freed = sum(i.size for i in done)
+    out.print(f"freed {freed} bytes ({human_bytes(freed)})", highlight=False)

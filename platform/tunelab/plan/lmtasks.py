@@ -1,0 +1,125 @@
+"""lm-eval's task index as the plan reads it: every task, group and tag name with its kind and output type.
+
+`eval.tasks` may name any lm-eval task or group besides tunelab's own (tunelab.registries.TASKS), and the tasks of
+a local folder (`eval.include_path`, as `lm_eval --include_path`). `exp plan` checks those names here without
+loading any data: lm-eval's index only parses its task YAMLs. Parsing its ~15k built-in tasks takes 10-20 s, so
+that part is kept in tunelab's cache, one file per lm-eval version; an include_path folder is small and read
+each time (its YAMLs change while someone writes a task).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib.metadata
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tunelab.paths import cache_dir
+from tunelab.store import read_json, write_json
+
+KINDS = {"TASK": "task", "PY_TASK": "task", "GROUP": "group", "TAG": "tag"}
+
+
+@dataclass(frozen=True)
+class LmTask:
+    name: str
+    kind: str  # task | group | tag
+    output_type: str  # a task's (multiple_choice, generate_until, loglikelihood, loglikelihood_rolling); "" unknown
+    yaml: str | None  # the file that defines it
+    members: tuple[str, ...] = ()  # a group's member names, a tag's tasks
+
+
+def _members(kind: str, entry: Any) -> tuple[str, ...]:
+    if kind == "tag":
+        return tuple(sorted(entry.tags))
+    listed = (entry.cfg or {}).get("task") if kind == "group" else None
+    items = listed if isinstance(listed, list) else [listed] if listed else []
+    return tuple(m if isinstance(m, str) else str(m.get("task") or m.get("group") or "") for m in items)
+
+
+def convert(entries: dict[str, Any]) -> dict[str, LmTask]:
+    """lm-eval's index entries (TaskManager.task_index) as LmTasks."""
+    out = {}
+    for name, e in entries.items():
+        kind = KINDS.get(e.kind.name, "task")
+        output = str((e.cfg or {}).get("output_type") or "") if kind == "task" else ""
+        out[name] = LmTask(name, kind, output, str(e.yaml_path) if e.yaml_path else None, _members(kind, e))
+    return out
+
+
+def _scan(paths: list[Path]) -> dict[str, LmTask]:
+    """lm-eval's own index of these folders (YAML only: no dataset is opened, no function imported)."""
+    from lm_eval.tasks import TaskManager
+
+    return convert(TaskManager(include_path=[str(p) for p in paths], include_defaults=False).task_index)
+
+
+def lm_eval_version() -> str:
+    return importlib.metadata.version("lm_eval")
+
+
+@functools.cache
+def builtin() -> dict[str, LmTask]:
+    """Every task lm-eval ships, from the cache when this lm-eval version was indexed before."""
+    path = cache_dir() / "lm-eval-index" / f"{lm_eval_version()}.json"
+    cached = read_json(path)
+    if cached:
+        return {n: LmTask(**{**v, "members": tuple(v["members"])}) for n, v in cached.items()}
+    import lm_eval.tasks
+
+    found = _scan([Path(lm_eval.tasks.__file__).parent])
+    write_json(path, {n: asdict(t) for n, t in found.items()})
+    return found
+
+
+def local(include_path: str | None) -> dict[str, LmTask]:
+    """The tasks of an include_path folder ({} without one)."""
+    return _scan([Path(include_path).expanduser()]) if include_path else {}
+
+
+def leaves(name: str, index: dict[str, LmTask]) -> list[LmTask]:
+    """The tasks a name runs: itself, a group's members' tasks (recursively), a tag's tasks."""
+    out: dict[str, LmTask] = {}
+
+    def walk(n: str, seen: frozenset[str]) -> None:
+        t = index.get(n)
+        if t is None or n in seen:
+            return
+        if t.kind == "task":
+            out.setdefault(n, t)
+        for m in t.members:
+            walk(m, seen | {n})
+
+    walk(name, frozenset())
+    return list(out.values())
+
+
+def output_types(name: str, index: dict[str, LmTask]) -> str:
+    """What kind of requests a name makes: a task's output type, a group's or tag's set of them."""
+    kinds = sorted({t.output_type for t in leaves(name, index) if t.output_type})
+    return ", ".join(kinds) or "?"
+
+
+def refused(name: str, include_path: str | None) -> str | None:
+    """None when lm-eval knows `name` as a task or group (include_path's first: it may redefine one); "" when it
+    does not know it at all; else why it cannot be run (a tag)."""
+    found = local(include_path).get(name) or builtin().get(name)
+    if found is None:
+        return ""
+    if found.kind != "tag":
+        return None
+    shown = ", ".join(found.members[:5]) + (", ..." if len(found.members) > 5 else "")
+    return (f"{name!r} is an lm-eval tag of {len(found.members)} tasks ({shown}), which lm-eval scores one by one "
+            "without a combined score: name the tasks, or a group of them defined in eval.include_path")
+
+
+def unknown(names: list[str], include_path: str | None, known: list[str]) -> str:
+    """The message for names that are neither tunelab's (`known`) nor lm-eval's, with the closest names."""
+    everything = [*known, *local(include_path), *(n for n, t in builtin().items() if t.kind != "tag")]
+    close = {n: c for n in names if (c := difflib.get_close_matches(n, everything, n=3, cutoff=0.75))}
+    hint = "; ".join(f"for {n!r} did you mean {' or '.join(map(repr, c))}?" for n, c in close.items())
+    where = ", nor of eval.include_path" if include_path else ""
+    return (f"unknown task(s) {names}: not tunelab's ({', '.join(known)}), nor lm-eval's tasks or groups{where}"
+            f"{'; ' + hint if hint else ''} (`exp ls tasks --all` lists lm-eval's)")

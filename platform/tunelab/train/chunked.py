@@ -1,0 +1,220 @@
+"""The output head and its cross-entropy in chunks of positions, recomputed in backward.
+
+At a realistic batch the head's logits (labelled positions x vocabulary, fp32) and their gradient are the
+largest tensors of a step: 2,048 positions x 49,152 words is 403 MB each. Here the head and the loss run
+as one autograd Function over (hidden states at the labelled positions, head weight, targets): forward
+computes each chunk's logits, keeps only its log-sum-exp (one float per position) and drops them; backward
+recomputes each chunk's logits, turns them into that chunk's gradient (softmax - one-hot) and adds its
+products into the hidden states' and the weight's gradients. No full logits tensor and no full logits
+gradient exists at any time; the loss and gradients are the plain head's up to float summation order
+(tests/test_train_loss.py: within 1e-6 in fp32).
+
+The chunk (positions per chunk) is `train.loss_chunk`, or chosen from the vocabulary so that a chunk's fp32
+logits and its one temporary stay within CHUNK_BYTES (`auto_chunk`). The stepper writes it on the head
+module (`set_chunk`), where every layout's head call reads it.
+
+The loss runs inside the head module's own call (`computing_loss`), so hooks on that module run around it
+as around a plain head: FSDP2 unshards the weight there, DeepSpeed ZeRO-3 gathers it, and both do so again
+before its backward. A root forward that calls the head itself (transformers' `logits_to_keep`) then
+returns the summed loss as its `.logits`.
+
+Tied embeddings under LOMO/AdaLomo (optimizers/tied.py): the head's backward builds no weight gradient but
+hands its factors (`HeadFactors`: hidden states, log-sum-exps, targets, the loss's gradient) to the
+embedding lookup's backward, which builds the one shared gradient a block of vocabulary rows at a time,
+recomputing those rows' logits.
+
+On CUDA, with half-precision compute and Apple's Cut Cross-Entropy installed (the `cce` extra), its kernel
+computes the same loss (exact gradients: `filter_eps=None`). Liger's fused linear cross-entropy is not used:
+it computes the weight's gradient during forward and keeps it until backward (a weight-sized buffer through
+the whole step, the opposite of what LOMO needs) and scales its stored gradients in place in backward, which
+LOMO's second backward pass over the same graph would apply twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tunelab.train.parallel.memory import CHUNK_BYTES, auto_chunk
+
+CHUNK_ATTR = "tunelab_loss_chunk"  # the head module's attribute holding train.loss_chunk
+__all__ = ["CHUNK_ATTR", "CHUNK_BYTES", "auto_chunk", "chunked_loss", "computing_loss", "head_loss", "set_chunk"]
+
+
+def set_chunk(head: nn.Module, chunk: int | None) -> None:
+    """Record `train.loss_chunk` (None: automatic) on the output head module, where every head call reads it."""
+    setattr(head, CHUNK_ATTR, chunk)
+
+
+def _compute_dtype(device: torch.device) -> torch.dtype | None:
+    """What autocast would run the head's matmul in (None: the tensors' own dtype)."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def _probs_minus_onehot(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor,
+                        first: int = 0) -> torch.Tensor:
+    """d(summed cross-entropy)/d(logits) in place of fp32 `logits` (rows x columns first..): softmax - one-hot."""
+    g = logits.sub_(lse.unsqueeze(1)).exp_()
+    hit = (targets >= first) & (targets < first + g.shape[1])
+    rows = hit.nonzero().squeeze(1)
+    g[rows, targets[rows] - first] -= 1.0
+    return g
+
+
+class HeadFactors:
+    """What the head weight's gradient is made of, kept instead of it (tied embeddings under LOMO/AdaLomo)."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                 scale: torch.Tensor, dtype: torch.dtype | None) -> None:
+        self.hidden, self.weight, self.targets, self.lse, self.scale, self.dtype = \
+            hidden, weight, targets, lse, scale, dtype
+
+    def block(self, a: int, b: int) -> torch.Tensor:
+        """Rows a..b of the weight's gradient, (b - a, hidden), in the compute dtype."""
+        dt = self.dtype or self.hidden.dtype
+        h, w = self.hidden.to(dt), self.weight[a:b].to(dt)
+        g = _probs_minus_onehot(F.linear(h, w).float(), self.lse, self.targets, a).mul_(self.scale)
+        return torch.mm(g.to(dt).t(), h)
+
+    def block_rows(self) -> int:
+        """Vocabulary rows per block: a block's logits and one temporary within CHUNK_BYTES."""
+        return max(64, CHUNK_BYTES // (8 * max(1, self.hidden.shape[0])))
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                dtype: torch.dtype | None, link: object) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            dt = dtype or hidden.dtype
+            w = weight.to(dt)
+            lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+            rows = torch.empty_like(lse)
+            for a in range(0, hidden.shape[0], chunk):
+                logits = F.linear(hidden[a:a + chunk].to(dt), w).float()
+                lse[a:a + chunk] = torch.logsumexp(logits, dim=-1)
+                rows[a:a + chunk] = lse[a:a + chunk] - logits.gather(1, targets[a:a + chunk, None]).squeeze(1)
+                del logits
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk, ctx.dtype, ctx.link = chunk, dtype, link
+        return rows.sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if need_w and ctx.link is not None:  # the lookup's backward builds the shared weight's gradient
+            ctx.link.pending.append((torch._C._current_graph_task_id(),
+                                     HeadFactors(hidden, weight, targets, lse, grad, ctx.dtype)))
+            need_w = False
+        dt = ctx.dtype or hidden.dtype
+        w = weight.to(dt)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # Summed in fp32 whatever the compute dtype (autocast's plain head rounds one product to bf16 instead).
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for a in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[a:a + ctx.chunk].to(dt)
+            logits = F.linear(h, w).float()
+            g = _probs_minus_onehot(logits, lse[a:a + ctx.chunk], targets[a:a + ctx.chunk]).mul_(grad)
+            gd = g.to(dt)
+            if grad_h is not None:
+                grad_h[a:a + ctx.chunk] = torch.mm(gd, w)
+            if grad_w is not None:
+                grad_w.addmm_(gd.t().float() if dt != torch.float32 else gd.t(), h.float())
+            del logits, g, gd
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None
+
+
+@functools.cache
+def _cce() -> Callable | None:
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except ImportError:
+        return None
+    return linear_cross_entropy
+
+
+def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int | None = None,
+                 link: object = None) -> torch.Tensor:
+    """Summed fp32 cross-entropy of `hidden @ weight.T` (rows x vocabulary, never whole) against `targets`.
+    `link`: the tied lookup's (optimizers/tied.py) that the weight's gradient is deferred to."""
+    dtype = _compute_dtype(hidden.device)
+    half = (dtype or weight.dtype) in (torch.bfloat16, torch.float16)
+    cce = _cce() if hidden.is_cuda and half and link is None else None
+    if cce is not None:
+        dt = dtype or weight.dtype
+        return cce(hidden.to(dt), weight.to(dt), targets, reduction="sum", filter_eps=None, impl="cce").float()
+    chunk = chunk or auto_chunk(weight.shape[0])
+    return _ChunkedLoss.apply(hidden, weight, targets, chunk, dtype, link)
+
+
+def _linear_weight(head: nn.Module) -> torch.Tensor | None:
+    """The weight of a bias-free linear head (FSDP2's subclass included), else None (an adapter-wrapped head)."""
+    if isinstance(head, nn.Linear) and head.bias is None:
+        return head.weight
+    return None
+
+
+def _checkpointed(forward: Callable, hidden: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Any head module (LoRA on the head): each chunk's logits recomputed in backward by checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    def part(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(forward(h).float(), t, reduction="sum")
+
+    parts = [checkpoint(part, hidden[a:a + chunk], targets[a:a + chunk], use_reentrant=False)
+             for a in range(0, hidden.shape[0], chunk)]
+    return torch.stack(parts).sum()
+
+
+def _head_loss(head: nn.Module, forward: Callable, hidden: torch.Tensor, targets: torch.Tensor,
+               rows: torch.Tensor | None) -> torch.Tensor:
+    h = hidden.reshape(-1, hidden.shape[-1])
+    if rows is not None:
+        h = h[rows]
+    weight = _linear_weight(head)
+    chunk = getattr(head, CHUNK_ATTR, None)
+    if weight is None:
+        return _checkpointed(forward, h, targets, chunk or auto_chunk(getattr(head, "out_features", 65536)))
+    tied_link = getattr(head, "tied_link", None)  # set by optimizers/tied.py prepare_for_fused
+    link = tied_link(hidden) if callable(tied_link) else None
+    return chunked_loss(h, weight, targets, chunk, link)
+
+
+@contextlib.contextmanager
+def computing_loss(head: nn.Module, targets: torch.Tensor, rows: torch.Tensor | None = None) -> Iterator[None]:
+    """While active, `head(hidden)` returns the summed cross-entropy of its logits against `targets` instead
+    of the logits, computed in chunks inside the head module's call (its hooks run around it). `rows`: a
+    boolean mask of the flattened rows `hidden` brings to keep (the others carry no label)."""
+    own = head.__dict__.get("forward")  # an instance-level forward (optimizers/tied.py), for other heads
+    plain = own or type(head).forward.__get__(head)
+    ran = []
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        ran.append(True)
+        return _head_loss(head, plain, hidden, targets, rows)
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
+    if not ran:
+        raise RuntimeError("the model's forward did not call its output head")
+
+
+def head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed fp32 cross-entropy of `head(hidden)` (rows x hidden) against `targets`, in chunks, through the
+    head module's call."""
+    with computing_loss(head, targets):
+        return head(hidden)
