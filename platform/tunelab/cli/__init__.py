@@ -86,6 +86,12 @@ def _say(e: Exception) -> None:
 def _command(commands: int, groups: int) -> Any:  # typer's own click Command
     """The click command tree typer builds from the app (once per set of commands: building it reads every
     command's signature, which costs more than most commands take)."""
+    # With add_completion=False typer never registers its shell classes, and <TAB> (the _EXP_COMPLETE call the
+    # installed hook makes) answers "Shell bash not supported".
+    import typer.completion
+
+    typer.completion.completion_init()
+
     return typer.main.get_command(app)
 
 
