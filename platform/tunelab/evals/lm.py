@@ -98,6 +98,7 @@ class SharedPrefixLM(HFLM):
             for i, text in zip(theirs, super().generate_until([requests[i] for i in theirs], disable_tqdm)):
                 out[i] = text
         order = list(mine)
+        assert decoder is not None  # _hf_reason names why when there is no engine
         decoder.progress = self.progress
         for i, result in zip(order, decoder.generate([mine[i] for i in order])):
             text = postprocess_generated_text(self.tok_decode(result.tokens), stops[i], None)
@@ -166,7 +167,10 @@ class SharedPrefixLM(HFLM):
         out = {}
         for start in range(0, len(seqs), decoder.batch_size):
             batch = seqs[start:start + decoder.batch_size]
-            tokens, positions, segments, keep = [], [], [], []
+            segments = []
+            tokens: list[int] = []
+            positions: list[int] = []
+            keep: list = []
             for s in batch:
                 tokens += s[p:]
                 positions += range(p, len(s))

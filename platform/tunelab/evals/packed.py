@@ -147,6 +147,7 @@ class _Pass:
             b = a + seg.length
             q, k_new, v_new = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]
             if seg.slot is not None:
+                assert self.slots is not None  # a segment with a slot comes with the slots
                 ks, vs = self.slots.layer(layer, key)
                 end = seg.start + seg.length
                 ks[seg.slot, :, seg.start:end] = k_new[0]
@@ -192,6 +193,7 @@ class _Pass:
 
         _, heads, total, dim = query.shape
         n = len(self.segments)
+        assert self.slots is not None  # batched only with slots (__init__)
         ks, vs = self.slots.layer(module.layer_idx, key)
         slot_ids = torch.tensor([s.slot for s in self.segments], device=key.device)
         pos = torch.tensor([s.start for s in self.segments], device=key.device)
