@@ -9,6 +9,7 @@ finds one resumes from it exactly. What it needs of the evaluation (validation b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -25,9 +26,10 @@ from tunelab.events import Emit, Resumed, Step, ignore
 from tunelab.registries import uses_engine
 from tunelab.runtime import STOP, Layout, Preempted, Runtime, precision_of, stop_agreed
 from tunelab.store import append_jsonl, read_jsonl, write_json, write_text
-from tunelab.train import checkpoint, optim, parallel
-from tunelab.train.data import batch_tokens, label_tokens, loader
+from tunelab.train import checkpoint, optim, parallel, segments
+from tunelab.train.data import batch_tokens, is_packed, label_tokens, loader
 from tunelab.train.metrics import mfu, peak_flops, peak_memory_mb
+from tunelab.train.optimizers.tied import prepare_for_fused
 from tunelab.train.parallel.deferred import Deferred
 from tunelab.train.parallel.predict import predicted_peak_mb
 from tunelab.train.validation import Validation, validation_loss
@@ -134,6 +136,7 @@ class Training:
     emit: Emit
     validate: Callable[[], float] | None  # None: no validation set
     n_params: int
+    attention: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # around each train step
     state: LoopState = field(default_factory=LoopState)
 
     @property
@@ -153,19 +156,29 @@ def _setup(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, folder: 
            runtime: Runtime, validation: Validation, weights: Deferred | None) -> Training:
     t = cfg.train
     n_params = sum(p.numel() for p in model.parameters())  # before an engine shards them
-    stepper = parallel.prepare(model, lambda ps: optim.build(ps, cfg.optim, max_grad_norm=t.max_grad_norm),
+    # One process: torch's fused Adam/AdamW kernel (optim.build); the engines keep their optimizers as they were.
+    one_process = not (runtime.layout.distributed or uses_engine(cfg.parallel))
+    stepper = parallel.prepare(model, lambda ps: optim.build(ps, cfg.optim, max_grad_norm=t.max_grad_norm,
+                                                             fused_kernel=one_process),
                                cfg, runtime.layout, runtime.precision, weights=weights)
+    if one_process and not hasattr(stepper.optimizer, "fused_step"):  # LOMO/AdaLomo's stepper does it itself
+        # A tied embedding's gradient built in one buffer, not three weight-sized ones (optimizers/tied.py): on
+        # CPU the two extra allocations, each freshly faulted in, cost AdamW about 3% of a SmolLM2-135M step.
+        prepare_for_fused(model)
     sched = torch.optim.lr_scheduler.LambdaLR(stepper.optimizer, lr_lambda(t.schedule, t.warmup_steps, t.steps))
     attn = getattr(model.config, "_attn_implementation", "sdpa")
+    # Packed rows in one process on CPU: flattened and attended example by example (train/segments.py).
+    by_example = one_process and is_packed(datasets["train"]) and segments.usable(model)
     pad = tokenizer.pad_token_id
-    stream = BatchStream(loader(datasets["train"], t.batch_size, pad, shuffle=True, seed=t.seed, attn=attn,
-                                group_by_length=t.group_by_length))
+    stream = BatchStream(loader(datasets["train"], t.batch_size, pad, shuffle=True, seed=t.seed,
+                                attn=segments.NAME if by_example else attn, group_by_length=t.group_by_length))
     val_ds = datasets["validation"]
     validate = (lambda: validation_loss(stepper.eval_loss, val_ds, pad, validation.batch_size,
                                         validation.max_batches)) if len(val_ds) else None
     if runtime.is_main:
         folder.train_dir.mkdir(parents=True, exist_ok=True)
-    return Training(cfg, runtime, stepper, sched, stream, folder, emit, validate, n_params)
+    attention = (lambda: segments.attending_by_example(model)) if by_example else contextlib.nullcontext
+    return Training(cfg, runtime, stepper, sched, stream, folder, emit, validate, n_params, attention=attention)
 
 
 def _resume(loop: Training) -> tuple[int, int | None]:
@@ -192,7 +205,8 @@ def _step(loop: Training, step: int, peak: float | None) -> None:
     n_items = sum(label_tokens(b) for b in micro)
     tokens = sum(batch_tokens(b) for b in micro)
     lr = loop.sched.get_last_lr()[0]
-    loss, norm = loop.stepper.train_step(micro, n_items, step)
+    with loop.attention():
+        loss, norm = loop.stepper.train_step(micro, n_items, step)
     loop.sched.step()
     dt = time.perf_counter() - t0
     st.tokens_total, st.seconds, st.loss = st.tokens_total + tokens, st.seconds + dt, loss
