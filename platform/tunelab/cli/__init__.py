@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
-import click
 import typer
 import typer.main
 from rich.markup import escape
@@ -84,9 +83,15 @@ def _say(e: Exception) -> None:
 
 
 @functools.cache
-def _command(commands: int, groups: int) -> click.Command:
+def _command(commands: int, groups: int) -> Any:  # typer's own click Command
     """The click command tree typer builds from the app (once per set of commands: building it reads every
     command's signature, which costs more than most commands take)."""
+    # With add_completion=False typer never registers its shell classes, and <TAB> (the _EXP_COMPLETE call the
+    # installed hook makes) answers "Shell bash not supported".
+    import typer.completion
+
+    typer.completion.completion_init()
+
     return typer.main.get_command(app)
 
 

@@ -27,7 +27,7 @@ def _no_flag_types() -> None:
 
     shown = TyperOption.display_type_rich
 
-    def display(self: TyperOption, ctx: typer.Context) -> str | None:
+    def display(self: TyperOption, ctx: Any) -> str | None:
         return None if self.is_flag else shown(self, ctx)
 
     TyperOption.display_type_rich = display  # type: ignore[method-assign]

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tunelab import registries
 from tunelab.events import Emit, EvalProgress, EvalTask, ignore
@@ -25,9 +26,9 @@ class Context:
     """What a task may need beyond the model: the cell's validation set, its output folder."""
 
     out_dir: Path
-    validation: object | None = None
+    validation: Any = None  # a datasets.Dataset
     val_loss: float | None = None  # already measured by the training stage
-    train: object | None = None  # the cell's tokenized training set: stand-ins are checked against it
+    train: Any = None  # the cell's tokenized training set: stand-ins are checked against it
     model_note: str | None = None  # what the weights are when it matters (a dequantized stand-in): reported
     progress: Callable[[int, int], None] | None = None  # the running task's (done, total), set by run()
     _lm: object | None = field(default=None, repr=False)

@@ -190,6 +190,16 @@ def score(
         ]
 
 
+def _write_samples(path: pathlib.Path, problems: list[dict], records: list[dict]) -> None:
+    """Appended: the evaluation engine collects every task's samples in one file."""
+    prompts = {p["task_id"]: p["prompt"] for p in problems}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        for r in records:
+            digest = hashlib.sha256(prompts[r["task_id"]].encode()).hexdigest()[:16]
+            f.write(json.dumps({"task": "humaneval", **r, "prompt_sha256": digest}) + "\n")
+
+
 def run(
     model,
     tokenizer,
@@ -231,14 +241,7 @@ def run(
     }
     pass1 = by_k[1]
     if samples_path is not None:
-        prompts = {p["task_id"]: p["prompt"] for p in problems}
-        samples_path = pathlib.Path(samples_path)
-        samples_path.parent.mkdir(parents=True, exist_ok=True)
-        # Appended: the evaluation engine collects every task's samples in one file.
-        with samples_path.open("a", encoding="utf-8") as f:
-            for r in records:
-                digest = hashlib.sha256(prompts[r["task_id"]].encode()).hexdigest()[:16]
-                f.write(json.dumps({"task": "humaneval", **r, "prompt_sha256": digest}) + "\n")
+        _write_samples(pathlib.Path(samples_path), problems, records)
     return {
         "task": "humaneval",
         "metric": "pass@1",

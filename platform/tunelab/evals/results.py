@@ -55,7 +55,7 @@ def sha(text: str) -> str:
 
 def metrics(head: dict) -> list[tuple[str, str]]:
     """The (metric, filter) pairs lm-eval reports in one results entry, in its order."""
-    return [tuple(k.split(",", 1)) for k in head if "," in k and "_stderr," not in k]  # type: ignore[misc]
+    return [tuple(k.split(",", 1)) for k in head if "," in k and "_stderr," not in k]
 
 
 def _also(setup: Setup, head: dict, metric: str, filt: str) -> dict[str, float | None]:

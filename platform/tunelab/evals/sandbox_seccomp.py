@@ -64,42 +64,32 @@ _DENIED = (
 )  # fmt: skip
 _AF_UNIX = 1
 
-# Numbers from the kernel's unistd headers; calls an architecture lacks are left out.
-_TABLES = {
-    "x86_64": (0xC000003E, {
-        "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438,
-        "keyctl": 250, "add_key": 248, "request_key": 249, "unshare": 272, "setns": 308, "mount": 165,
-        "umount2": 166, "pivot_root": 155, "chroot": 161, "open_tree": 428, "move_mount": 429, "fsopen": 430,
-        "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442, "bpf": 321, "perf_event_open": 298,
-        "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-        "kexec_load": 246, "kexec_file_load": 320, "init_module": 175, "finit_module": 313, "delete_module": 176,
-        "open_by_handle_at": 304, "name_to_handle_at": 303, "acct": 163, "reboot": 169, "syslog": 103,
-        "swapon": 167, "swapoff": 168, "quotactl": 179, "lookup_dcookie": 212, "modify_ldt": 154, "uselib": 134,
-        "iopl": 172, "ioperm": 173, "fanotify_init": 300, "clone": 56, "clone3": 435, "socket": 41, "socketpair": 53,
-        "setsockopt": 54, "fcntl": 72,
-        "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "shmat": 30, "shmctl": 31, "shmdt": 67, "semget": 64,
-        "semop": 65, "semctl": 66, "semtimedop": 220, "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71,
-        "mq_open": 240, "mq_unlink": 241, "mq_timedsend": 242, "mq_timedreceive": 243, "mq_notify": 244,
-        "mq_getsetattr": 245, "mincore": 27, "cachestat": 451, "fadvise64": 221, "readahead": 187, "preadv2": 327,
-        "pwritev2": 328, "process_madvise": 440,
-    }),
-    "aarch64": (0xC00000B7, {
-        "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "pidfd_getfd": 438,
-        "keyctl": 219, "add_key": 217, "request_key": 218, "unshare": 97, "setns": 268, "mount": 40,
-        "umount2": 39, "pivot_root": 41, "chroot": 51, "open_tree": 428, "move_mount": 429, "fsopen": 430,
-        "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442, "bpf": 280, "perf_event_open": 241,
-        "userfaultfd": 282, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-        "kexec_load": 104, "kexec_file_load": 294, "init_module": 105, "finit_module": 273, "delete_module": 106,
-        "open_by_handle_at": 265, "name_to_handle_at": 264, "acct": 89, "reboot": 142, "syslog": 116,
-        "swapon": 224, "swapoff": 225, "quotactl": 60, "lookup_dcookie": 18, "fanotify_init": 262, "clone": 220,
-        "clone3": 435, "socket": 198, "socketpair": 199, "setsockopt": 208, "fcntl": 25,
-        "memfd_create": 279, "memfd_secret": 447, "shmget": 194, "shmat": 196, "shmctl": 195, "shmdt": 197,
-        "semget": 190, "semop": 193, "semctl": 191, "semtimedop": 192, "msgget": 186, "msgsnd": 189, "msgrcv": 188,
-        "msgctl": 187, "mq_open": 180, "mq_unlink": 181, "mq_timedsend": 182, "mq_timedreceive": 183,
-        "mq_notify": 184, "mq_getsetattr": 185, "mincore": 232, "cachestat": 451, "fadvise64": 223, "readahead": 213,
-        "preadv2": 286, "pwritev2": 287, "process_madvise": 440,
-    }),
+# Numbers from the kernel's unistd headers, (x86_64, aarch64); None where an architecture lacks the call.
+_NUMBERS = {
+    "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271), "pidfd_getfd": (438, 438),
+    "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218), "unshare": (272, 97),
+    "setns": (308, 268), "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41), "chroot": (161, 51),
+    "open_tree": (428, 428), "move_mount": (429, 429), "fsopen": (430, 430), "fsconfig": (431, 431),
+    "fsmount": (432, 432), "fspick": (433, 433), "mount_setattr": (442, 442), "bpf": (321, 280),
+    "perf_event_open": (298, 241), "userfaultfd": (323, 282), "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426), "io_uring_register": (427, 427), "kexec_load": (246, 104),
+    "kexec_file_load": (320, 294), "init_module": (175, 105), "finit_module": (313, 273),
+    "delete_module": (176, 106), "open_by_handle_at": (304, 265), "name_to_handle_at": (303, 264), "acct": (163, 89),
+    "reboot": (169, 142), "syslog": (103, 116), "swapon": (167, 224), "swapoff": (168, 225), "quotactl": (179, 60),
+    "lookup_dcookie": (212, 18), "modify_ldt": (154, None), "uselib": (134, None), "iopl": (172, None),
+    "ioperm": (173, None), "fanotify_init": (300, 262), "clone": (56, 220), "clone3": (435, 435),
+    "socket": (41, 198), "socketpair": (53, 199), "setsockopt": (54, 208), "fcntl": (72, 25),
+    "memfd_create": (319, 279), "memfd_secret": (447, 447), "shmget": (29, 194), "shmat": (30, 196),
+    "shmctl": (31, 195), "shmdt": (67, 197), "semget": (64, 190), "semop": (65, 193), "semctl": (66, 191),
+    "semtimedop": (220, 192), "msgget": (68, 186), "msgsnd": (69, 189), "msgrcv": (70, 188), "msgctl": (71, 187),
+    "mq_open": (240, 180), "mq_unlink": (241, 181), "mq_timedsend": (242, 182), "mq_timedreceive": (243, 183),
+    "mq_notify": (244, 184), "mq_getsetattr": (245, 185), "mincore": (27, 232), "cachestat": (451, 451),
+    "fadvise64": (221, 223), "readahead": (187, 213), "preadv2": (327, 286), "pwritev2": (328, 287),
+    "process_madvise": (440, 440),
 }  # fmt: skip
+_ARCHES = {"x86_64": (0xC000003E, 0), "aarch64": (0xC00000B7, 1)}  # audit arch, column of _NUMBERS
+_TABLES = {machine: (audit, {n: nums[col] for n, nums in _NUMBERS.items() if nums[col] is not None})
+           for machine, (audit, col) in _ARCHES.items()}
 
 
 def _op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:

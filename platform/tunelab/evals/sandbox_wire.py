@@ -149,7 +149,7 @@ class _Decoder:
                     raise WireError(f"nested deeper than {MAX_DEPTH}" if pos + 5 <= size else "the frame ends early")
                 kind, count = _CONTAINERS[tag], unpack(data, pos + 1)[0]
                 pos, left = pos + 5, left - _EMPTY_COST[kind]
-                made = kind() if kind in (set, dict) else None
+                made: set | dict | None = kind() if kind in (set, dict) else None
                 stack.append([kind, count * (2 if kind is dict else 1), [], made, None])
                 if count:
                     continue

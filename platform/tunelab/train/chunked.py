@@ -88,7 +88,7 @@ class HeadFactors:
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,  # type: ignore[override]
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
                 dtype: torch.dtype | None, link: object) -> torch.Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
             dt = dtype or hidden.dtype
@@ -105,7 +105,7 @@ class _ChunkedLoss(torch.autograd.Function):
         return rows.sum()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple:
         hidden, weight, targets, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if need_w and ctx.link is not None:  # the lookup's backward builds the shared weight's gradient

@@ -23,6 +23,8 @@ In every case the head and the cross-entropy run together in chunks of positions
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tunelab.train.chunked import CHUNK_ATTR, auto_chunk, computing_loss, head_loss
@@ -38,14 +40,17 @@ _BODY_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids"})
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def _causal_lm(model, root_hooks_ok: bool = False):
+def _causal_lm(model: Any, root_hooks_ok: bool = False) -> Any:
     """The transformers causal LM under `model` when the head-only-at-labels path is exact, else None.
     `root_hooks_ok`: the caller runs the root forward itself (hooks on it then run too)."""
     try:
         from peft import PeftModel
+
+        peft_types: tuple[type, ...] = (PeftModel,)
     except ImportError:  # peft is optional for full-parameter training
-        PeftModel = ()
-    if isinstance(model, PeftModel):
+        peft_types = ()
+    is_peft = bool(peft_types) and isinstance(model, peft_types)
+    if is_peft:
         if model.active_peft_config.is_prompt_learning:
             return None
         if not root_hooks_ok and (model._forward_hooks or model._forward_pre_hooks):

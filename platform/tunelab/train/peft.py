@@ -62,7 +62,8 @@ def _get_peft_model(model: Any, config: Any) -> Any:
 def _lora_config(model: Any, cfg: PeftCfg, **extra):
     from peft import LoraConfig
 
-    return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # peft's hint says int; floats work lora_dropout=cfg.dropout, target_modules=_targets(model, cfg),
+    return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # peft's hint says int; floats work
+                      lora_dropout=cfg.dropout, target_modules=_targets(model, cfg),
                       task_type="CAUSAL_LM", **extra)
 
 

@@ -146,7 +146,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if self.clip_grad_norm is not None:
             self._clip_coef = torch.clamp(self.clip_grad_norm / (total + 1e-6), max=1.0)
 
-    def step(self, closure: Closure | None = None, *, grad_norm: float | torch.Tensor | None = None):
+    def step(self, closure: Closure | None = None, *,  # type: ignore[override]  # grad_norm: ours
+             grad_norm: float | torch.Tensor | None = None):
         """With a closure: forward (the closure), then backward pass(es) that update every parameter on
         the way. Without one: the update from gradients already accumulated by the caller's backward,
         clipped with `grad_norm` (the global norm; computed over this optimizer's gradients if None)."""

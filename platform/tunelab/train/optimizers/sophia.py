@@ -105,7 +105,7 @@ def gnb_gradients(model, batch: dict, params: list[torch.Tensor],
     """
     with torch.enable_grad():
         loss, n = sampled_loss(model, batch)
-        if n == 0:
+        if n == 0 or loss is None:
             return [None] * len(params), 0
         trainable = [p for p in params if p.requires_grad]
         grads = iter(torch.autograd.grad(loss, trainable, allow_unused=True))

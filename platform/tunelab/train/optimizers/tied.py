@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import types
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -166,7 +167,7 @@ class _Head(torch.autograd.Function):
         return grad_hidden, None, None, None
 
 
-def prepare_for_fused(model: nn.Module, optimizer=None) -> bool:
+def prepare_for_fused(model: Any, optimizer=None) -> bool:
     """Make a tied embedding/head pair share one gradient buffer; False (and no change) when not tied.
 
     Call once, in a single-process run. With the LOMO/AdaLomo `optimizer` its clipping pass measures the

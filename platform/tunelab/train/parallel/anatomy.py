@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -23,15 +24,16 @@ class Anatomy:
         return bool(getattr(self.config, "tie_word_embeddings", False))
 
 
-def causal_lm(root: nn.Module) -> nn.Module:
+def causal_lm(root: Any) -> Any:  # a transformers PreTrainedModel: its methods are not nn.Module's
     """The transformers *ForCausalLM under a peft wrapper (or the root itself)."""
     return root.get_base_model() if hasattr(root, "get_base_model") else root
 
 
 def anatomy(root: nn.Module) -> Anatomy:
     lm = causal_lm(root)
-    dec = lm.get_decoder() if hasattr(lm, "get_decoder") else None
-    parts = {name: getattr(dec, name, None) for name in ("embed_tokens", "layers", "norm", "rotary_emb")}
+    dec: Any = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+    names = ("embed_tokens", "layers", "norm", "rotary_emb")
+    parts: dict[str, Any] = {name: getattr(dec, name, None) for name in names}
     if dec is None or any(v is None for v in parts.values()):
         raise UserError(f"{type(lm).__name__} is not a decoder with embed_tokens, layers, norm and rotary_emb "
                         "(Llama, Qwen2, Mistral and their kin): tensor and pipeline parallelism cannot split it",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ class Deferred:
     """Where each parameter's initial value comes from: a key of the checkpoint files, or a full tensor
     (adapters), by the parameter's name in the model handed to the engine (names survive sharding)."""
 
-    weights: object  # models.Weights
+    weights: Any  # models.Weights: read(key, index)
     keys: dict[str, str] = field(default_factory=dict)  # parameter name -> checkpoint key
     values: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter name -> full initial value
 

@@ -10,9 +10,10 @@ weight from the checkpoint files, so no process ever holds the whole model.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from tunelab.runtime import Layout
 from tunelab.train.data import label_tokens
@@ -86,7 +87,7 @@ def load_partitioned(model_cfg, rt, cell):
 
 
 class DeepSpeedStepper(Stepper):
-    def __init__(self, model: nn.Module, optim_builder, cell, layout: Layout, weights=None):
+    def __init__(self, model: Any, optim_builder, cell, layout: Layout, weights=None):
         import deepspeed
 
         if weights is not None:
@@ -109,8 +110,8 @@ class DeepSpeedStepper(Stepper):
 
     def train_step(self, micro_batches, n_items, step=0):
         if self.fused:
-            loss, norm = self.fused.train_step(micro_batches, n_items)
-            return self._sum(loss, "dp"), norm
+            fused_loss, norm = self.fused.train_step(micro_batches, n_items)
+            return self._sum(fused_loss, "dp"), norm
         if len(micro_batches) != self.gas:
             raise ValueError(f"DeepSpeed was configured for {self.gas} micro-batches per step, "
                              f"got {len(micro_batches)}")

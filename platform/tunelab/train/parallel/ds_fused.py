@@ -33,6 +33,7 @@ did not start, and `engine.backward` would run DeepSpeed's gradient reduction on
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,7 @@ class ZeroHooks(EngineHooks):
         self.group, self.zero3 = group, zero3
         self.reforward = zero3 is not None  # ZeRO-3's gather hooks serve one backward per forward
 
-    def before(self, p: torch.Tensor) -> None:
+    def before(self, p: Any) -> None:  # a ZeRO-3 parameter carries ds_* attributes
         if self.zero3 is not None and p.data.numel() != p.ds_numel:
             raise RuntimeError(f"ZeRO-3 parameter {p.ds_id} was released before its gradient was complete; "
                                "LOMO/AdaLomo need it gathered there")
@@ -59,7 +60,7 @@ class ZeroHooks(EngineHooks):
             # In the parameter's dtype, as DeepSpeed communicates gradients by default.
             dist.all_reduce(p.grad, group=self.group)
 
-    def after(self, p: torch.Tensor) -> None:
+    def after(self, p: Any) -> None:
         if self.zero3 is None:
             return
         part = p.ds_tensor.numel()

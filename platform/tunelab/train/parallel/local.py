@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -117,10 +118,11 @@ class LocalStepper(Stepper):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(self._model, self.optimizer)
+        optim_sd = dict(optim_sd)  # the groups' names are taken out below
         # This optimizer was given names (Muon tells matrices by them); an engine's was not, so its groups hold
         # no `param_names`: those stay this optimizer's own, everything else must be in the checkpoint.
-        names = [g.pop("param_names", None) for g in optim_sd["param_groups"]]
-        state = {"train": {"model": model_sd, "optim": optim_sd}}
+        names = [g.pop("param_names", None) for g in optim_sd["param_groups"]]  # type: ignore[union-attr]
+        state: dict[str, Any] = {"train": {"model": model_sd, "optim": optim_sd}}
         dcp.load(state, checkpoint_id=str(path))
         for group, n in zip(state["train"]["optim"]["param_groups"], names):
             if n is not None:

@@ -3,6 +3,8 @@ stages across `pp`, FSDP2 across `dp`. With one process it is a plain training s
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -43,7 +45,7 @@ def _has(module: nn.Module, path: str) -> bool:
 
 
 class NativeStepper(Stepper):
-    def __init__(self, model: nn.Module, optim_builder, cell, layout: Layout, weights: Deferred | None = None):
+    def __init__(self, model: Any, optim_builder, cell, layout: Layout, weights: Deferred | None = None):
         """`weights`: the model is on the meta device; each process fills its own shards once they are cut
         (deferred.py). Without it, every process holds the whole model until it is sharded."""
         self.layout, self.cell = layout, cell
@@ -53,12 +55,12 @@ class NativeStepper(Stepper):
         self._model = model
         if pcfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        a = anatomy(model) if layout.tp > 1 or layout.pp > 1 else None
+        a: Any = anatomy(model) if layout.tp > 1 or layout.pp > 1 else None  # present wherever it is used
         self.pipeline = None
         if layout.pp > 1:
             v = STAGES_PER_RANK[pcfg.pp_schedule]
             ids = [layout.coord("pp") + k * layout.pp for k in range(v)]
-            self.modules: list[nn.Module] = stages.build(model, a, ids, layout.pp * v)
+            self.modules: list[Any] = list(stages.build(model, a, ids, layout.pp * v))
         else:
             self.modules = [model]
         if layout.tp > 1:
@@ -81,9 +83,8 @@ class NativeStepper(Stepper):
             lm = causal_lm(model)
             self.pipeline = Pipeline(self.modules, ids, layout, pcfg, lm.loss_function, lm.config.vocab_size,
                                      self.grad_scale, at_labels=exact_at_labels(model))
-        seen: set[int] = set()
-        self.params = [p for m in self.modules for p in m.parameters()
-                       if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
+        unique = {id(p): p for m in self.modules for p in m.parameters() if p.requires_grad}  # tied: once
+        self.params = list(unique.values())
         self.optimizer = optim_builder(self.params)
 
     def _loss(self, batch: dict, n_items) -> torch.Tensor:
@@ -189,7 +190,7 @@ class NativeStepper(Stepper):
                     full[k] = whole.detach().cpu()
                 del whole
         if self.layout.pp > 1:
-            parts = [None] * self.layout.pp if self.layout.coord("pp") == 0 else None
+            parts: list[Any] | None = [None] * self.layout.pp if self.layout.coord("pp") == 0 else None
             dist.gather_object(full if keep else None, parts, group=self.layout.group("pp"), group_dst=0)
             full = {k: v for part in (parts or []) if part for k, v in part.items()}
         return self._assemble(full)

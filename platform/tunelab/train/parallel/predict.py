@@ -18,7 +18,7 @@ def setup_of(cell, dtype: str) -> Setup | None:
     p, t = cell.parallel, cell.train
     if cell.optim.name not in OPTIMIZERS or cell.peft.method not in ("none", "lora"):
         return None
-    targets = ALL_LINEAR
+    targets: tuple[str, ...] = ALL_LINEAR
     if cell.peft.target_modules is not None:
         if any(m not in SHORT for m in cell.peft.target_modules):
             return None

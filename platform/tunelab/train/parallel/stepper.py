@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,8 @@ class Stepper:
     """What the training loop drives: one process (local.py) or an engine (native.py, ds.py)."""
 
     layout: Layout
-    optimizer: torch.optim.Optimizer
+    optimizer: Any  # a torch Optimizer; LOMO/AdaLomo's also take step(grad_norm=) and fused_step(closure)
+    _skeleton: Any  # the meta-device copy `unwrap` fills (engines)
     checkpoint_subdir = "engine"  # where in a checkpoint folder `save` writes (torch DCP or DeepSpeed shards)
 
     def train_step(self, micro_batches: list[dict], n_items: int, step: int = 0) -> tuple[float, float]:

@@ -11,9 +11,10 @@ the same on every rank.
 from __future__ import annotations
 
 import fnmatch
+from typing import Any
 
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from tunelab.errors import UserError
 
@@ -26,10 +27,11 @@ _LLAMA_LIKE = {
 FAMILY_PLANS: dict[str, dict[str, str]] = {"llama": _LLAMA_LIKE, "qwen2": _LLAMA_LIKE, "mistral": _LLAMA_LIKE}
 
 
-def _lora_styles(path: str, module: nn.Module, kind: str) -> dict[str, object]:
+def _lora_styles(path: str, module: Any, kind: str) -> dict[str, ParallelStyle]:
     """A LoRA-wrapped linear: the frozen base layer is split as planned; of the adapter, the
     matrix touching the split dimension is split the same way and the other stays replicated."""
-    styles = {f"{path}.base_layer": ColwiseParallel() if kind == "colwise" else RowwiseParallel()}
+    base = ColwiseParallel() if kind == "colwise" else RowwiseParallel()
+    styles: dict[str, ParallelStyle] = {f"{path}.base_layer": base}
     for adapter in module.lora_A:
         if kind == "colwise":  # x (whole) -> A (replicated) -> B (output features split)
             styles[f"{path}.lora_B.{adapter}"] = ColwiseParallel()
@@ -63,7 +65,7 @@ def apply(root: nn.Module, decoder_path: str, config, tp_mesh) -> None:
     check_divisible(config, tp_mesh.size())
     plan = family_plan(config)
     prefix = f"{decoder_path}." if decoder_path else ""
-    styles: dict[str, object] = {}
+    styles: dict[str, ParallelStyle] = {}
     for name, module in root.named_modules():
         rel = name[len(prefix):] if name.startswith(prefix) else None
         kind = next((k for pat, k in plan.items() if rel is not None and fnmatch.fnmatchcase(rel, pat)), None)
