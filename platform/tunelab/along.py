@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any
 
 from tunelab import ckpteval
@@ -72,10 +73,16 @@ def select(folder: CellFolder, cfg: CellConfig, scores: StepScores, model: Any, 
                               "step": last if best is None else best, "last_step": last}
     if best is None:
         record["note"] = f"no checkpoint has a score of {sel.metric}: final/ keeps the last step's weights"
-    changed = best is not None and best != last
-    if changed:
-        checkpoint.load_weights(model, folder.checkpoint_dir(best))
-        if cfg.train.save_final:
-            folder.replace_final(lambda d: (model.save_pretrained(d), tokenizer.save_pretrained(d)))
+    if best is None or best == last:
+        write_json(folder.selection_file, record)
+        return False
+
+    def write(d: Path) -> None:
+        model.save_pretrained(d)
+        tokenizer.save_pretrained(d)
+
+    checkpoint.load_weights(model, folder.checkpoint_dir(best))
+    if cfg.train.save_final:
+        folder.replace_final(write)
     write_json(folder.selection_file, record)
-    return changed
+    return True

@@ -65,7 +65,7 @@ class DataProgress:
 @dataclass(frozen=True)
 class CheckpointScores:
     step: int
-    scores: dict[str, float | None] = field(default_factory=dict)
+    scores: dict[str, float | str | None] = field(default_factory=dict)  # "unavailable": said, not a gap
 
 
 Event = Stage | Step | Resumed | EvalTask | EvalProgress | DataProgress | CheckpointScores

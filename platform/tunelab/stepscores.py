@@ -20,8 +20,9 @@ def value_of(results: dict, metric: str) -> float | None:
     """A task's headline value in a results.json; None when it was not scored or is unavailable."""
     res = (results.get("tasks") or {}).get(metric) or {}
     value = res.get("value")
-    ok = res.get("status", "ok") == "ok" and isinstance(value, (int, float)) and not isinstance(value, bool)
-    return float(value) if ok and value == value else None  # NaN is no score
+    if res.get("status", "ok") != "ok" or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    return float(value) if value == value else None  # NaN is no score
 
 
 def score_at(folder: CellFolder | Path, step: int, metric: str, eval_id: str | None = None) -> float | None:
@@ -64,7 +65,8 @@ class StepScores:
 
     def done(self, step: int) -> bool:
         """Scored, or said unavailable: a step folder exists only once its evaluation is complete."""
-        return bool(self.eval_id) and bool(self.folder.step_results(self.eval_id, step).get("complete"))
+        eval_id = self.eval_id
+        return eval_id is not None and bool(self.folder.step_results(eval_id, step).get("complete"))
 
     def pending(self) -> list[int]:
         return [s for s in self.steps if not self.done(s)]

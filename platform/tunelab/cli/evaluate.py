@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -40,12 +40,10 @@ def run_cmd(
     """Evaluate MODEL on a suite; writes OUT/results.json and OUT/samples.jsonl."""
     from rich.console import Console
 
-    from tunelab import evals, models, plan
+    from tunelab import plan
     from tunelab.ckpteval import checkpoint_of
     from tunelab.config import EvalCfg
     from tunelab.errors import UserError, explain
-    from tunelab.report.scores import fmt
-    from tunelab.runtime import device_of
 
     given = {"limit": limit, "data_dir": data_dir, "batch_size": batch_size, "include_path": include_path}
     ckpt = checkpoint_of(Path(model))
@@ -62,17 +60,29 @@ def run_cmd(
         raise explain(e, EvalCfg, file="command line", where=where) from None
     if device not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device {device!r}: allowed are auto, cpu, cuda")
-    console = Console()
+    result = _evaluate(ckpt, model_cfg, cfg, out, device, console := Console())
+    _show(result, out, console)
+
+
+def _evaluate(ckpt: tuple[Any, int] | None, model_cfg: Any, cfg: Any, out: Path, device: str, console: Any) -> dict:
+    """A cell's checkpoint as its cell scores one (ckpteval), or any model by its name."""
+    from tunelab import evals, models
+    from tunelab.runtime import device_of
+
     if ckpt is not None:
         from tunelab.ckpteval import evaluate_checkpoint
 
         with _bars(console) as emit:
-            result = evaluate_checkpoint(*ckpt, cfg, out, device, emit)
-    else:
-        assert model_cfg is not None
-        lm, tok = models.load(model_cfg, device_of(device))
-        with _bars(console) as emit:
-            result = evals.run(lm, tok, cfg, evals.Context(out_dir=out, model_note=models.source_note(model)), emit)
+            return evaluate_checkpoint(ckpt[0], ckpt[1], cfg, out, device, emit)
+    lm, tok = models.load(model_cfg, device_of(device))
+    with _bars(console) as emit:
+        return evals.run(lm, tok, cfg, evals.Context(out_dir=out, model_note=models.source_note(model_cfg.name)), emit)
+
+
+def _show(result: dict, out: Path, console: Any) -> None:
+    from tunelab.errors import UserError
+    from tunelab.report.scores import fmt
+
     for name, r in result["tasks"].items():
         shown = fmt(r.get("value")) if r.get("status", "ok") == "ok" else f"unavailable: {r.get('reason')}"
         console.print(f"{name:12s} {r.get('metric', ''):28s} {shown}", highlight=False, soft_wrap=True)

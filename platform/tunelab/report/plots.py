@@ -125,7 +125,8 @@ def _band(recs: list[Record], task: str) -> tuple[list[int], list[float], list[f
     steps = sorted({s for r in recs for s, scores in r.curve.items() if task in scores})
     out: tuple[list[int], list[float], list[float]] = ([], [], [])
     for s in steps:
-        vals = [sc.value for r in recs if (sc := r.curve.get(s, {}).get(task)) is not None and sc.ok]
+        vals = [sc.value for r in recs if (sc := r.curve.get(s, {}).get(task)) is not None and sc.ok
+                and sc.value is not None]
         if vals:
             out[0].append(s)
             out[1].append(statistics.fmean(vals))
@@ -164,7 +165,8 @@ def score_curves(records: list[Record]) -> bytes | None:
                                 color=f"C{i % 10}", alpha=0.2, linewidth=0)
             for r in g:
                 chosen = r.train.get("final_step")
-                sc = r.curve.get(chosen, {}).get(task) if r.config.get("train.select.metric") == task else None
+                selected = r.config.get("train.select.metric") == task
+                sc = r.curve.get(chosen, {}).get(task) if selected and isinstance(chosen, int) else None
                 if sc is not None and sc.ok:
                     ax.plot([chosen], [sc.value], marker="*", markersize=11, color=f"C{i % 10}", linestyle="none")
         ax.set_title(_title(records, task), fontsize=9)

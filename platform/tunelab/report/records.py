@@ -103,7 +103,8 @@ def at_step(records: list[Record], step: int | str) -> list[Record]:
     out = []
     for r in records:
         n = step if isinstance(step, int) else r.train.get("final_step", r.config.get("train.steps"))
-        out.append(replace(r, scores=r.curve.get(n, {}), train={**r.train, "scored_step": n}))
+        scores = r.curve.get(n, {}) if isinstance(n, int) else {}
+        out.append(replace(r, scores=scores, train={**r.train, "scored_step": n}))
     return out
 
 
