@@ -120,7 +120,7 @@ def test_checkpoints_are_scored_beside_training_and_a_killed_evaluator_loses_not
         assert res["tasks"]["val_loss"]["value"] > 0
         he = res["tasks"]["humaneval"]
         assert he["n"] == 1 and he["subset"], he  # 1 of 164 problems: marked as a subset
-        assert "versions" in res or "tunelab" in json.dumps(res), "no provenance"
+        assert res["versions"]["tunelab"] and res["config"]["tasks"] == ["val_loss", "humaneval"]  # provenance
         assert (along["half"].parent / f"step-{step}" / "samples.jsonl").is_file()
     assert steps[2]["pid"] != along["killed"]  # step 2 was evaluated again, by another process
     assert not list(along["half"].parent.glob(".step-*-*")), "a killed evaluation left its half-written folder"
@@ -198,3 +198,64 @@ def test_the_plan_says_where_checkpoints_are_scored(cli, tmp_path):
     (cell,) = json.loads(out)
     assert cell["checkpoints"]["steps"] == ASKED
     assert "after training on CPU" in cell["checkpoints"]["mode"]
+
+
+LATER = """name: later
+base:
+  model: {name: tiny-random-llama}
+  data: {recipe: arithmetic, max_length: 64}
+  peft: {method: lora}
+  train: {steps: 4, batch_size: 2, save_every: 2, keep_checkpoints: 2}
+  eval: {tasks: [val_loss], val_batches: 2CHECKPOINTS}
+  tracking: {wandb: false}
+"""
+
+
+def test_checkpoint_scores_added_to_a_finished_matrix_train_nothing(cli, tmp_path):
+    runs = tmp_path / "runs"
+    code, _, err = cli("run", write(tmp_path / "later.yaml", LATER.replace("CHECKPOINTS", "")), "--runs-dir", runs)
+    assert code == 0, err
+    (cell,) = [p for p in (runs / "later").iterdir() if p.is_dir()]
+    trained = {p: p.stat().st_mtime_ns for p in [cell / "train" / "metrics.jsonl", *(cell / "final").iterdir()]}
+    (final_eval,) = list((cell / "eval").iterdir())
+    path = write(tmp_path / "later.yaml", LATER.replace("CHECKPOINTS", ", checkpoints: {at: [1, 2, 4]}"))
+    code, _, err = cli("run", path, "--runs-dir", runs)
+    assert code == 0, err
+    assert trained == {p: p.stat().st_mtime_ns for p in trained}  # nothing trained, no weights rewritten
+    status = read_json(cell / "status.json")
+    assert status["state"] == "done" and status["evaluating_only"] is True
+    steps = {int(p.name.removeprefix("step-")): read_json(p / "results.json")
+             for p in (cell / "eval").glob("*/step-*")}
+    assert sorted(steps) == [1, 2, 4] and all(r["complete"] for r in steps.values())
+    assert steps[2]["tasks"]["val_loss"]["value"] > 0 and steps[4]["evaluated_by"] == "the cell, after training"
+    one = steps[1]["tasks"]["val_loss"]  # never saved: said unavailable, with why, never a number
+    assert one["status"] == "unavailable" and "no checkpoint of step 1" in one["reason"] and one["value"] is None
+    # the same settings as the final evaluation: the same eval id, its steps beside its results.json
+    assert list((cell / "eval").iterdir()) == [final_eval] and (final_eval / "results.json").is_file()
+    code, _, err = cli("run", path, "--runs-dir", runs)
+    assert code == 0 and "done, skipped" in err
+
+
+def test_keep_best_keeps_the_best_k_scored_checkpoints_and_those_not_yet_scored(tmp_path):
+    from tunelab import plan
+    from tunelab.cellfolder import CellFolder
+    from tunelab.store import write_yaml
+    from tunelab.stepscores import StepScores
+    from tunelab.train.checkpoint import prune
+
+    raw = {"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"},
+           "train": {"steps": 8, "select": {"metric": "val_loss"}, "keep_best": 2},
+           "eval": {"tasks": ["val_loss"], "checkpoints": {"every": 2}}}
+    cfg = plan.cell_config(raw)
+    folder = CellFolder(tmp_path)
+    write_yaml(folder.config_file, cfg.model_dump(mode="json"))
+    losses = {2: 3.0, 4: 1.0, 6: 2.0}  # step 8 not scored yet
+    for step in (2, 4, 6, 8):
+        folder.checkpoint_dir(step).mkdir(parents=True)
+    for step, loss in losses.items():
+        write(folder.step_dir(cfg.checkpoint_eval_id(), step) / "results.json",
+              json.dumps({"complete": True, "tasks": {"val_loss": {"value": loss, "status": "ok"}}}))
+    scores = StepScores(folder, cfg)
+    assert scores.ranked() == [4, 6, 2] and scores.best() == 4 and scores.pending() == [8]
+    prune(folder.checkpoints, 1, scores.protected())
+    assert folder.checkpoint_steps() == [4, 6, 8]

@@ -252,8 +252,9 @@ def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None =
     try:
         runtime.check_host(cfg, file=folder.config_file)
         stages = _load_trained(run) if evaluate_only else _train(run)
-        if main and stages is not None:  # evaluation needs the whole model: one process does it, the others wait
-            _evaluate(run, *stages)
+        if main:  # evaluation needs the whole model: one process does it while the others wait
+            if stages is not None:  # None: only checkpoints were left to score (_load_trained did)
+                _evaluate(run, *stages)
             run.finish()
             folder.write_status("done", finished_at=time.time(), timings=run.timings)
         _barrier()
