@@ -144,6 +144,7 @@ def test_final_weights_are_the_checkpoint_best_on_the_validation_metric(along):
 def test_curve_data_equals_each_checkpoint_evaluated_alone(along, cli, tmp_path):
     cell = along["cell"]
     from tunelab.report.records import collect
+    from tunelab.stepscores import score_at
 
     (record,) = collect(along["mdir"])
     for step in ASKED:
@@ -154,6 +155,9 @@ def test_curve_data_equals_each_checkpoint_evaluated_alone(along, cli, tmp_path)
         assert alone["step"] == step
         for task in ("val_loss", "humaneval"):
             assert record.curve[step][task].value == alone["tasks"][task]["value"], (step, task)
+        # what a search (tune) reads as a trial's intermediate value
+        assert score_at(cell, step, "val_loss") == alone["tasks"]["val_loss"]["value"]
+    assert score_at(cell, 5, "val_loss") is None  # no checkpoint of step 5 was scored
 
 
 def test_leaderboard_at_a_step_and_at_the_selected_checkpoint(along, cli):
@@ -259,3 +263,60 @@ def test_keep_best_keeps_the_best_k_scored_checkpoints_and_those_not_yet_scored(
     assert scores.ranked() == [4, 6, 2] and scores.best() == 4 and scores.pending() == [8]
     prune(folder.checkpoints, 1, scores.protected())
     assert folder.checkpoint_steps() == [4, 6, 8]
+
+
+def _history(wandb_file: Path) -> list[dict]:
+    """The history rows of an offline W&B run file (records in the LevelDB log format, each a protobuf Record)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, chunks, rows, block = wandb_file.read_bytes(), 7, [], [], 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            break
+        chunks.append(data[pos + 7:pos + 7 + length])
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = pb.Record()
+            record.ParseFromString(b"".join(chunks))
+            chunks = []
+            if record.HasField("history"):
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
+def test_wandb_gets_each_checkpoint_score_against_its_step(tmp_path, monkeypatch):
+    from tunelab.config import CellConfig
+    from tunelab.events import CheckpointScores
+    from tunelab.tracking import Tracker
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = CellConfig.model_validate({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"}})
+    tracker = Tracker(cfg, tmp_path, group="g", name="n", config={}, tags=[])
+    for step, loss in ((2, 1.5), (4, 1.25)):
+        tracker.on_event(CheckpointScores(step, {"checkpoint/val_loss": loss, "checkpoint/humaneval": "unavailable"}))
+    tracker.finish()
+    (run,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    rows = [(r["checkpoint/step"], r["checkpoint/val_loss"]) for r in _history(run) if "checkpoint/step" in r]
+    assert rows == [(2, 1.5), (4, 1.25)]
+
+
+def test_score_curves_fold_seeds_into_a_band():
+    from tunelab.report.plots import _band, score_curves
+    from tunelab.report.records import Record
+    from tunelab.report.scores import Score
+
+    def rec(seed: int, losses: dict[int, float]) -> Record:
+        curve = {s: {"val_loss": Score.of("val_loss", {"value": v, "n": 2})} for s, v in losses.items()}
+        return Record(dir=Path("."), slug=f"a-s{seed}", id=str(seed), eval_id=None, varying={"seed": seed},
+                      config={"seed": seed}, state="done", curve=curve)
+
+    runs = [rec(0, {2: 3.0, 4: 2.0}), rec(1, {2: 1.0, 4: 2.0})]
+    assert _band(runs, "val_loss") == ([2, 4], [2.0, 2.0], [pytest.approx(2 ** 0.5), 0.0])
+    assert score_curves(runs)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert score_curves([rec(0, {})]) is None
