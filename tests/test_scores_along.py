@@ -84,7 +84,7 @@ def along(tmp_path_factory):
         mdir = tmp / "runs" / "along"
         cell = _until("cell folder", lambda: next((p for p in mdir.glob("*") if (p / "cell.json").is_file()), None),
                       proc)
-        _until("checkpoint of step 2", lambda: (cell / "checkpoints" / "step-2").is_dir(), proc)
+        _until("checkpoint of step 2", (cell / "checkpoints" / "step-2").is_dir, proc)
         evaluator = _until("evaluator", lambda: _evaluator(cell), proc)
         trainer = _parent(evaluator)
         os.kill(trainer, signal.SIGSTOP)
@@ -243,8 +243,8 @@ def test_checkpoint_scores_added_to_a_finished_matrix_train_nothing(cli, tmp_pat
 def test_keep_best_keeps_the_best_k_scored_checkpoints_and_those_not_yet_scored(tmp_path):
     from tunelab import plan
     from tunelab.cellfolder import CellFolder
-    from tunelab.store import write_yaml
     from tunelab.stepscores import StepScores
+    from tunelab.store import write_yaml
     from tunelab.train.checkpoint import prune
 
     raw = {"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"},
