@@ -195,6 +195,18 @@ def test_a_test_set_metric_cannot_choose_the_checkpoint(cli, tmp_path):
     assert code == 2 and "eval.checkpoints" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("change, says", [
+    ("workers: 1", "every: 2, workers: 1"),  # every and at: one of them
+    ("at: [2, 4, 6]", "at: [2, 4, 60]"),  # a step after the last
+    ("select: {metric: val_loss}", "select: {metric: val_loss}, keep_best: 0"),
+])
+def test_bad_checkpoint_settings_are_refused_at_plan_time(cli, tmp_path, change, says):
+    path = write(tmp_path / "m.yaml", MATRIX.replace(change, says))
+    code, out, err = cli("plan", path)
+    assert code == 2 and str(path) in err and "Traceback" not in err, err
+    assert ("eval.checkpoints" in err) or ("train.keep_best" in err), err
+
+
 def test_the_plan_says_where_checkpoints_are_scored(cli, tmp_path):
     path = write(tmp_path / "m.yaml", MATRIX.replace(", workers: 1", ""))
     code, out, err = cli("plan", path, "--json")
