@@ -60,8 +60,8 @@ base:
 
 
 def test_a_later_key_at_its_default_keeps_earlier_ids():
-    """train.group_by_length, train.loss_chunk, train.select and train.keep_best came after cells were run: at their defaults a cell's id is
-    what it was before."""
+    """train.group_by_length, train.loss_chunk, train.select and train.keep_best came after cells were run: at
+    their defaults a cell's id is what it was before."""
     from tunelab.config import CellConfig, content_id
 
     cell = CellConfig.model_validate({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"}})
