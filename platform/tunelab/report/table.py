@@ -69,7 +69,9 @@ def value_of(rec: Record, key: str):
 
 def shown_keys(records: list[Record], exclude: tuple[str, ...] = ()) -> list[str]:
     """Varying keys that take more than one value among the cells where they apply."""
-    keys = list(dict.fromkeys(k for r in records for k in r.varying if k not in exclude))
+    # eval.checkpoints changes no number of the board (it adds scores along training, not a column): not shown
+    keys = list(dict.fromkeys(k for r in records for k in r.varying if k not in exclude
+                              and not k.startswith("eval.checkpoints")))
     return [k for k in keys if len({repr(value_of(r, k)) for r in records if applies(k, r.config)}) > 1]
 
 
