@@ -174,6 +174,8 @@ def test_leaderboard_at_a_step_and_at_the_selected_checkpoint(along, cli):
     assert float(row["scored at step"]) == best and float(row["val_loss"]) == pytest.approx(losses[best])
     code, _, err = cli("leaderboard", mdir, "--at-step", "5")
     assert code == 2 and "scored steps: 2, 4, 6" in err
+    code, _, err = cli("leaderboard", mdir, "--at-step", "4", "--best")
+    assert code == 2 and "give one of them" in err
 
 
 def test_report_shows_the_score_curve(along, cli):
