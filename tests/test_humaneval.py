@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from tunelab.catalog import byte_bpe
 from tunelab.errors import UserError
 from tunelab.evals import humaneval
 from tunelab.evals.humaneval import generate, load_problems, pass_at_k, run, score, truncate_at_stop
@@ -84,18 +84,7 @@ def test_truncate_at_stop():
 @pytest.fixture(scope="module")
 def tiny():
     """A random 2-layer Llama and a 300-token byte-level BPE trained on the prompts."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator([p["prompt"] for p in load_problems()], trainer)
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<pad>"
-    )
+    tokenizer = byte_bpe([p["prompt"] for p in load_problems()], 300)
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=32,

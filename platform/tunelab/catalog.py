@@ -12,8 +12,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -100,21 +101,24 @@ def _tiny_corpus() -> list[str]:
     return texts + [p["prompt"] + p["canonical_solution"] for p in humaneval_problems(limit=40)]
 
 
-def _build_tiny(out: Path) -> None:
+def byte_bpe(texts: Iterable[str], vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer trained on `texts` (eos <|endoftext|>, pad <pad>): the tiny models' own."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1024,
-        special_tokens=["<|endoftext|>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(_tiny_corpus(), trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<pad>")
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<pad>")
+
+
+def _build_tiny(out: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = byte_bpe(_tiny_corpus(), 1024)
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=64,
