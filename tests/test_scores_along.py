@@ -84,10 +84,10 @@ def along(tmp_path_factory):
         mdir = tmp / "runs" / "along"
         cell = _until("cell folder", lambda: next((p for p in mdir.glob("*") if (p / "cell.json").is_file()), None),
                       proc)
-        _until("checkpoint of step 2", (cell / "checkpoints" / "step-2").is_dir, proc)
-        evaluator = _until("evaluator", lambda: _evaluator(cell), proc)
+        evaluator = _until("evaluator", lambda: _evaluator(cell), proc)  # started before training
         trainer = _parent(evaluator)
-        os.kill(trainer, signal.SIGSTOP)
+        _until("checkpoint of step 2", (cell / "checkpoints" / "step-2").is_dir, proc)
+        os.kill(trainer, signal.SIGSTOP)  # within a poll (20 ms) of step 2: training is far from step 40
         seen["trained_when_paused"] = max(r["step"] for r in read_jsonl(cell / "train" / "metrics.jsonl"))
         half = _until("step 2 being evaluated", lambda: next((cell / "eval").glob("*/.step-2-*"), None), proc)
         os.kill(evaluator, signal.SIGKILL)
