@@ -334,3 +334,17 @@ def test_score_curves_fold_seeds_into_a_band():
     assert _band(runs, "val_loss") == ([2, 4], [2.0, 2.0], [pytest.approx(2 ** 0.5), 0.0])
     assert score_curves(runs)[:8] == b"\x89PNG\r\n\x1a\n"
     assert score_curves([rec(0, {})]) is None
+
+
+def test_a_smaller_suite_for_the_checkpoints_leaves_the_final_evaluation_alone():
+    from tunelab import plan
+
+    raw = {"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"}, "train": {"steps": 4},
+           "eval": {"tasks": ["val_loss"], "checkpoints": {"every": 2, "suite": "quick", "limit": 2}}}
+    cfg = plan.cell_config(raw)
+    at = cfg.eval.at_checkpoints()
+    assert at is not None and at.tasks[:2] == ["val_loss", "mmlu"] and at.limit == 2 and at.limits == {}
+    assert at.max_new_tokens == 128  # the quick suite's
+    assert cfg.eval.tasks == ["val_loss"] and cfg.checkpoint_steps() == (2, 4)
+    without = plan.cell_config({**raw, "eval": {"tasks": ["val_loss"]}})
+    assert without.eval.id() == cfg.eval.id() and without.id() == cfg.id()  # nothing trains or evaluates again
