@@ -133,6 +133,12 @@ class Cell:
         """Processes its training needs (the runner starts that many under torchrun)."""
         return world_size(self.config.parallel)
 
+    @property
+    def checkpoints(self) -> dict[str, Any] | None:
+        """Its checkpoints' evaluation: {eval_id, steps} (eval/<eval_id>/step-N/), None without one."""
+        ecfg = self.config.checkpoint_eval_id()
+        return None if ecfg is None else {"eval_id": ecfg, "steps": list(self.config.checkpoint_steps())}
+
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     """{'optim': {'lr': 1}} -> {'optim.lr': 1}; dotted keys pass through."""
@@ -270,8 +276,9 @@ def _configs(spec: MatrixFile, path: Path, combos: list[Combo], sets: dict[str, 
                 return _origin(loc, o) if loc else lb
 
             raise explain(e, CellConfig, file=path, where=place) from None
-        if (config.id(), config.eval.id()) not in seen:
-            seen.add((config.id(), config.eval.id()))
+        key = (config.id(), config.eval.id(), config.checkpoint_eval_id(), config.checkpoint_steps())
+        if key not in seen:
+            seen.add(key)
             out.append((config, picks))
     return out
 

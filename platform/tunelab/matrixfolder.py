@@ -33,6 +33,8 @@ class Planned(Protocol):
     def varying(self) -> dict[str, Any]: ...
     @property
     def dirname(self) -> str: ...
+    @property
+    def checkpoints(self) -> dict[str, Any] | None: ...
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,8 @@ class MatrixFolder:
 
     def write_index(self, cells: Iterable[Planned]) -> None:
         """The matrix as last run, so the leaderboard joins each cell's training and its evaluation."""
-        write_json(self.index_file, [{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying}
-                                     for c in cells])
+        write_json(self.index_file, [{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
+                                      **({"checkpoints": c.checkpoints} if c.checkpoints else {})} for c in cells])
 
     def write_matrix_file(self, text: str, overrides: dict[str, Any]) -> None:
         """The file as run; --set overrides are written on top, so the folder says how its cells were made."""

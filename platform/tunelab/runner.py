@@ -35,6 +35,7 @@ from tunelab.matrix import Cell
 from tunelab.matrixfolder import MatrixFolder
 from tunelab.outcome import Outcome, exit_cause
 from tunelab.runview import RunView
+from tunelab.stepscores import StepScores
 from tunelab.store import LOCK_HELD_ENV, LOCKED_EXIT, CellLock, read_json
 
 
@@ -141,7 +142,7 @@ class Runner:
     def skip_reason(self, folder: CellFolder, cell: Cell, probe_lock: bool = True) -> str | None:
         status = folder.status()
         state = status.get("state")
-        if state == "done" and folder.eval_done(cell.eval_id):
+        if state == "done" and folder.eval_done(cell.eval_id) and StepScores(folder, cell.config).settled():
             return "skipped-done"
         if state == "failed" and not self.rerun_failed and not _input_changed(folder, cell):
             return "skipped-failed"

@@ -138,6 +138,9 @@ class Training:
     n_params: int
     attention: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # around each train step
     state: LoopState = field(default_factory=LoopState)
+    # Steps saved and kept for the checkpoints' evaluation (stepscores.StepScores): not the model's identity, since
+    # saving changes no number
+    retention: checkpoint.Retention = field(default_factory=checkpoint.NoRetention)
 
     @property
     def metrics_path(self) -> Path:
@@ -219,14 +222,21 @@ def _step(loop: Training, step: int, peak: float | None) -> None:
     if loop.runtime.is_main and (step % t.log_every == 0 or step == t.steps or "val_loss" in record):
         append_jsonl(loop.metrics_path, record)
     loop.emit(Step(step, t.steps, loss, record))
-    if t.save_every and (step % t.save_every == 0 or step == t.steps):
+    if _saves(loop, step):
         _checkpoint(loop, step)
 
 
+def _saves(loop: Training, step: int) -> bool:
+    t = loop.cfg.train
+    return bool(t.save_every and (step % t.save_every == 0 or step == t.steps)) or step in loop.retention.save_at
+
+
 def _checkpoint(loop: Training, step: int) -> None:
+    main = loop.runtime.is_main
     checkpoint.save(loop.folder.checkpoints, step, stepper=loop.stepper, sched=loop.sched,
-                    keep=loop.cfg.train.keep_checkpoints, main=loop.runtime.is_main,
-                    loop_state={"data": loop.stream.state(), "loop": asdict(loop.state)})
+                    keep=loop.cfg.train.keep_checkpoints, main=main,
+                    loop_state={"data": loop.stream.state(), "loop": asdict(loop.state)},
+                    protect=loop.retention.protected() if main else ())
 
 
 def _steps(loop: Training, start: int, peak: float | None) -> None:
@@ -238,7 +248,7 @@ def _steps(loop: Training, start: int, peak: float | None) -> None:
         for step in range(start, t.steps + 1):
             _step(loop, step, peak)
             if stop_agreed(loop.runtime.layout):
-                if not (t.save_every and (step % t.save_every == 0 or step == t.steps)):
+                if not _saves(loop, step):
                     _checkpoint(loop, step)
                 raise Preempted(STOP.signal or "a stop signal to another process", step)
     finally:
@@ -258,15 +268,17 @@ def _gather(value: float, layout: Layout) -> list[float]:
 
 def run(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, out: CellFolder | Path, emit: Emit = ignore, *,
         runtime: Runtime | None = None, validation: Validation = Validation(),
-        weights: Deferred | None = None) -> TrainResult:
+        weights: Deferred | None = None, retention: checkpoint.Retention | None = None) -> TrainResult:
     """Every process of a layout calls this with the same model and data; only the main one writes files (into
     `out`, a cell folder). The caller has seeded the RNGs (the cell does it once). `weights`: the model is on the
-    meta device and the engine fills each process's shards from these (train/parallel/deferred.py)."""
+    meta device and the engine fills each process's shards from these (train/parallel/deferred.py). `retention`:
+    more steps to checkpoint, and checkpoints to keep (an evaluation of checkpoints)."""
     t = cfg.train
     folder = out if isinstance(out, CellFolder) else CellFolder(out)
     runtime = runtime or _local_runtime(model, cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     loop = _setup(model, tokenizer, datasets, cfg, folder, emit, runtime, validation, weights)
+    loop.retention = retention or loop.retention
     peak = peak_flops(runtime.device)  # before the RNG states a checkpoint restores (a CPU may measure here)
     start, resumed_from = _resume(loop)
     model.train()
