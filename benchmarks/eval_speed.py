@@ -1,7 +1,8 @@
 """tunelab's evaluation engine vs lm-eval's `hf` model, same model, same data, same prompts, in one run.
 
     python benchmarks/eval_speed.py --task mmlu|gsm8k|bbh|humaneval|NAME [--data-dir DIR] [--include-path DIR]
-        [--limit L] [--subsets N] [--batch-size B] [--peer-batch-sizes 1,8,16] [--max-new-tokens N] [--threads T]
+        [--limit L] [--subsets N] [--batch-size B] [--peer-batch-sizes 1,8,16] [--tunelab-runs once|interleaved]
+        [--max-new-tokens N] [--threads T]
         [--row-quantum Q]
 
 NAME: any other lm-eval task or group with local data: one of an --include-path folder whose YAML names local
@@ -18,6 +19,9 @@ dataset and executes code unsandboxed) HFLM's own `generate_until` on the same p
 sequences. Both timings include loading the model; HumanEval's cover loading and generation (the sandboxed
 scoring is the same code for both and runs afterwards).
 
+tunelab runs before every lm-eval run and once after the last (`--tunelab-runs interleaved`, the default), so
+that a change in the machine's load hits both sides; its median time is compared.
+
 Prints items, seconds, items/s and the score of every run, the ratio against the fastest lm-eval batch
 size, whether the scores are identical, and for generation tasks the parity of the generated strings
 with lm-eval at batch size 1: how many are identical, and for each one that is not, the logit gap at
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -74,13 +79,15 @@ def tunelab_run(args, subsets: list[str]) -> dict:
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     if result["status"] != "ok":
         raise SystemExit(f"{args.task} is unavailable: {result['reason']}")
-    raw = {}
+    raw, items = {}, {}
     for line in (args.out / "samples.jsonl").read_text().splitlines():
         r = json.loads(line)
         if "raw" in r:
             raw[(r["subtask"] if args.task not in ("gsm8k", "mmlu") else args.task, r["doc_id"])] = r["raw"]
+        if args.task == "mmlu":  # (right or not, the log-likelihood of each answer)
+            items[(r["subtask"], r["doc_id"])] = (r["acc"], [x[0] for x in r["response"]])
     # mmlu's headline is weighted by subject size, bbh's the macro average over tasks: as lm-eval's groups
-    return {"seconds": seconds, "cpu": cpu, "n": result["n"], "score": result["value"], "raw": raw,
+    return {"seconds": seconds, "cpu": cpu, "n": result["n"], "score": result["value"], "raw": raw, "items": items,
             "model": (model, tok), "metric": result.get("lm_eval_metric"), "served": result.get("served")}
 
 
@@ -170,14 +177,16 @@ def peer_run(args, subsets: list[str], batch_size: int) -> dict:
         score = sum(values.values()) / len(values)
     else:
         score = sum(values[t] * counts[t] for t in names) / sum(counts.values())
-    raw, contexts = {}, {}
+    raw, contexts, items = {}, {}, {}
     for t, subset in names.items():
         for s in out["samples"][t]:
+            key = (subset, s["doc_id"])
             if isinstance(s["resps"][0][0], str):
-                key = (subset, s["doc_id"])
                 raw[key], contexts[key] = s["resps"][0][0], s["arguments"][0]
+            elif args.task == "mmlu":
+                items[key] = (s["acc"], [r[0][0] for r in s["resps"]])
     return {"seconds": seconds, "cpu": cpu, "n": sum(counts.values()), "score": score, "raw": raw,
-            "contexts": contexts}
+            "contexts": contexts, "items": items}
 
 
 def peer_humaneval(args, model_args: dict, batch_size: int) -> dict:
@@ -263,8 +272,11 @@ def parse_args() -> argparse.Namespace:
                     help="the first N MMLU subjects / BBH tasks, alphabetical (default: mmlu 57, bbh 8)")
     ap.add_argument("--batch-size", type=int, default=16, help="tunelab's batch size")
     ap.add_argument("--peer-batch-sizes", default=None,
-                    help="lm-eval batch sizes to run, comma-separated (default: 8,16,32 for mmlu, else 1,8,16; "
+                    help="lm-eval batch sizes to run, comma-separated (default: 1,2,4,8,16,32 for mmlu, else 1,8,16; "
                          "1 is the parity run of the generation tasks)")
+    ap.add_argument("--tunelab-runs", choices=["once", "interleaved"], default="interleaved",
+                    help="interleaved (default): tunelab before every lm-eval run and once after the last, its median "
+                         "against the fastest lm-eval run, so a change in the machine's load hits both sides")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: each task's own (HumanEval 256)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for both (default 1: on a shared 2-core machine MKL's threads wait on each "
@@ -276,7 +288,7 @@ def parse_args() -> argparse.Namespace:
     defaults = {"mmlu": 7, "gsm8k": 32, "bbh": 2, "humaneval": 16}
     args.limit = args.limit or defaults.get(args.task)
     args.subsets = args.subsets or {"mmlu": 57, "bbh": 8}.get(args.task)
-    args.peer_batch_sizes = args.peer_batch_sizes or ("8,16,32" if args.task == "mmlu" else "1,8,16")
+    args.peer_batch_sizes = args.peer_batch_sizes or ("1,2,4,8,16,32" if args.task == "mmlu" else "1,8,16")
     if args.task not in BENCHMARKS and not (args.include_path or args.data_dir):
         ap.error(f"--task {args.task} needs its local data: --include-path (a task folder) or --data-dir")
     if args.task == "humaneval":
@@ -293,6 +305,76 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def warm_imports() -> None:
+    """Import what either side's timed code imports on first use, before any timing: the first run would pay
+    for it otherwise (tunelab's runs first)."""
+    import lm_eval.evaluator  # noqa: F401
+    import lm_eval.models.huggingface  # noqa: F401
+    import lm_eval.tasks  # noqa: F401
+
+    from tunelab.evals import harness, lm  # noqa: F401
+
+
+def run_all(args, subsets: list[str], peers: list[int]) -> dict:
+    """Every run, in order: tunelab first, then each lm-eval batch size (interleaved: tunelab again after each)."""
+    runs: dict = {}
+
+    def ours(i: int) -> None:
+        name = "tunelab" if i == 0 else f"tunelab #{i + 1}"
+        runs[name] = tunelab_run(args, subsets)
+        if i:  # only the first run's model is kept (the parity check regenerates with it)
+            runs[name].pop("model")
+        print(f"{name} done: {runs[name]['seconds']:.1f} s; requests served by {runs[name].get('served')}; load "
+              f"average {os.getloadavg()[0]:.1f}", flush=True)
+
+    ours(0)
+    args.metric = runs["tunelab"].get("metric")
+    for i, bs in enumerate(peers):
+        runs[f"lm-eval bs {bs}"] = peer_run(args, subsets, bs)
+        print(f"lm-eval batch size {bs} done: {runs[f'lm-eval bs {bs}']['seconds']:.1f} s, load average "
+              f"{os.getloadavg()[0]:.1f}", flush=True)
+        if args.tunelab_runs == "interleaved":
+            ours(i + 1)
+    return runs
+
+
+def report(args, runs: dict) -> None:
+    unit = "questions" if args.task == "mmlu" else "items"
+    print(f"\n{'run':16s} {unit:>9s} {'seconds':>8s} {'items/s':>8s} {'cpu s':>8s} {'score':>9s}")
+    for name, r in runs.items():
+        print(f"{name:16s} {r['n']:9d} {r['seconds']:8.1f} {r['n'] / r['seconds']:8.3f} {r['cpu']:8.1f} "
+              f"{r['score']:9.6f}")
+    ours = [r for k, r in runs.items() if k.startswith("tunelab")]
+    theirs = {k: r for k, r in runs.items() if not k.startswith("tunelab")}
+    seconds, cpu = (statistics.median(r[k] for r in ours) for k in ("seconds", "cpu"))
+    n = ours[0]["n"]
+    best = min(theirs, key=lambda k: theirs[k]["seconds"] / theirs[k]["n"])
+    ratio = (n / seconds) / (theirs[best]["n"] / theirs[best]["seconds"])
+    cpu_best = min(theirs, key=lambda k: theirs[k]["cpu"] / theirs[k]["n"])
+    cpu_ratio = (theirs[cpu_best]["cpu"] / theirs[cpu_best]["n"]) / (cpu / n)
+    print(f"tunelab: {len(ours)} run(s), median {seconds:.1f} s ({cpu:.1f} CPU s); fastest lm-eval: {best} "
+          f"({theirs[best]['seconds']:.1f} s); speed-up {ratio:.2f}x (items/s, wall clock); in CPU seconds per item "
+          f"against {cpu_best}: {cpu_ratio:.2f}x")
+    if len({r["score"] for r in ours}) > 1:
+        print("tunelab's runs gave DIFFERENT scores: " + ", ".join(f"{r['score']:.6f}" for r in ours))
+    diffs = {k: abs(ours[0]["score"] - r["score"]) for k, r in theirs.items()}
+    print("score difference: " + ", ".join(f"{k} {d:.2e}" for k, d in diffs.items())
+          + (" (identical)" if not any(diffs.values()) else ""))
+    if args.task == "mmlu":
+        for k, r in theirs.items():
+            print(f"items against {k}: {item_parity(ours[0]['items'], r['items'])}")
+    elif ours[0]["raw"] and "lm-eval bs 1" in runs:
+        print("\n".join(parity(ours[0], runs["lm-eval bs 1"], args)))
+
+
+def item_parity(ours: dict, theirs: dict) -> str:
+    """MMLU item by item: how many are scored alike (right or wrong), and the largest log-likelihood difference."""
+    keys = sorted(theirs)
+    same = sum(ours.get(k, (None,))[0] == theirs[k][0] for k in keys)
+    gap = max((abs(a - b) for k in keys if k in ours for a, b in zip(ours[k][1], theirs[k][1])), default=float("nan"))
+    return f"{same}/{len(keys)} scored alike, log-likelihoods within {gap:.1e}"
+
+
 def main() -> None:
     args = parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -307,37 +389,12 @@ def main() -> None:
     load = os.getloadavg()
     print(f"model {args.model}, task {args.task}, limit {args.limit}"
           f"{f', {len(subsets)} subsets' if subsets else ''}, tunelab batch {args.batch_size} "
-          f"(passes padded to {packed.ROW_QUANTUM} rows), lm-eval batch sizes "
+          f"(passes padded to {packed.ROW_QUANTUM} rows; runs {args.tunelab_runs}), lm-eval batch sizes "
           f"{peers}, {torch.get_num_threads()} threads, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}",
           flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    import lm_eval.tasks  # noqa: F401 - imported before either side is timed: both then start warm
-
-    from tunelab.evals import harness  # noqa: F401
-    runs = {"tunelab": tunelab_run(args, subsets)}
-    args.metric = runs["tunelab"].get("metric")
-    print(f"tunelab done: {runs['tunelab']['seconds']:.1f} s; requests served by {runs['tunelab'].get('served')}",
-          flush=True)
-    for bs in peers:
-        runs[f"lm-eval bs {bs}"] = peer_run(args, subsets, bs)
-        print(f"lm-eval batch size {bs} done: {runs[f'lm-eval bs {bs}']['seconds']:.1f} s", flush=True)
-    unit = "questions" if args.task == "mmlu" else "items"
-    print(f"\n{'run':16s} {unit:>9s} {'seconds':>8s} {'items/s':>8s} {'cpu s':>8s} {'score':>9s}")
-    for name, r in runs.items():
-        print(f"{name:16s} {r['n']:9d} {r['seconds']:8.1f} {r['n'] / r['seconds']:8.3f} {r['cpu']:8.1f} "
-              f"{r['score']:9.6f}")
-    best = min((n for n in runs if n != "tunelab"), key=lambda n: runs[n]["seconds"] / runs[n]["n"])
-    ours = runs["tunelab"]
-    ratio = (ours["n"] / ours["seconds"]) / (runs[best]["n"] / runs[best]["seconds"])
-    cpu_best = min((n for n in runs if n != "tunelab"), key=lambda n: runs[n]["cpu"] / runs[n]["n"])
-    cpu_ratio = (runs[cpu_best]["cpu"] / runs[cpu_best]["n"]) / (ours["cpu"] / ours["n"])
-    print(f"fastest lm-eval: {best}; speed-up {ratio:.2f}x (items/s, wall clock); in CPU seconds per item "
-          f"against {cpu_best}: {cpu_ratio:.2f}x")
-    diffs = {n: abs(ours["score"] - r["score"]) for n, r in runs.items() if n != "tunelab"}
-    print("score difference: " + ", ".join(f"{n} {d:.2e}" for n, d in diffs.items())
-          + (" (identical)" if not any(diffs.values()) else ""))
-    if runs["tunelab"]["raw"] and "lm-eval bs 1" in runs:
-        print("\n".join(parity(ours, runs["lm-eval bs 1"], args)))
+    warm_imports()
+    report(args, run_all(args, subsets, peers))
     load = os.getloadavg()
     print(f"load average at the end {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
 

@@ -16,7 +16,9 @@ headline ratio is tunelab's best against the peer's best.
 row of each batch by the same collate function), for a like-for-like step. All log every step and are timed
 from the end of the warmup steps to the end of the last step; tokens are each contender's own non-padding
 tokens, so the ratios are useful tokens per second. On CUDA all run fp32 weights with bf16 autocast
-(Trainer's bf16=True); on CPU all run fp32.
+(Trainer's bf16=True); on CPU all run fp32. AdamW is torch's fused kernel on both sides: Trainer's default
+optimizer (`adamw_torch_fused` since torch 2.8) and tunelab's in one process. Each run is a fresh Python
+process, so no contender inherits another's allocator state.
 
 tunelab applies the output head only at positions that carry a label (train/loss.py), so its gain depends
 on the share of positions with a label, which is printed. --data arithmetic is the arithmetic recipe
@@ -24,10 +26,11 @@ on the share of positions with a label, which is printed. --data arithmetic is t
 template, instruction, optional input, a long-tailed reply). --plain-loss-too adds a third contender:
 tunelab's loop with the plain `model(**batch).loss`, which isolates what the head-at-labels loss buys.
 
-With --pack, tunelab trains on the same recipe packed into rows of --max-length tokens (data.pack: true:
-no padding, no attention across examples), with as many rows per step as keep the tokens per step about
-equal to the padded batches'; Trainer keeps the padded batches. Tokens are then each side's own
-non-padding tokens, so the ratio is useful tokens per second.
+With --pack, tunelab trains on the same recipe packed into rows of --max-length tokens ("tunelab packed",
+data.pack: true: no padding, no attention across examples; in one process on CPU each example is attended on
+its own, train/segments.py), with as many rows per step as keep the tokens per step about equal to the
+padded batches'; Trainer trains on the padded batches, grouped by length, and padding-free. Tokens are each
+side's own non-padding tokens, so the ratio is useful tokens per second.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 
@@ -123,14 +127,20 @@ def label_share(batches: list[dict]) -> tuple[float, float]:
     return labelled / sum(b["labels"].numel() for b in batches), labelled / sum(batch_tokens(b) for b in batches)
 
 
-def padding_free_attention(device) -> tuple[str | None, dict[str, float]]:
+def padding_free_attention(device, use_cache: bool | None = None) -> tuple[str | None, dict[str, float]]:
     """The attention implementation under which a `DataCollatorWithFlattening` row (examples one after the
-    other, positions restarting) gives each example's own logits, on a tiny random Llama; None when none
-    does. Also the largest logit difference measured for each implementation tried."""
+    other, positions restarting) gives each example's own logits, on a tiny random Llama called as Trainer
+    calls it; None when none does. Also the largest logit difference measured for each implementation tried.
+
+    Trainer sets `model.config.use_cache` to `TrainingArguments.use_cache` (False unless asked), and that
+    matters: with a cache, transformers builds a plain causal mask and the flattened examples attend to each
+    other; without one it finds the examples where `position_ids` restart. `use_cache` None: Trainer's default."""
     import importlib.util
 
     import torch
     from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM
+
+    use_cache = trainer_use_cache() if use_cache is None else use_cache
 
     tried = (["flash_attention_2"] if device.type == "cuda" and importlib.util.find_spec("flash_attn") else [])
     gaps: dict[str, float] = {}
@@ -140,16 +150,26 @@ def padding_free_attention(device) -> tuple[str | None, dict[str, float]]:
         torch.manual_seed(0)
         config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=4, attn_implementation=attn)
-        model = LlamaForCausalLM(config).to(device).eval()
+        model = LlamaForCausalLM(config).to(device).train()  # no dropout in Llama's config: training mode is exact
+        model.config.use_cache = use_cache  # what Trainer does to the model it is given
         if attn == "flash_attention_2":  # flash-attn runs in half precision only
             model = model.to(torch.bfloat16)
         with torch.no_grad():
-            together = model(input_ids=flat["input_ids"].to(device), position_ids=flat["position_ids"].to(device))
+            together = model(**{k: v.to(device) for k, v in flat.items()})  # the collated batch, as Trainer passes it
             apart = torch.cat([model(torch.tensor([r], device=device)).logits[0] for r in rows])
         gaps[attn] = float((together.logits[0] - apart).abs().max())
         if gaps[attn] < (1e-2 if attn == "flash_attention_2" else 1e-4):  # bf16 for flash-attn
             return attn, gaps
     return None, gaps
+
+
+def trainer_use_cache() -> bool:
+    """The `use_cache` Trainer puts on the model's config by default (`TrainingArguments.use_cache`)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    return next(f.default for f in dataclasses.fields(TrainingArguments) if f.name == "use_cache")
 
 
 def run_trainer(cfg, device, ds, order, pad_id, warmup, mode: str = "ordered",
@@ -187,7 +207,7 @@ def run_trainer(cfg, device, ds, order, pad_id, warmup, mode: str = "ordered",
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(
             output_dir=tmp, max_steps=cfg.train.steps, per_device_train_batch_size=cfg.train.batch_size,
-            learning_rate=cfg.optim.lr, lr_scheduler_type="constant", optim="adamw_torch",
+            learning_rate=cfg.optim.lr, lr_scheduler_type="constant",  # Trainer's default optim: its best
             max_grad_norm=cfg.train.max_grad_norm, logging_steps=1, save_strategy="no", report_to="none",
             use_cpu=device.type == "cpu", bf16=cfg.train.precision == "bf16", dataloader_num_workers=0,
             disable_tqdm=True, remove_unused_columns=False, seed=cfg.train.seed,
@@ -219,7 +239,7 @@ def main() -> int:
     p.add_argument("--records", type=int, default=2000, help="--data alpaca: records to generate")
     p.add_argument("--repeats", type=int, default=1, help="runs of each, alternated; medians reported")
     p.add_argument("--out", type=Path, default=None, help="also write the figures as JSON")
-    p.add_argument("--pack", action="store_true", help="tunelab trains on packed rows (Trainer stays padded)")
+    p.add_argument("--pack", action="store_true", help="tunelab trains on packed rows instead of padded batches")
     p.add_argument("--plain-loss-too", action="store_true",
                    help="also time tunelab's loop with the plain model(**batch).loss")
     args = p.parse_args()
@@ -230,7 +250,9 @@ def main() -> int:
         return measure(args, Path(work) if args.data == "alpaca" else None)
 
 
-def measure(args, data_cache: Path | None) -> int:
+def prepare(args, data_cache: Path, device) -> SimpleNamespace:
+    """The data every contender trains on, and what each one's steps hold: the padded batches in tunelab's
+    order (`order`: row indices), tunelab's length-grouped batches and, with --pack, its packed rows."""
     import torch
 
     from tunelab import models
@@ -238,79 +260,116 @@ def measure(args, data_cache: Path | None) -> int:
     from tunelab.train.data import batch_tokens, loader
     from tunelab.train.loop import BatchStream
 
-    args.model = args.model or default_model()
-    data_cache = data_cache or models.cache_dir()
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          args.device if args.device != "auto" else "cpu")
     cfg = make_cfg(args, device.type)
     _, tok = models.load(cfg.model, "cpu")
     ds = build(cfg.data, tok, data_cache)
+
+    def stream(data, rows: int, grouped: bool = False) -> list[dict]:
+        s = BatchStream(loader(data, rows, tok.pad_token_id, shuffle=True, seed=cfg.train.seed,
+                               group_by_length=grouped))
+        return [next(s) for _ in range(cfg.train.steps)]
+
     # tunelab's row order: the same sampler and generator draws as its loader, over row indices.
     indices = BatchStream(torch.utils.data.DataLoader(range(len(ds["train"])), batch_size=args.batch, shuffle=True,
                                                       generator=torch.Generator().manual_seed(cfg.train.seed)))
-    order = [int(i) for _ in range(cfg.train.steps) for i in next(indices)]
-    stream = BatchStream(loader(ds["train"], args.batch, tok.pad_token_id, shuffle=True, seed=cfg.train.seed))
-    batches = [next(stream) for _ in range(cfg.train.steps)]
-    tokens = [int(b["attention_mask"].sum()) for b in batches]
-    padded = sum(b["attention_mask"].numel() for b in batches)
-    labelled = label_share(batches[args.warmup:])
-
-    tl_cfg, tl_ds, tl_tokens, tl_labelled = cfg, ds, tokens, labelled
+    d = SimpleNamespace(cfg=cfg, tok=tok, ds=ds, order=[int(i) for _ in range(cfg.train.steps) for i in next(indices)])
+    batches = stream(ds["train"], args.batch)
+    d.tokens = [int(b["attention_mask"].sum()) for b in batches]
+    d.padding_share = 1 - sum(d.tokens) / sum(b["attention_mask"].numel() for b in batches)
+    d.labelled = label_share(batches[args.warmup:])
     # tunelab's own length grouping (train.group_by_length), the like of the peer's best padded setting
-    gr_cfg = make_cfg(args, device.type, grouped=True)
-    grouped = BatchStream(loader(ds["train"], args.batch, tok.pad_token_id, shuffle=True, seed=cfg.train.seed,
-                                 group_by_length=True))
-    gr_tokens = [int(next(grouped)["attention_mask"].sum()) for _ in range(cfg.train.steps)]
+    d.gr_cfg = make_cfg(args, device.type, grouped=True)
+    d.gr_tokens = [batch_tokens(b) for b in stream(ds["train"], args.batch, grouped=True)]
+    d.tl_cfg, d.tl_ds, d.tl_tokens, d.tl_labelled = cfg, ds, d.tokens, d.labelled
     if args.pack:  # rows of max_length tokens, as many per step as carry about the padded batch's tokens
-        rows = max(1, round(sum(tokens) / len(tokens) / args.max_length))
-        tl_cfg = make_cfg(args, device.type, pack=True, batch=rows)
-        tl_ds = build(tl_cfg.data, tok, data_cache)
-        packed = BatchStream(loader(tl_ds["train"], rows, tok.pad_token_id, shuffle=True, seed=cfg.train.seed))
-        packed_batches = [next(packed) for _ in range(cfg.train.steps)]
-        tl_tokens = [batch_tokens(b) for b in packed_batches]
-        tl_labelled = label_share(packed_batches[args.warmup:])
+        rows = max(1, round(sum(d.tokens) / len(d.tokens) / args.max_length))
+        d.tl_cfg = make_cfg(args, device.type, pack=True, batch=rows)
+        d.tl_ds = build(d.tl_cfg.data, tok, data_cache)
+        packed = stream(d.tl_ds["train"], rows)
+        d.tl_tokens, d.tl_labelled = [batch_tokens(b) for b in packed], label_share(packed[args.warmup:])
+    return d
 
-    # The peer at its best on this hardware: group_by_length everywhere; padding-free rows where an attention
-    # implementation keeps the examples apart (checked, not assumed). "Trainer" (tunelab's batches) is the
-    # like-for-like step.
+
+def contenders(args, d: SimpleNamespace, device, flat_attn: str | None) -> tuple[dict, list[str], list[str]]:
+    """{name: (function, arguments)} of every contender, the peer's names and tunelab's. The peer at its best on
+    this hardware: group_by_length everywhere; padding-free rows where an attention implementation keeps the
+    examples apart (checked, not assumed). "Trainer" (tunelab's batches) is the like-for-like step."""
+    pad, train_rows = d.tok.pad_token_id, d.ds["train"]
+    ours_name = "tunelab packed" if args.pack else "tunelab"
+    table = {
+        "Trainer": (run_trainer, (d.cfg, device, train_rows, d.order, pad, args.warmup)),
+        "Trainer group_by_length": (run_trainer, (d.cfg, device, train_rows, d.order, pad, args.warmup, "grouped")),
+    }
+    if flat_attn:
+        table[f"Trainer padding-free ({flat_attn})"] = (run_trainer, (d.cfg, device, train_rows, d.order, pad,
+                                                                      args.warmup, "flattened", flat_attn))
+    peers = list(table)
+    table[ours_name] = (run_tunelab, (d.tl_cfg, device, d.tl_ds, d.tok, d.tl_tokens, args.warmup))
+    table["tunelab group_by_length"] = (run_tunelab, (d.gr_cfg, device, d.ds, d.tok, d.gr_tokens, args.warmup))
+    ours = [ours_name, "tunelab group_by_length"]
+    if args.plain_loss_too:
+        table["tunelab-plain-loss"] = (run_tunelab, (d.tl_cfg, device, d.tl_ds, d.tok, d.tl_tokens, args.warmup,
+                                                     True))
+    return table, peers, ours
+
+
+def in_fresh_process(fn, *fn_args):
+    """fn(*fn_args) in a new Python process: each contender starts from the same state (the allocator's free
+    lists and thresholds, the model's memory, tunelab's or transformers' global settings), whatever ran
+    before it, as a user's run does."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *fn_args).result()
+
+
+def measure(args, data_cache: Path | None) -> int:
+    import torch
+
+    from tunelab import models
+
+    args.model = args.model or default_model()
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          args.device if args.device != "auto" else "cpu")
+    d = prepare(args, data_cache or models.cache_dir(), device)
     flat_attn, flat_gaps = padding_free_attention(device)
     print(f"Trainer padding-free (DataCollatorWithFlattening): largest logit difference from the examples run "
           f"apart, {', '.join(f'{k} {v:.1e}' for k, v in flat_gaps.items())}: "
           f"{f'a contender with {flat_attn}' if flat_attn else 'examples attend to each other, not a contender'}",
           file=sys.stderr, flush=True)
-    peers = ["Trainer", "Trainer group_by_length", *([f"Trainer padding-free ({flat_attn})"] if flat_attn else [])]
-    ours = ["tunelab", "tunelab group_by_length"]  # with --pack, "tunelab" is the packed rows
-    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in [*peers, *ours]}
-    if args.plain_loss_too:
-        runs["tunelab-plain-loss"] = []
-    contenders = {
-        "Trainer": lambda: run_trainer(cfg, device, ds["train"], order, tok.pad_token_id, args.warmup),
-        "Trainer group_by_length": lambda: run_trainer(cfg, device, ds["train"], order, tok.pad_token_id,
-                                                       args.warmup, "grouped"),
-        f"Trainer padding-free ({flat_attn})": lambda: run_trainer(cfg, device, ds["train"], order,
-                                                                   tok.pad_token_id, args.warmup, "flattened",
-                                                                   flat_attn),
-        "tunelab": lambda: run_tunelab(tl_cfg, device, tl_ds, tok, tl_tokens, args.warmup),
-        "tunelab group_by_length": lambda: run_tunelab(gr_cfg, device, ds, tok, gr_tokens, args.warmup),
-        "tunelab-plain-loss": lambda: run_tunelab(tl_cfg, device, tl_ds, tok, tl_tokens, args.warmup,
-                                                  plain_loss=True),
-    }
+    table, peers, ours = contenders(args, d, device, flat_attn)
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in table}
     for i in range(args.repeats):  # alternated, so a change in machine load hits all alike
-        for name in runs:
-            runs[name].append(contenders[name]())
+        for name, (fn, fn_args) in table.items():
+            runs[name].append(in_fresh_process(fn, *fn_args))
             # Each run as it ends: a long benchmark stopped early still leaves its figures.
             print(f"run {i + 1} {name}: {runs[name][-1][0]:.1f} tokens/s, {runs[name][-1][1]:.1f} tokens/CPU-s, "
                   f"load average {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
+    result = summarize(args, d, device, runs, peers, ours)
+    result["peer_padding_free"] = {"attention": flat_attn, "largest_logit_difference": flat_gaps}
+    print(json.dumps(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def summarize(args, d: SimpleNamespace, device, runs: dict, peers: list[str], ours: list[str]) -> dict:
+    """Medians, the ratios, and a printed table."""
+    import torch
+    from transformers import TrainingArguments
+
     wall = {k: statistics.median(w for w, _ in v) for k, v in runs.items()}
     cpu = {k: statistics.median(c for _, c in v) for k, v in runs.items()}
     result = {
         "model": args.model, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
         f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
-        "precision": cfg.train.precision, "data": args.data, "batch": args.batch, "max_length": args.max_length,
-        "steps_timed": args.steps, "repeats": args.repeats, "padding_share": round(1 - sum(tokens) / padded, 3),
-        "label_share_of_positions": round(labelled[0], 3), "label_share_of_tokens": round(labelled[1], 3),
-        "tunelab_packed": args.pack, "tunelab_rows_per_step": tl_cfg.train.batch_size,
-        "tunelab_label_share_of_positions": round(tl_labelled[0], 3),
+        "precision": d.cfg.train.precision, "data": args.data, "batch": args.batch, "max_length": args.max_length,
+        "steps_timed": args.steps, "repeats": args.repeats, "padding_share": round(d.padding_share, 3),
+        "label_share_of_positions": round(d.labelled[0], 3), "label_share_of_tokens": round(d.labelled[1], 3),
+        "tunelab_packed": args.pack, "tunelab_rows_per_step": d.tl_cfg.train.batch_size,
+        "tunelab_label_share_of_positions": round(d.tl_labelled[0], 3),
+        "trainer_optim": getattr(TrainingArguments(output_dir="unused").optim, "value", None),
         "tokens_per_s": {k: round(v, 1) for k, v in wall.items()},
         "tokens_per_cpu_s": {k: round(v, 1) for k, v in cpu.items()},
         "runs_tokens_per_s": {k: [round(w, 1) for w, _ in v] for k, v in runs.items()},
@@ -318,27 +377,25 @@ def measure(args, data_cache: Path | None) -> int:
         # the headline: each side at its best
         "ratio": round(max(wall[k] for k in ours) / max(wall[k] for k in peers), 3),
         "ratio_grouped": round(wall["tunelab group_by_length"] / wall["Trainer group_by_length"], 3),
-        "ratio_same_batches": round(wall["tunelab"] / wall["Trainer"], 3),
         "ratio_cpu_time": round(max(cpu[k] for k in ours) / max(cpu[k] for k in peers), 3),
-        "peer_padding_free": {"attention": flat_attn, "largest_logit_difference": flat_gaps},
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
     }
+    if not args.pack:
+        result["ratio_same_batches"] = round(wall["tunelab"] / wall["Trainer"], 3)
     if args.plain_loss_too:
         result["ratio_plain_loss"] = round(wall["tunelab-plain-loss"] / wall["Trainer"], 3)
-    print(f"{'':30} {'tokens/s':>10} {'tokens/CPU-s':>13}")
+    print(f"{'':34} {'tokens/s':>10} {'tokens/CPU-s':>13}")
     for k in runs:
-        print(f"{k:30} {wall[k]:10.1f} {cpu[k]:13.1f}")
+        print(f"{k:34} {wall[k]:10.1f} {cpu[k]:13.1f}")
+    same = f"; on the same batches {result['ratio_same_batches']:.3f}" if not args.pack else ""
     print(f"ratio tunelab's best ({result['tunelab_best']}) / the peer's best ({result['peer_best']}): "
           f"{result['ratio']:.3f} wall, {result['ratio_cpu_time']:.3f} CPU time; both grouped by length "
-          f"{result['ratio_grouped']:.3f}; on the same batches {result['ratio_same_batches']:.3f}  "
-          f"({result['model']}, {result['device']}, {result['precision']}, {args.data}, batch {args.batch}, "
-          f"padding {result['padding_share']:.0%} of positions, labels on {labelled[0]:.0%} of positions, "
-          f"median of {args.repeats}, load average at the end {result['load_average'][0]})")
-    print(json.dumps(result))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+          f"{result['ratio_grouped']:.3f}{same}  ({result['model']}, {result['device']}, {result['precision']}, "
+          f"{args.data}, batch {args.batch}, padding {d.padding_share:.0%} of positions, labels on "
+          f"{d.labelled[0]:.0%} of positions, median of {args.repeats}, load average at the end "
+          f"{result['load_average'][0]})")
+    return result
 
 
 if __name__ == "__main__":

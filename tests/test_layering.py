@@ -29,7 +29,7 @@ PACKAGE = REPO / "platform" / "tunelab"
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"tunelab", "tunelab.errors", "tunelab.config", "tunelab.registry", "tunelab.registries",
               "tunelab.store", "tunelab.paths", "tunelab.events", "tunelab.services", "tunelab.cellfolder",
-              "tunelab.matrixfolder", "tunelab.layouts"}),
+              "tunelab.matrixfolder", "tunelab.layouts", "tunelab.stepscores"}),
     # Optimizer classes import torch and each other only: the planner reads their constructors' signatures.
     ("optimizers", {"tunelab.train.optimizers*"}),
     ("plan", {"tunelab.plan*"}),
@@ -41,7 +41,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("report", {"tunelab.report*", "tunelab.tracking", "tunelab.listing"}),
     ("tools", {"tunelab.export", "tunelab.modelcard", "tunelab.chat", "tunelab.clean"}),
     ("orchestrate", {"tunelab.matrix", "tunelab.launch", "tunelab.outcome", "tunelab.slurm", "tunelab.runview",
-                     "tunelab.runner", "tunelab.experiment", "tunelab.cell", "tunelab.inputs", "tunelab.tune*"}),
+                     "tunelab.runner", "tunelab.experiment", "tunelab.cell", "tunelab.inputs", "tunelab.tune*",
+                     "tunelab.ckpteval", "tunelab.beside", "tunelab.along"}),
     ("cli", {"tunelab.cli*"}),
 ]
 NAMES = [name for name, _ in LAYERS]

@@ -135,8 +135,9 @@ def _train(run: CellRun) -> tuple[Any, Any, dict, float | None]:
     import torch
     from transformers import set_seed
 
-    from tunelab import train
+    from tunelab import along, train
     from tunelab.data import build  # noqa: F401 - imported before the baseline below: libraries are not training
+    from tunelab.stepscores import StepScores
     from tunelab.train import parallel, peft
     from tunelab.train.validation import Validation
 
@@ -157,17 +158,20 @@ def _train(run: CellRun) -> tuple[Any, Any, dict, float | None]:
         model, weights = parallel.with_adapters(model, lambda m: peft.apply(m, cfg.peft), files)
     run.timings["setup_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    result = train.run(model, tokenizer, datasets, cfg, run.folder, run.emit, runtime=rt,
-                       validation=Validation.of(cfg.eval), weights=weights, stop_at=run.stop_at,
-                       validate_at=run.validate_at)
-    run.timings["train_s"] = time.perf_counter() - t0
+    with along.evaluators(run.folder, cfg, rt):  # checkpoint evaluators beside training (eval.checkpoints)
+        result = train.run(model, tokenizer, datasets, cfg, run.folder, run.emit, runtime=rt,
+                           validation=Validation.of(cfg.eval), weights=weights, retention=StepScores(run.folder, cfg),
+                           stop_at=run.stop_at, validate_at=run.validate_at)
+        run.timings["train_s"] = time.perf_counter() - t0
     before = _gather(rss_before)
+    selected = False  # final/ holds another step's weights than the last (train.select)
     if rt.is_main:
         write_json(run.folder.memory_file, {
             "kind": result.peak_mem_kind, "peak_mb": result.peak_mem_mb_ranks, "rss_before_load_mb": before})
+        selected = along.after_training(run.folder, cfg, rt, run.emit, result.model, tokenizer, run.timings)
         run.folder.write_status("running", timings=run.timings, trained=cfg.train.save_final)
         run.summary({f"train/{k}": v for k, v in result.summary().items()})
-    return result.model, tokenizer, datasets, result.val_loss
+    return result.model, tokenizer, datasets, None if selected else result.val_loss
 
 
 def _rss_mb() -> float:
@@ -187,42 +191,39 @@ def _gather(value: float) -> list[float]:
     return out
 
 
-def _load_trained(run: CellRun) -> tuple[Any, Any, dict | None, float | None]:
-    """The saved final/ weights (base + adapter for PEFT cells) and the datasets, for another evaluation."""
-    from tunelab.data.build import build as build_data
-    from tunelab.paths import cache_dir
-    from tunelab.registries import TASKS
+def _load_trained(run: CellRun) -> tuple[Any, Any, dict | None, float | None] | None:
+    """The saved final/ weights (base + adapter for PEFT cells) and the datasets, for another evaluation; first
+    the checkpoints' evaluation. None when the final evaluation is done already (only checkpoints were new)."""
+    from tunelab import along, ckpteval
     from tunelab.train import peft
     from tunelab.train.validation import Validation
 
+    if run.cfg.eval.checkpoints is not None:
+        along.score(run.folder, run.cfg, run.rt, run.emit)  # the checkpoints it has (a new eval.checkpoints)
+    if run.folder.eval_done(run.cfg.eval.id()):
+        return None
     run.emit(Stage("load"))
     model, tokenizer = peft.load_trained(run.cfg, run.folder.final, run.rt)
     summary = run.folder.summary()
-    val = Validation.of(run.cfg.eval)
-    # The training stage's final validation loss counts when it was measured the way this evaluation asks.
-    same = summary.get("validation") == val.settings()
-    stand_ins = any(t in TASKS and TASKS[t].stand_in for t in run.cfg.eval.tasks)  # checked against training
-    datasets = build_data(run.cfg.data, tokenizer, cache_dir()) if val.final or stand_ins else None
+    # The training stage's final validation loss counts when it was measured the way this evaluation asks, on
+    # the weights final/ holds (not when a selection put another step's there).
+    same = summary.get("validation") == Validation.of(run.cfg.eval).settings() and \
+        run.folder.selection().get("step", run.cfg.train.steps) == run.cfg.train.steps
+    datasets = ckpteval.cell_data(run.cfg, tokenizer) if ckpteval.needs_data(run.cfg.eval) else None
     return model, tokenizer, datasets, summary.get("val_loss") if same else None
 
 
 def _evaluate(run: CellRun, model: Any, tokenizer: Any, datasets: dict | None, val_loss: float | None) -> None:
-    from tunelab import evals
-    from tunelab.report.scores import Score, wandb_key
+    from tunelab import ckpteval, evals
+    from tunelab.report.scores import Score, wandb_key, wandb_value
     from tunelab.train import peft
 
     t0 = time.perf_counter()
-    ctx = evals.Context(out_dir=run.folder.eval_dir(run.cfg.eval.id()),
-                        validation=datasets["validation"] if datasets else None, val_loss=val_loss,
-                        train=datasets["train"] if datasets else None,
-                        model_note=run.folder.env().get("model", {}).get("note"))
+    ctx = ckpteval.context(run.folder, run.folder.eval_dir(run.cfg.eval.id()), datasets, val_loss)
     scores = evals.run(peft.for_eval(model), tokenizer, run.cfg.eval, ctx, run.emit)
     run.timings["eval_s"] = time.perf_counter() - t0
-    summary = {}
-    for task, res in scores["tasks"].items():  # the subset and unavailable marks travel to W&B too
-        s = Score.of(task, res)
-        summary[wandb_key(s)] = s.value if s.ok else ("unavailable" if s.status != "ok" else None)
-    run.summary({k: v for k, v in summary.items() if v is not None})
+    shown = [Score.of(task, res) for task, res in scores["tasks"].items()]  # marks travel to W&B too
+    run.summary({wandb_key(s): v for s in shown if (v := wandb_value(s)) is not None})
 
 
 def _start(run: CellRun, evaluate_only: bool) -> None:
@@ -257,7 +258,8 @@ def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None =
         runtime.check_host(cfg, file=folder.config_file)
         stages = _load_trained(run) if evaluate_only else _train(run)
         if main:  # evaluation needs the whole model: one process does it while the others wait
-            _evaluate(run, *stages)
+            if stages is not None:  # None: only checkpoints were left to score (_load_trained did)
+                _evaluate(run, *stages)
             run.finish()
             folder.write_status("done", finished_at=time.time(), timings=run.timings)
         _barrier()

@@ -8,6 +8,9 @@ chat and clean all read and write it through `CellFolder`.
       checkpoints/step-N/            what a resume needs (train/checkpoint.py writes inside)
       eval/<eval-id>/results.json    eval-id = EvalCfg.id(): each evaluation config names its results
       eval/<eval-id>/samples.jsonl
+      eval/<eval-id>/step-N/         a checkpoint's evaluation (eval.checkpoints; eval-id: its settings' id),
+                                     results.json and samples.jsonl, the folder renamed into place once complete
+      train/selection.json           which checkpoint final/ holds (train.select)
 
 So adding a task to a finished matrix evaluates the saved final/ weights again and trains nothing. Folders
 of the first layout (the id hashed the eval section too, eval/results.json) are migrated on first touch
@@ -17,7 +20,10 @@ of the first layout (the id hashed the eval section too, eval/results.json) are 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +39,15 @@ STATES = ("pending", "running", "done", "failed")
 # What status.json says of one attempt: its failure, or the note of how it stopped ("interrupted", requeued).
 ATTEMPT_FIELDS = ("error", "traceback", "exit", "log_tail", "bad_input", "note")
 LOG_TAIL_LINES = 20  # of cell.log, kept in status.json when a cell fails
+STEP_DIR = re.compile(r"^step-(\d+)$")  # checkpoints/step-N/ and eval/<eval-id>/step-N/
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every step-N folder under `root`, by step (none when root is missing)."""
+    if not root.is_dir():
+        return []
+    found = ((STEP_DIR.match(p.name), p) for p in root.iterdir() if p.is_dir())
+    return sorted((int(m.group(1)), p) for m, p in found if m)
 
 
 class At:
@@ -59,6 +74,7 @@ class CellFolder:
     metrics_file = At("train", "metrics.jsonl")
     summary_file = At("train", "summary.json")
     memory_file = At("train", "memory.json")
+    selection_file = At("train", "selection.json")
     final = At("final")
     checkpoints = At("checkpoints")
 
@@ -67,6 +83,29 @@ class CellFolder:
 
     def results_file(self, eval_id: str) -> Path:
         return self.eval_dir(eval_id) / "results.json"
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoints / f"step-{step}"
+
+    def checkpoint_steps(self) -> list[int]:
+        """The steps whose checkpoints are in checkpoints/ (complete ones: each is renamed into place)."""
+        return [s for s, _ in step_dirs(self.checkpoints)]
+
+    def step_dir(self, eval_id: str, step: int) -> Path:
+        """A checkpoint's evaluation: eval/<eval-id>/step-N/ (it exists once complete)."""
+        return self.eval_dir(eval_id) / f"step-{step}"
+
+    def step_results(self, eval_id: str, step: int) -> dict[str, Any]:
+        return read_json(self.step_dir(eval_id, step) / "results.json") or {}
+
+    def step_evaluations(self, eval_id: str) -> dict[int, dict[str, Any]]:
+        """Every checkpoint evaluation of `eval_id` written so far: step -> results.json."""
+        found = ((s, read_json(d / "results.json")) for s, d in step_dirs(self.eval_dir(eval_id)))
+        return {s: res for s, res in found if res is not None}
+
+    def selection(self) -> dict[str, Any]:
+        """train/selection.json: the step final/ holds and why (train.select); {} without a selection."""
+        return read_json(self.selection_file) or {}
 
     # -- reading -----------------------------------------------------------------------------------------
     def exists(self) -> bool:
@@ -184,6 +223,19 @@ class CellFolder:
                 status.pop(key, None)
         write_json(self.status_file, status)
         return status
+
+    def replace_final(self, write: Callable[[Path], None]) -> None:
+        """final/ replaced by what `write` puts into a fresh folder (the checkpoint a selection chose): written
+        beside it, then swapped in by two renames."""
+        new, old = self.path / ".final-new", self.path / ".final-old"
+        for stale in (new, old):
+            shutil.rmtree(stale, ignore_errors=True)
+        new.mkdir()
+        write(new)
+        if self.final.exists():
+            os.replace(self.final, old)
+        os.replace(new, self.final)
+        shutil.rmtree(old, ignore_errors=True)
 
     # -- the first layout --------------------------------------------------------------------------------
     def config_id(self) -> str | None:

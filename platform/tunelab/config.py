@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tunelab.registries import DEFAULT_ENGINE, TASKS  # names of the help texts
 
@@ -107,6 +107,15 @@ def world_size(cfg: ParallelCfg) -> int:
     return cfg.dp * cfg.tp * cfg.pp
 
 
+class SelectCfg(Section):
+    """Which checkpoint becomes final/: the best by a score of the checkpoint evaluation (eval.checkpoints)."""
+
+    metric: str = Field(description="a task of the checkpoint evaluation that scores a validation split (val_loss, "
+                        "or a registered task with split validation); a test set is refused")
+    mode: Literal["max", "min"] | None = Field(None, description="max or min; null = the task's own direction "
+                                               "(val_loss: min)")
+
+
 class TrainCfg(Section):
     steps: int = Field(20, gt=0, description="optimizer steps")
     batch_size: int = Field(4, gt=0, description="examples per micro-batch")
@@ -135,6 +144,53 @@ class TrainCfg(Section):
         None, gt=0, description="checkpoint to checkpoints/step-N/ every N steps (and at the end); null = off")
     keep_checkpoints: int = Field(1, gt=0, description="how many of the latest checkpoints to keep")
     resume: bool = Field(True, description="a cell that finds a checkpoint resumes from the latest one")
+    select: SelectCfg | None = Field(None, description="final/ = the checkpoint of eval.checkpoints that scores best "
+                                     "on this validation metric (instead of the last step)")
+    keep_best: int | None = Field(None, gt=0, description="with select: keep only the best k evaluated checkpoints "
+                                  "(and the latest keep_checkpoints); null = keep every evaluated one")
+
+
+class CheckpointsCfg(Section):
+    """Scores along training: the evaluation of saved checkpoints (docs/evaluation.md, "Scores along training").
+    Its settings are the eval section's, with `suite`, `tasks`, `limit` and `settings` put over them."""
+
+    every: int | None = Field(None, gt=0, description="evaluate the checkpoint of every N-th step, and of the last")
+    at: list[int] | None = Field(None, min_length=1, description="evaluate the checkpoints of these steps")
+    suite: str | None = Field(None, description="a suite for the checkpoints (e.g. a smaller one): its keys replace "
+                              "the eval section's; null = the eval section's settings")
+    tasks: list[str] | None = Field(None, description="tasks scored at each checkpoint; null = the suite's, else the "
+                                    "eval section's")
+    limit: int | None = Field(None, gt=0, description="examples per task at each checkpoint (replaces every limit)")
+    settings: dict[str, Any] = Field(default_factory=dict, description="any other eval keys for the checkpoints "
+                                     "(e.g. {max_new_tokens: 64}); the plan puts the suite's keys here")
+    workers: int | None = Field(None, ge=0, description="evaluator processes beside training; 0 = after training, "
+                                "in the cell's process; null = 1 when the cell trains on CUDA, else 0")
+
+    @model_validator(mode="after")
+    def _one_schedule(self) -> CheckpointsCfg:
+        if (self.every is None) == (self.at is None):
+            raise ValueError("give exactly one of every (a checkpoint every N steps) and at (a list of steps)")
+        if self.at is not None and (any(s <= 0 for s in self.at) or len(set(self.at)) != len(self.at)):
+            raise ValueError("at: distinct steps, each at least 1")
+        return self
+
+    def steps(self, total: int) -> tuple[int, ...]:
+        """The steps whose checkpoints are evaluated, for a run of `total` steps."""
+        if self.at is not None:
+            return tuple(sorted(s for s in self.at if s <= total))
+        assert self.every is not None
+        return tuple(sorted({*range(self.every, total + 1, self.every), total}))
+
+    def workers_on(self, cuda: bool) -> int:
+        return self.workers if self.workers is not None else int(cuda)
+
+    def mode(self) -> str:
+        """Where they run, in words (`exp plan`)."""
+        if self.workers is None:
+            return "beside training (1 process) on CUDA, after training on CPU"
+        if self.workers == 0:
+            return "after training, in the cell's process"
+        return f"beside training ({self.workers} process{'es' if self.workers > 1 else ''})"
 
 
 class EvalCfg(Section):
@@ -164,6 +220,9 @@ class EvalCfg(Section):
     allow_unsandboxed: bool = Field(
         False, description="run HumanEval's generated code even where the kernel offers no sandbox (bubblewrap "
                            "with user namespaces): only on a machine you can lose; recorded in results.json")
+    checkpoints: CheckpointsCfg | None = Field(
+        None, description="also score saved checkpoints along training: {every: N} or {at: [steps]}, optionally "
+                          "with a smaller suite, tasks, limit, and workers (evaluator processes beside training)")
 
     @field_validator("limits")
     @classmethod
@@ -177,9 +236,25 @@ class EvalCfg(Section):
 
     def id(self) -> str:
         """Names this evaluation's results: eval/<id>/results.json in a cell's folder. Keys added later are left
-        out while at their default, so evaluations made before them keep their ids (as LATER_KEYS below)."""
-        dump = self.model_dump(mode="json")
+        out while at their default, so evaluations made before them keep their ids (as LATER_KEYS below). The
+        checkpoints' evaluation is not part of it: adding one leaves the final evaluation where it is."""
+        dump = self.model_dump(mode="json", exclude={"checkpoints"})
         return content_id({k: v for k, v in dump.items() if k not in EVAL_LATER_KEYS or v != EVAL_LATER_KEYS[k]})
+
+    def at_checkpoints(self) -> EvalCfg | None:
+        """The evaluation each checkpoint gets: this section with the checkpoints' suite keys (put into
+        `settings` at plan time), settings, tasks and limit over it; None without eval.checkpoints. Its id names
+        eval/<id>/step-N/ (the same folder as the final evaluation's when nothing differs)."""
+        ck = self.checkpoints
+        if ck is None:
+            return None
+        raw = {**self.model_dump(mode="json", exclude={"checkpoints"}), **ck.settings}
+        raw["suite"] = ck.suite or self.suite
+        if ck.tasks is not None:
+            raw["tasks"] = ck.tasks
+        if ck.limit is not None:
+            raw["limit"], raw["limits"] = ck.limit, {}
+        return EvalCfg.model_validate(raw)
 
 
 EVAL_LATER_KEYS = {"include_path": None}
@@ -196,7 +271,8 @@ class TrackingCfg(Section):
 
 # Training keys added after cells were first run, left out of a cell's identity while at their default (which
 # trains as before the key existed), so that run folders made earlier keep their ids and are not trained again.
-LATER_KEYS = {("train", "group_by_length"): False, ("train", "loss_chunk"): None}
+LATER_KEYS = {("train", "group_by_length"): False, ("train", "loss_chunk"): None, ("train", "select"): None,
+              ("train", "keep_best"): None}
 
 
 class CellConfig(Section):
@@ -219,7 +295,19 @@ class CellConfig(Section):
                 del ident[section][key]
         if self.train.eval_every:
             ident["validation"] = {"batch_size": self.eval.batch_size, "val_batches": self.eval.val_batches}
+        if self.train.select is not None:  # final/ is the checkpoint this evaluation scores best
+            ident["selection"] = {"steps": list(self.checkpoint_steps()), "eval": self.checkpoint_eval_id()}
         return ident
+
+    def checkpoint_steps(self) -> tuple[int, ...]:
+        """The steps whose checkpoints eval.checkpoints evaluates (none without it)."""
+        ck = self.eval.checkpoints
+        return ck.steps(self.train.steps) if ck is not None else ()
+
+    def checkpoint_eval_id(self) -> str | None:
+        """The id of the checkpoints' evaluation: eval/<id>/step-N/ (None without eval.checkpoints)."""
+        ecfg = self.eval.at_checkpoints()
+        return ecfg.id() if ecfg is not None else None
 
     def id(self) -> str:
         """The cell's folder key (a hash of `identity`)."""

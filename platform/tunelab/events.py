@@ -11,6 +11,8 @@ On the wire (the cell process's stdout, one JSON object per line) each event is 
     {"stage": "eval_progress", "task": "mmlu", "done": 40,     EvalProgress: items of the task scored so far
      "total": 57}
     {"stage": "data_progress", "done": 2000, "total": 5000}    DataProgress: examples tokenized so far
+    {"stage": "checkpoint_scores", "step": 4, "scores":         CheckpointScores: the scores of a checkpoint
+     {"checkpoint/val_loss": 1.7}}                             (eval.checkpoints), keyed as W&B shows them
 
 Anything else on that stream is not an event (`decode` returns None) and goes to the cell's log.
 """
@@ -60,10 +62,16 @@ class DataProgress:
     total: int
 
 
-Event = Stage | Step | Resumed | EvalTask | EvalProgress | DataProgress
+@dataclass(frozen=True)
+class CheckpointScores:
+    step: int
+    scores: dict[str, float | str | None] = field(default_factory=dict)  # "unavailable": said, not a gap
+
+
+Event = Stage | Step | Resumed | EvalTask | EvalProgress | DataProgress | CheckpointScores
 Emit = Callable[[Event], None]
 _BY_TAG: dict[str, type] = {"train": Step, "resume": Resumed, "eval": EvalTask, "eval_progress": EvalProgress,
-                            "data_progress": DataProgress}  # wire tag -> event class (Stage: its name)
+                            "data_progress": DataProgress, "checkpoint_scores": CheckpointScores}  # wire tag -> class
 _TAG = {cls: tag for tag, cls in _BY_TAG.items()}
 
 

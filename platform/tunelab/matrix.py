@@ -143,6 +143,12 @@ class Cell:
         """Processes its training needs (the runner starts that many under torchrun)."""
         return world_size(self.config.parallel)
 
+    @property
+    def checkpoints(self) -> dict[str, Any] | None:
+        """Its checkpoints' evaluation: {eval_id, steps} (eval/<eval_id>/step-N/), None without one."""
+        ecfg = self.config.checkpoint_eval_id()
+        return None if ecfg is None else {"eval_id": ecfg, "steps": list(self.config.checkpoint_steps())}
+
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     """{'optim': {'lr': 1}} -> {'optim.lr': 1}; dotted keys pass through."""
@@ -348,8 +354,9 @@ def _configs(spec: MatrixFile, path: Path, combos: list[tuple[dict[str, Any], di
         where = {**origins, **{k: f"--set {k}" for k in sets}}
         label = "cell " + ", ".join(f"{k}={v}" for k, v in picks.items()) if picks else "base"
         config = checked(raw_cell(spec, picks, sets), path, where, label)
-        if (config.id(), config.eval.id()) not in seen:
-            seen.add((config.id(), config.eval.id()))
+        key = (config.id(), config.eval.id(), config.checkpoint_eval_id(), config.checkpoint_steps())
+        if key not in seen:
+            seen.add(key)
             out.append((config, picks))
     return out
 

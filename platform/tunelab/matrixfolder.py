@@ -35,6 +35,7 @@ class Planned(Protocol):
     def dirname(self) -> str: ...
     @property
     def meta(self) -> dict[str, Any]: ...  # what cells.json says of it besides its id (its part in a search)
+    def checkpoints(self) -> dict[str, Any] | None: ...
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ class MatrixFolder:
     def write_index(self, cells: Iterable[Planned]) -> None:
         """The matrix as last run, so the leaderboard joins each cell's training and its evaluation."""
         write_json(self.index_file, [{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
-                                      **c.meta} for c in cells])
+                                      **({"checkpoints": c.checkpoints} if c.checkpoints else {}), **c.meta}
+                                     for c in cells])
 
     def write_matrix_file(self, text: str, overrides: dict[str, Any]) -> None:
         """The file as run; --set overrides are written on top, so the folder says how its cells were made."""

@@ -181,6 +181,9 @@ class EngineSpec:
     fp32_master: bool = False  # keeps fp32 master weights and gradients of 16-bit parameters (memory model)
     shards_all_from_zero: int = 1  # parameters, gradients and state are divided by dp from this level
     buffers: str = "units"  # communication buffers (memory model): FSDP-style "units" or ZeRO "buckets"
+    # Why one process cannot read its checkpoints' weights ("" = it can): checkpoint evaluation and train.select
+    # load a checkpoint into a one-process model (train/checkpoint.py: load_weights).
+    checkpoints_unreadable: str = ""
 
     def limits(self, p: Any) -> list[str]:
         """What this engine cannot do of a ParallelCfg, with the reason."""
@@ -216,7 +219,8 @@ ENGINES.add("deepspeed", EngineSpec(
     Lazy("tunelab.train.parallel.ds:DeepSpeedStepper"), "DeepSpeed ZeRO 1/2/3 data parallelism, CPU offload",
     "ZeRO data parallelism", dims=("dp",), zero=(1, 2, 3), steps_alone=True, whole_below_zero=3,
     sharded_build="zero3", offloads_weights_from_zero=3, fp32_master=True, shards_all_from_zero=3,
-    buffers="buckets"))
+    buffers="buckets", checkpoints_unreadable="its checkpoints keep ZeRO's flat partitions in DeepSpeed's own format, "
+                                              "which one process does not read"))
 
 # -- eval tasks ----------------------------------------------------------------------------------------------
 
@@ -251,10 +255,11 @@ class TaskSpec:
     stand_in: bool = False  # a smoke stand-in, not the benchmark
     average: str = "micro"  # the headline over items (micro) or the mean of per-subtask scores (macro)
     harness: Harness | None = None  # an lm-eval benchmark: how lm-eval scores it
-    # Where its items come from: a held-out "validation" split may select hyperparameters (tune.metric); a
-    # "test" set may not, unless tune.allow_test_selection says so (and then its selections are marked).
+    # Where its items come from: a held-out "validation" split may choose a checkpoint (train.select) or a search's
+    # configuration (tune.metric); a "test" set may not (plan/checkpoints.py refuses it; a search only with
+    # tune.allow_test_selection, and its selections are then marked).
     split: Literal["validation", "test"] = "test"
-    lower_is_better: bool = False  # the direction a search optimizes it in by default (tune.mode)
+    lower_is_better: bool = False  # the direction a selection or a search optimizes it in by default
 
     def partial(self, n: int) -> bool:
         """Whether n scored items are fewer than the official test set (whatever the reason: a limit, chosen

@@ -35,6 +35,7 @@ from tunelab.matrix import Cell
 from tunelab.matrixfolder import MatrixFolder
 from tunelab.outcome import Outcome, exit_cause
 from tunelab.runview import RunView
+from tunelab.stepscores import StepScores
 from tunelab.store import LOCK_HELD_ENV, LOCKED_EXIT, CellLock, read_json
 
 
@@ -144,7 +145,7 @@ class Runner:
     def skip_reason(self, folder: CellFolder, cell: Cell, probe_lock: bool = True) -> str | None:
         status = folder.status()
         state = status.get("state")
-        if state == "done" and folder.eval_done(cell.eval_id):
+        if state == "done" and folder.eval_done(cell.eval_id) and StepScores(folder, cell.config).settled():
             return "skipped-done"
         if cell.stop_at is not None and (status.get("paused_at") or 0) >= cell.stop_at:
             return "skipped-reached"  # it trained that far in an earlier run (a search's rung)

@@ -50,6 +50,8 @@ def shown(ev: events.Event) -> dict[str, Any]:
         return {"info": f"eval {ev.task}"}
     if isinstance(ev, events.Resumed):
         return {"completed": ev.step, "info": f"resumed from {ev.checkpoint}"}
+    if isinstance(ev, events.CheckpointScores):
+        return {"info": f"checkpoint of step {ev.step} scored"}
     return {"info": ev.name}
 
 

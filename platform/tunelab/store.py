@@ -163,8 +163,8 @@ class CellLock:
 
     POLL_S = 0.2
 
-    def __init__(self, run_dir: Path):
-        self.path = run_dir / ".lock"
+    def __init__(self, run_dir: Path, name: str = ".lock"):
+        self.path = run_dir / name  # another name: a lock of its own in that folder (a checkpoint's evaluation)
         self._f: IO[str] | None = None
 
     def acquire(self, wait: float | None = 0.0) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 from tunelab.config import CellConfig, TrackingCfg
 from tunelab.errors import UserError
-from tunelab.events import Step
+from tunelab.events import CheckpointScores, Step
 from tunelab.store import write_text
 
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # what wandb itself accepts
@@ -115,6 +115,15 @@ class Tracker:
             metrics = {("val/loss" if k == "val_loss" else f"train/{k}"): v for k, v in event.metrics.items()
                        if k != "step" and v is not None}
             self.log(metrics, step=event.step)
+        elif isinstance(event, CheckpointScores) and self.run is not None:
+            # Scored after the steps W&B has seen (out of its step order): plotted against their own axis.
+            try:
+                self.run.define_metric("checkpoint/*", step_metric="checkpoint/step")
+            except Exception as e:  # noqa: BLE001
+                return self._failed("defining the checkpoint axis", e)
+            numbers = {k: v for k, v in event.scores.items() if isinstance(v, (int, float))}
+            self.log({"checkpoint/step": event.step, **numbers})
+            self.summary({f"{k} at step {event.step}": v for k, v in event.scores.items() if k not in numbers})
 
     def log(self, metrics: dict, step: int | None = None) -> None:
         if self.run is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -23,8 +23,10 @@ app.add_typer(eval_app, name="eval", help="Evaluate any model on a suite; fetch 
 
 @eval_app.command("run")
 def run_cmd(
-    model: Annotated[str, typer.Argument(help="catalog alias, local folder (a cell's final/) or hub id")],
-    suite: Annotated[str, typer.Option(help="suite in evals/ (paper, quick, full) or a suite YAML")] = "quick",
+    model: Annotated[str, typer.Argument(help="catalog alias, local folder (a cell's final/), a cell's checkpoint "
+                                              "(CELL/checkpoints/step-N) or hub id")],
+    suite: Annotated[str | None, typer.Option(help="suite in evals/ (paper, quick, full) or a suite YAML; default: "
+                                              "quick, and for a checkpoint its cell's checkpoint settings")] = None,
     out: Annotated[Path, typer.Option(help="folder for results.json and samples.jsonl")] = Path("eval-out"),
     tasks: Annotated[str | None, typer.Option(help="comma-separated tasks (tunelab's, lm-eval's, include-path's), "
                                               "replacing the suite's")] = None,
@@ -38,30 +40,49 @@ def run_cmd(
     """Evaluate MODEL on a suite; writes OUT/results.json and OUT/samples.jsonl."""
     from rich.console import Console
 
-    from tunelab import evals, models, plan
+    from tunelab import plan
+    from tunelab.ckpteval import checkpoint_of
     from tunelab.config import EvalCfg
     from tunelab.errors import UserError, explain
-    from tunelab.report.scores import fmt
-    from tunelab.runtime import device_of
 
     given = {"limit": limit, "data_dir": data_dir, "batch_size": batch_size, "include_path": include_path}
-    raw: dict[str, object] = {"suite": suite, **{k: v for k, v in given.items() if v is not None}}
+    ckpt = checkpoint_of(Path(model))
+    raw: dict[str, object] = {**_settings_of(ckpt, suite), **{k: v for k, v in given.items() if v is not None}}
     if limit is not None:
         raw["limits"] = {}  # the suite's per-task limits too: --limit is the one limit
     if tasks:
         raw["tasks"] = [t.strip() for t in tasks.split(",") if t.strip()]
     try:
-        model_cfg = plan.section_config("model", {"name": model})
+        model_cfg = plan.section_config("model", {"name": model}) if ckpt is None else None
         cfg = plan.eval_config(raw)
     except plan.Invalid as e:
         where = lambda loc: "--" + (".".join(map(str, loc)) or "suite")  # noqa: E731
         raise explain(e, EvalCfg, file="command line", where=where) from None
     if device not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device {device!r}: allowed are auto, cpu, cuda")
+    result = _evaluate(ckpt, model_cfg, cfg, out, device, console := Console())
+    _show(result, out, console)
+
+
+def _evaluate(ckpt: tuple[Any, int] | None, model_cfg: Any, cfg: Any, out: Path, device: str, console: Any) -> dict:
+    """A cell's checkpoint as its cell scores one (ckpteval), or any model by its name."""
+    from tunelab import evals, models
+    from tunelab.runtime import device_of
+
+    if ckpt is not None:
+        from tunelab.ckpteval import evaluate_checkpoint
+
+        with _bars(console) as emit:
+            return evaluate_checkpoint(ckpt[0], ckpt[1], cfg, out, device, emit)
     lm, tok = models.load(model_cfg, device_of(device))
-    console = Console()
     with _bars(console) as emit:
-        result = evals.run(lm, tok, cfg, evals.Context(out_dir=out, model_note=models.source_note(model)), emit)
+        return evals.run(lm, tok, cfg, evals.Context(out_dir=out, model_note=models.source_note(model_cfg.name)), emit)
+
+
+def _show(result: dict, out: Path, console: Any) -> None:
+    from tunelab.errors import UserError
+    from tunelab.report.scores import fmt
+
     for name, r in result["tasks"].items():
         shown = fmt(r.get("value")) if r.get("status", "ok") == "ok" else f"unavailable: {r.get('reason')}"
         console.print(f"{name:12s} {r.get('metric', ''):28s} {shown}", highlight=False, soft_wrap=True)
@@ -72,6 +93,15 @@ def run_cmd(
         # Nothing was scored: a script must not read this as a result.
         raise UserError(f"every requested task was unavailable ({', '.join(result['tasks'])}); see the reasons "
                         f"above and in {out / 'results.json'}")
+
+
+def _settings_of(ckpt, suite: str | None) -> dict:
+    """The settings --suite names; without it, a checkpoint's as its cell scores its checkpoints (or its eval
+    section's), anything else the quick suite's."""
+    if suite is not None or ckpt is None:
+        return {"suite": suite or "quick"}
+    cfg = ckpt[0].config()
+    return (cfg.eval.at_checkpoints() or cfg.eval).model_dump(mode="json", exclude={"checkpoints"})
 
 
 @contextmanager

@@ -39,6 +39,10 @@ def leaderboard_cmd(
                                            "else is folded (e.g. optim.name)")] = None,
     where: Annotated[list[str] | None, typer.Option(help="only cells whose KEY=VALUE (repeatable)")] = None,
     sort: Annotated[str | None, typer.Option(help="column to sort by, best first ('-COLUMN' reverses)")] = None,
+    at_step: Annotated[int | None, typer.Option("--at-step", min=1, help="the scores of each cell's checkpoint of "
+                                                "step N (eval.checkpoints) instead of its final evaluation")] = None,
+    best: Annotated[bool, typer.Option("--best", help="the scores of the checkpoint train.select made final/ (a "
+                                       "cell without a selection: its last step's)")] = False,
     as_json: Json = False,
 ) -> None:
     from tunelab.matrixfolder import open_matrix
@@ -50,10 +54,18 @@ def leaderboard_cmd(
     fmt_ = "json" if as_json else fmt_
     if fmt_ is not None and fmt_ not in leaderboard.FORMATS:
         raise UserError(f"--format {fmt_!r}: allowed are {', '.join(leaderboard.FORMATS)}")
-    board = build(collect(folder.path), aggregate=aggregate, by=by.split(",") if by else None,
-                  where=_where(where or []), sort=sort)
+    if best and at_step is not None:
+        raise UserError("--at-step and --best each choose the checkpoint a row shows: give one of them")
+    records = collect(folder.path, "best" if best else at_step)
+    if at_step is not None and not any(r.scores for r in records):
+        scored = sorted({s for r in records for s in r.curve})
+        raise UserError(f"--at-step {at_step}: no cell has scores of a checkpoint of that step; scored steps: "
+                        f"{', '.join(map(str, scored)) or 'none (eval.checkpoints scores checkpoints)'}")
+    board = build(records, aggregate=aggregate, by=by.split(",") if by else None, where=_where(where or []),
+                  sort=sort)
     leaderboard.write(folder.path)  # the files keep the default view; written once the options proved sound
-    title = f"{folder.name} leaderboard"
+    title = f"{folder.name} leaderboard" + (f" at step {at_step}" if at_step else " at the selected checkpoints"
+                                            if best else "")
     if fmt_ is None:
         return print_wide(leaderboard.to_rich(board, title))
     print(leaderboard.render(board, fmt_, title), end="")

@@ -19,11 +19,22 @@ Example: exp run experiments/tiny.yaml --set train.steps=3 --only 'adamw*'"""
 def _plan_table(name: str, cells: list) -> Table:
     table = Table(title=f"{name}: {len(cells)} cells")
     keys = list(dict.fromkeys(k for c in cells for k in c.varying))
-    for col in ("id", "cell", *keys):
+    scored = any(c.config.eval.checkpoints for c in cells)  # a column for scores along training
+    for col in ("id", "cell", *keys, *(["checkpoints scored"] if scored else [])):
         table.add_column(col)
     for c in cells:
-        table.add_row(c.id, c.slug, *(str(c.varying.get(k)) for k in keys))
+        table.add_row(c.id, c.slug, *(str(c.varying.get(k)) for k in keys), *([_along(c.config)] if scored else []))
     return table
+
+
+def _along(cfg) -> str:
+    """Which checkpoints a cell scores, and where: beside training or after it (eval.checkpoints.workers)."""
+    ck, steps = cfg.eval.checkpoints, cfg.checkpoint_steps()
+    if ck is None:
+        return "-"
+    shown = ",".join(map(str, steps)) if len(steps) <= 6 else f"{steps[0]},{steps[1]},...,{steps[-1]}"
+    select = f"; final/ = best {cfg.train.select.metric}" if cfg.train.select else ""
+    return f"steps {shown} ({len(steps)}): {ck.mode()}{select}"
 
 
 @app.command(rich_help_panel=RUN)
@@ -37,6 +48,7 @@ def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets =
     spec, cells = matrix.load(file, overrides)
     groups = tune_plan.groups(spec, file, overrides)
     rows = [{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
+             "checkpoints": c.checkpoints and {**c.checkpoints, "mode": _along(c.config)},
              "config": c.config.model_dump(mode="json")} for c in cells]
     if as_json:  # a matrix with searches: {"cells": [...], "groups": [...]}
         return print_json({"cells": rows, "groups": show.plan_rows(groups)} if groups else rows)

@@ -113,12 +113,12 @@ class _Lookup:
                     index[tuple(ctx[end - n:end])] = end
         self.upto = len(ctx)
         for n, index in self.index.items():
-            end = index.get(tuple(ctx[-n:]))
-            if end is not None:
+            seen = index.get(tuple(ctx[-n:]))
+            if seen is not None:
                 # Copy what followed, reading on into the copy itself where it runs past the end: after
                 # "a b a b", the match two back drafts "a b a b ..." rather than stopping after "a b".
-                out = ctx[end:end + k]
-                period = len(ctx) - end
+                out = ctx[seen:seen + k]
+                period = len(ctx) - seen
                 while len(out) < k:
                     out.append(out[len(out) - period])
                 return out
@@ -274,7 +274,9 @@ class Decoder(PackedModel):
         tokens."""
         if not admit:
             return []
-        rows, tokens, positions, segments, keep = [], [], [], [], []
+        rows, segments, keep = [], [], []
+        tokens: list[int] = []
+        positions: list[int] = []
         for g, p, i, slot in admit:
             req = requests[i]
             if p and g not in prefixes:
@@ -307,7 +309,9 @@ class Decoder(PackedModel):
         at a time would choose, up to float rounding; a rejected draft costs its rows in the pass."""
         if not active:
             return []
-        tokens, positions, segments, drafts = [], [], [], []
+        segments, drafts = [], []
+        tokens: list[int] = []
+        positions: list[int] = []
         for row in active:
             room = min(row.draft, row.req.max_new_tokens - len(row.tokens) - 1)
             if row.draft == 0 and row.lookup is not None:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 
 from tunelab.evals.generate import MIN_SHARED, Decoder, Request, generation_config_issue, groups_by_prefix
-from tunelab.evals.packed import Segment
+from tunelab.evals.packed import Prefix, Segment
 
 __all__ = ["MIN_SHARED", "SharedPrefixLM", "groups_by_prefix"]
 
@@ -98,6 +98,7 @@ class SharedPrefixLM(HFLM):
             for i, text in zip(theirs, super().generate_until([requests[i] for i in theirs], disable_tqdm)):
                 out[i] = text
         order = list(mine)
+        assert decoder is not None  # _hf_reason names why when there is no engine
         decoder.progress = self.progress
         for i, result in zip(order, decoder.generate([mine[i] for i in order])):
             text = postprocess_generated_text(self.tok_decode(result.tokens), stops[i], None)
@@ -161,11 +162,15 @@ class SharedPrefixLM(HFLM):
         sequences' own tokens `batch_size` at a time in packed passes against it, each attending to the
         prefix and to itself only (no padding: a sequence's numbers do not depend on its neighbours), and
         the output head runs at the scored positions only."""
-        prefix = decoder.run_prefix(seqs[0][:p]) if p else None
+        # room for the group's longest sequence, whatever the batch: the buffers' strides, and so their rounding
+        prefix = Prefix(decoder.run_prefix(seqs[0][:p]), p, max(len(s) for s in seqs) - p) if p else None
         out = {}
         for start in range(0, len(seqs), decoder.batch_size):
             batch = seqs[start:start + decoder.batch_size]
-            tokens, positions, segments, keep = [], [], [], []
+            segments = []
+            tokens: list[int] = []
+            positions: list[int] = []
+            keep: list = []
             for s in batch:
                 tokens += s[p:]
                 positions += range(p, len(s))

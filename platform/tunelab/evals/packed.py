@@ -48,13 +48,37 @@ class Segment:
 
     `start` is the position of its first token. With a `slot`, its keys and values are written into that
     slot at [start, start + length) and it attends to the slot's first start + length positions (the slot
-    already holds the earlier ones). Without one, it attends to `prefix` (layer -> (keys, values) of the
+    already holds the earlier ones). Without one, it attends to `prefix` (the keys and values of the
     positions before `start`, or None when start is 0) and to itself, and nothing is kept."""
 
     start: int
     length: int
     slot: int | None = None
-    prefix: dict | None = None
+    prefix: Prefix | None = None
+
+
+class Prefix:
+    """Keys and values of a shared prefix (`run_prefix`'s layer -> (k, v), its first `length` positions) in
+    buffers with `room` positions after them. A segment that attends to the prefix writes its own keys and
+    values there and attends to the buffer's first length + its own positions, so the prefix is never copied
+    per segment (segments run one after another, so one buffer serves them all). `room` must not depend on
+    the batch (the longest sequence of the prefix's group, say): it sets the buffers' strides."""
+
+    def __init__(self, kv: dict, length: int, room: int) -> None:
+        self.length, self.kv = length, {}
+        for layer, (k, v) in kv.items():
+            kb, vb = (t.new_empty((1, t.shape[1], length + room, t.shape[3])) for t in (k, v))
+            kb[:, :, :length], vb[:, :, :length] = k[:, :, :length], v[:, :, :length]
+            self.kv[layer] = (kb, vb)
+
+    def with_own(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kb, vb = self.kv[layer]
+        end = self.length + k_new.shape[2]
+        if end > kb.shape[2]:
+            raise ValueError(f"a segment of {k_new.shape[2]} tokens after a prefix with room for "
+                             f"{kb.shape[2] - self.length}")
+        kb[:, :, self.length:end], vb[:, :, self.length:end] = k_new, v_new
+        return kb[:, :, :end], vb[:, :, :end]
 
 
 class Slots:
@@ -105,6 +129,7 @@ class _Pass:
         self.batched = not per_row and slots is not None and all(
             s.length == 1 and s.slot is not None for s in segments)
         self.calls = 0  # attention calls seen: the self-check counts them
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}  # (queries, keys) -> mask, the same in every layer
 
     def attend(self, module, query, key, value, scaling) -> torch.Tensor:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -122,14 +147,14 @@ class _Pass:
             b = a + seg.length
             q, k_new, v_new = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]
             if seg.slot is not None:
+                assert self.slots is not None  # a segment with a slot comes with the slots
                 ks, vs = self.slots.layer(layer, key)
                 end = seg.start + seg.length
                 ks[seg.slot, :, seg.start:end] = k_new[0]
                 vs[seg.slot, :, seg.start:end] = v_new[0]
                 k, v = ks[seg.slot:seg.slot + 1, :, :end], vs[seg.slot:seg.slot + 1, :, :end]
             elif seg.prefix is not None:
-                pk, pv = seg.prefix[layer]
-                k, v = torch.cat([pk, k_new], dim=2), torch.cat([pv, v_new], dim=2)
+                k, v = seg.prefix.with_own(layer, k_new, v_new)
             else:
                 k, v = k_new, v_new
             if seg.length == 1:
@@ -140,20 +165,35 @@ class _Pass:
             elif k.shape[2] == seg.length:
                 outs.append(sdpa_attention_forward(module, q, k, v, None, scaling=scaling, is_causal=True)[0])
             else:
-                # the segment sees everything before it and, causally, itself (bottom-right aligned)
-                mask = torch.ones(seg.length, k.shape[2], dtype=torch.bool, device=q.device)
-                mask = mask.tril(k.shape[2] - seg.length)[None, None]
-                outs.append(sdpa_attention_forward(module, q, k, v, mask, scaling=scaling)[0])
+                outs.append(self._attend_after(q, k, v, scaling))
             a = b
         if total > a:
             outs.append(query.new_zeros(1, total - a, heads, dim))
         return torch.cat(outs, dim=1)  # (1, tokens, heads, dim), the layout attention modules expect
+
+    def _attend_after(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        """A segment that sees every key before it and, causally, itself (bottom-right aligned). One SDPA call
+        with each key head's query heads stacked as rows (keys and values are not repeated per query head)
+        under an additive mask made once per pass: what sdpa_attention_forward computes with a boolean mask
+        and repeated keys, up to float rounding, at a fraction of the copying."""
+        _, heads, n, dim = q.shape
+        kv_heads, width = k.shape[1], k.shape[2]
+        groups = heads // kv_heads
+        mask = self._masks.get((n, width))
+        if mask is None:
+            seen = torch.ones(n, width, dtype=torch.bool, device=q.device).tril(width - n)
+            mask = torch.zeros(n, width, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
+            mask = self._masks[(n, width)] = mask.repeat(groups, 1)[None, None]
+        o = F.scaled_dot_product_attention(q.reshape(1, kv_heads, groups * n, dim), k, v, attn_mask=mask,
+                                           scale=scaling)
+        return o.reshape(1, heads, n, dim).transpose(1, 2)  # (1, tokens, heads, dim)
 
     def _attend_batched(self, module, query, key, value, scaling) -> torch.Tensor:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         _, heads, total, dim = query.shape
         n = len(self.segments)
+        assert self.slots is not None  # batched only with slots (__init__)
         ks, vs = self.slots.layer(module.layer_idx, key)
         slot_ids = torch.tensor([s.slot for s in self.segments], device=key.device)
         pos = torch.tensor([s.start for s in self.segments], device=key.device)
@@ -283,7 +323,7 @@ class PackedModel:
                 rest = self.forward(ids[8:11], [8, 9, 10], [Segment(8, 3, slot=1)], [0, 1, 2], slots)
                 calls = self._last_pass.calls
                 step = self.forward(ids[11:], [11], [Segment(11, 1, slot=1)], [0], slots)
-                scored = self.forward(ids[8:], [8, 9, 10, 11], [Segment(8, 4, prefix=prefix)], [3])
+                scored = self.forward(ids[8:], [8, 9, 10, 11], [Segment(8, 4, prefix=Prefix(prefix, 8, 4))], [3])
             if not (len(prefix) == calls == self._last_pass.calls > 0):
                 return False
             got = torch.cat([rest, step, scored]).float()

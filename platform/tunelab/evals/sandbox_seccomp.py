@@ -88,8 +88,9 @@ _NUMBERS = {
     "process_madvise": (440, 440),
 }  # fmt: skip
 _ARCHES = {"x86_64": (0xC000003E, 0), "aarch64": (0xC00000B7, 1)}  # audit arch, column of _NUMBERS
-_TABLES = {machine: (audit, {n: nums[col] for n, nums in _NUMBERS.items() if nums[col] is not None})
-           for machine, (audit, col) in _ARCHES.items()}
+_TABLES: dict[str, tuple[int, dict[str, int]]] = {
+    machine: (audit, {n: nr for n, nums in _NUMBERS.items() if (nr := nums[col]) is not None})
+    for machine, (audit, col) in _ARCHES.items()}
 
 
 def _op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from tunelab import layouts
 from tunelab.config import CellConfig, DataCfg, EvalCfg, ModelCfg
 from tunelab.errors import Invalid, Problem, problems_of
-from tunelab.plan import optim, sections
+from tunelab.plan import checkpoints, optim, sections
 
 __all__ = ["Invalid", "Problem", "cell_config", "check", "eval_config", "section_config"]
 
@@ -56,14 +56,29 @@ def eval_config(raw: dict[str, Any]) -> EvalCfg:
 
 
 def _with_suite(raw: dict, prefix: tuple) -> dict:
-    """The eval section with its suite's settings as defaults (keys the cell sets win)."""
+    """The eval section with its suite's settings as defaults (keys the cell sets win); the checkpoints' suite
+    (eval.checkpoints.suite) put into eval.checkpoints.settings the same way."""
     ev = raw.get("eval") if isinstance(raw, dict) else None
-    if not isinstance(ev, dict) or not ev.get("suite") or not isinstance(ev["suite"], str):
-        return raw  # no suite, or not a name: the schema says what is wrong with it
+    if not isinstance(ev, dict):
+        return raw
+    ck = ev.get("checkpoints")
+    if isinstance(ck, dict) and _named(ck) and isinstance(ck.get("settings", {}), dict):
+        keys = _suite(ck["suite"], (*prefix, "checkpoints", "suite"))
+        ev = {**ev, "checkpoints": {**ck, "settings": {**keys, **ck.get("settings", {})}}}
+    if not _named(ev):
+        return {**raw, "eval": ev}  # no suite, or not a name: the schema says what is wrong with it
+    return {**raw, "eval": {**_suite(ev["suite"], (*prefix, "suite")), **ev}}
+
+
+def _named(section: dict) -> bool:
+    return bool(section.get("suite")) and isinstance(section["suite"], str)
+
+
+def _suite(name: str, loc: tuple) -> dict:
     try:
-        return {**raw, "eval": {**sections.load_suite(ev["suite"]), **ev}}
+        return sections.load_suite(name)
     except ValueError as e:
-        raise Invalid([Problem((*prefix, "suite"), str(e), ev["suite"])]) from None
+        raise Invalid([Problem(loc, str(e), name)]) from None
 
 
 def check(cfg: CellConfig) -> list[Problem]:
@@ -74,4 +89,4 @@ def check(cfg: CellConfig) -> list[Problem]:
         return problems
     across = (optim.compatible(cfg) + layouts.across(cfg) + sections.peft_across(cfg)
               + sections.batching_across(cfg))
-    return [Problem((), "; ".join(across))] if across else []
+    return ([Problem((), "; ".join(across))] if across else []) + checkpoints.check(cfg)

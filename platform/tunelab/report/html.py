@@ -3,8 +3,8 @@
 Everything is inside the file: the figures are base64 PNG data URIs, the style sheet is inline, there is no
 script and no font, stylesheet or icon from elsewhere, so the page opens the same from a laptop, an e-mail or
 a CI artifact, offline. Sections: header (matrix, when, tunelab version, cell counts), the leaderboard
-(report/leaderboard.py's HTML of the default board, with its note on the marks), loss curves, memory and
-speed bars, and the provenance of every score and cell.
+(report/leaderboard.py's HTML of the default board, with its note on the marks), loss curves, scores along
+training (eval.checkpoints), memory and speed bars, and the provenance of every score and cell.
 """
 
 from __future__ import annotations
@@ -122,6 +122,12 @@ def page(matrix_dir: Path, records: list[Record], generated: float | None = None
         *_searches(matrix_dir),
         "<h2>Loss curves</h2>",
         _img(plots.loss_curves(records), "loss curves of every cell", "no cell has logged a training step yet"),
+        "<h2>Scores along training</h2>",
+        _img(plots.score_curves(records), "checkpoint scores against step",
+             "no checkpoint has been scored (eval.checkpoints: {every: N} scores them along training)"),
+        '<p class="note">Each checkpoint\'s scores (eval.checkpoints) against its step, one line per configuration: '
+        "seeds folded into their mean, the band ± one standard deviation over them; a star marks the checkpoint "
+        "train.select made final/. <code>*</code>: a subset of the benchmark.</p>",
         "<h2>Memory and speed</h2>",
         _img(plots.throughput_bars(records), "peak memory and tokens/s per configuration",
              "no cell has finished training yet"),

@@ -1,4 +1,5 @@
-"""The report's figures as PNG bytes: loss curves of every cell, and memory and speed bars per configuration.
+"""The report's figures as PNG bytes: loss curves of every cell, scores along training (each checkpoint's scores
+against its step), and memory and speed bars per configuration.
 
 Figures are drawn on matplotlib's Agg canvas directly (no pyplot): no global figure state, no display, the
 same picture on a laptop and a headless CI machine. The bars take their numbers from the leaderboard's own
@@ -9,6 +10,7 @@ configuration: seeds folded into a mean, the standard deviation over runs as its
 from __future__ import annotations
 
 import io
+import statistics
 from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -18,7 +20,7 @@ from matplotlib.ticker import MaxNLocator
 
 from tunelab.report.records import TRAIN_FIGURES, Record
 from tunelab.report.scores import fmt
-from tunelab.report.table import build
+from tunelab.report.table import build, grouped
 
 DPI = 100
 GROUP_KEYS = ("optim.name", "peft.method")
@@ -115,4 +117,66 @@ def throughput_bars(records: list[Record]) -> bytes | None:
     handles = [Patch(color=color[g], label=g) for g in groups]
     fig.legend(handles=handles, title=" x ".join(GROUP_KEYS), fontsize=8, title_fontsize=8,
                loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=min(4, len(groups)))
+    return _png(fig)
+
+
+def _band(recs: list[Record], task: str) -> tuple[list[int], list[float], list[float]]:
+    """(steps, mean, std over the runs) of one task's checkpoint scores across the runs of a configuration."""
+    steps = sorted({s for r in recs for s, scores in r.curve.items() if task in scores})
+    out: tuple[list[int], list[float], list[float]] = ([], [], [])
+    for s in steps:
+        vals = [sc.value for r in recs if (sc := r.curve.get(s, {}).get(task)) is not None and sc.ok
+                and sc.value is not None]
+        if vals:
+            out[0].append(s)
+            out[1].append(statistics.fmean(vals))
+            out[2].append(statistics.stdev(vals) if len(vals) > 1 else 0.0)
+    return out
+
+
+def _title(recs: list[Record], task: str) -> str:
+    scores = [sc for r in recs for step in r.curve.values() if (sc := step.get(task)) is not None]
+    header = scores[0].header if scores else task
+    marks = ("*" if any(s.subset for s in scores) else "") + \
+        (" (unavailable)" if scores and not any(s.ok for s in scores) else "")
+    return header + marks
+
+
+def score_curves(records: list[Record]) -> bytes | None:
+    """Every checkpoint score (eval.checkpoints) against its step, one panel per task, one line per configuration
+    (the leaderboard's rows: seeds folded into their mean, with a band of ± one standard deviation); a star marks
+    the checkpoint train.select made final/. None when no checkpoint has been scored."""
+    tasks = list(dict.fromkeys(t for r in records for step in sorted(r.curve) for t in r.curve[step]))
+    if not tasks:
+        return None
+    groups = [(label, g) for label, g in grouped(records) if any(r.curve for r in g)]
+    cols = min(3, len(tasks))
+    rows = -(-len(tasks) // cols)
+    fig = Figure(figsize=(3.6 * cols + 1.8, 2.8 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax, task in zip(axes, tasks):
+        for i, (label, g) in enumerate(groups):
+            steps, mean, std = _band(g, task)
+            if not steps:
+                continue
+            ax.plot(steps, mean, color=f"C{i % 10}", marker="o", markersize=3, linewidth=1.4, label=label)
+            if any(std):
+                ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                                color=f"C{i % 10}", alpha=0.2, linewidth=0)
+            for r in g:
+                chosen = r.train.get("final_step")
+                selected = r.config.get("train.select.metric") == task
+                sc = r.curve.get(chosen, {}).get(task) if selected and isinstance(chosen, int) else None
+                if sc is not None and sc.ok:
+                    ax.plot([chosen], [sc.value], marker="*", markersize=11, color=f"C{i % 10}", linestyle="none")
+        ax.set_title(_title(records, task), fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in axes[len(tasks):]:
+        ax.set_visible(False)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, title="configuration", fontsize=8, title_fontsize=8, loc="upper left",
+               bbox_to_anchor=(1.0, 0.95))
+    fig.tight_layout()
     return _png(fig)

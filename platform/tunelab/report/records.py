@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tunelab.cellfolder import CellFolder
 from tunelab.matrixfolder import MatrixFolder
 from tunelab.report.scores import Score
 
-TRAIN_FIGURES = {  # train/summary.json key -> column header, and whether higher is better
+TRAIN_FIGURES = {  # train/summary.json key (or one `read` adds) -> column header, and whether higher is better
     "final_loss": ("train loss", False),
     "tokens_per_s": ("tok/s", True),
     "peak_mem_mb": ("peak MB", False),
     "predicted_peak_mb": ("predicted MB", None),  # exp memory's prediction: not better or worse, a check
     "train_seconds": ("train s", False),
+    "final_step": ("final/ from step", None),  # the checkpoint train.select made final/ (train/selection.json)
+    "scored_step": ("scored at step", None),  # the checkpoint whose scores the row shows (--at-step, --best)
 }
 
 
@@ -32,6 +34,7 @@ class Record:
     results: dict = field(default_factory=dict)  # the evaluation's results.json (provenance, versions)
     env: dict = field(default_factory=dict)
     tune: dict = field(default_factory=dict)  # cells.json's word on its part in a search (tunelab.tune)
+    curve: dict[int, dict[str, Score]] = field(default_factory=dict)  # step -> task -> score (eval.checkpoints)
 
     @property
     def folder(self) -> CellFolder:
@@ -60,20 +63,54 @@ def _entries(matrix: MatrixFolder) -> list[tuple[CellFolder, dict]]:
     return [(f, entry) for entry in index if (f := matrix.find(entry["id"])) is not None]
 
 
-def _state(f: CellFolder, eval_id: str | None) -> str:
-    state = f.status().get("state", "?")
+def _state(f: CellFolder, meta: dict) -> str:
+    state, eval_id, ck = f.status().get("state", "?"), meta.get("eval_id"), meta.get("checkpoints") or {}
     if state == "done" and eval_id is not None and not f.eval_done(eval_id):
         return "pending"  # trained, but not yet evaluated as the matrix now asks
+    if state == "done" and not all(f.step_results(ck["eval_id"], s).get("complete") for s in ck.get("steps", [])):
+        return "pending"  # and its checkpoints not yet
     return state
+
+
+def scores_of(results: dict) -> dict[str, Score]:
+    return {t: Score.of(t, r) for t, r in (results.get("tasks") or {}).items()}
+
+
+def _curve(f: CellFolder, meta: dict) -> dict[int, dict[str, Score]]:
+    """The checkpoints' scores of the cell's checkpoint evaluation (cells.json names it; a folder without one:
+    its own config's)."""
+    eval_id = (meta.get("checkpoints") or {}).get("eval_id")
+    if eval_id is None and "checkpoints" not in meta:
+        try:
+            eval_id = f.config().checkpoint_eval_id()
+        except Exception:  # noqa: BLE001 - a config that no longer validates: no curve
+            eval_id = None
+    return {s: scores_of(res) for s, res in f.step_evaluations(eval_id).items()} if eval_id else {}
 
 
 def read(f: CellFolder, meta: dict) -> Record:
     results = f.results(meta.get("eval_id"))
+    train, selection = f.summary(), f.selection()
+    if "step" in selection:
+        train["final_step"] = selection["step"]
     return Record(dir=f.path, slug=meta.get("slug", f.path.name), id=meta.get("id", ""), eval_id=meta.get("eval_id"),
-                  varying=meta.get("varying", {}), config=flatten(f.raw_config()), state=_state(f, meta.get("eval_id")),
-                  scores={t: Score.of(t, r) for t, r in (results.get("tasks") or {}).items()},
-                  train=f.summary(), results=results, env=f.env(), tune=meta.get("tune") or {})
+                  varying=meta.get("varying", {}), config=flatten(f.raw_config()), state=_state(f, meta),
+                  scores=scores_of(results), train=train, results=results, env=f.env(), curve=_curve(f, meta),
+                  tune=meta.get("tune") or {})
 
 
-def collect(matrix_dir: Path) -> list[Record]:
-    return [read(f, meta) for f, meta in _entries(MatrixFolder(matrix_dir))]
+def at_step(records: list[Record], step: int | str) -> list[Record]:
+    """The records with the scores of one checkpoint instead of the final evaluation: step N, or "best" (the one
+    train.select made final/; the last step for a cell without a selection)."""
+    out = []
+    for r in records:
+        n = step if isinstance(step, int) else r.train.get("final_step", r.config.get("train.steps"))
+        scores = r.curve.get(n, {}) if isinstance(n, int) else {}
+        out.append(replace(r, scores=scores, train={**r.train, "scored_step": n}))
+    return out
+
+
+def collect(matrix_dir: Path, step: int | str | None = None) -> list[Record]:
+    """The cells of a matrix's run folder; `step`: with a checkpoint's scores (at_step)."""
+    records = [read(f, meta) for f, meta in _entries(MatrixFolder(matrix_dir))]
+    return records if step is None else at_step(records, step)

@@ -76,7 +76,12 @@ def marked(value: float | None, subset: bool, unavailable: bool = False, test_se
     return f"{text}{TEST_SELECTED}" if test_selected and value is not None else text
 
 
-def wandb_key(s: Score) -> str:
-    """The W&B summary key of a score: the subset mark travels with the name (eval/mmlu on 57 questions is
-    not MMLU)."""
-    return f"eval/{s.task}" + (f" (subset, n={s.n})" if s.subset else "")
+def wandb_key(s: Score, prefix: str = "eval") -> str:
+    """The W&B key of a score (prefix "checkpoint": a checkpoint's, logged against its step): the subset mark
+    travels with the name (eval/mmlu on 57 questions is not MMLU)."""
+    return f"{prefix}/{s.task}" + (f" (subset, n={s.n})" if s.subset else "")
+
+
+def wandb_value(s: Score) -> float | str | None:
+    """What W&B gets for a score: its value, or "unavailable" (never a silent gap or 0)."""
+    return s.value if s.ok else ("unavailable" if s.status != "ok" else None)

@@ -71,7 +71,9 @@ def value_of(rec: Record, key: str):
 
 def shown_keys(records: list[Record], exclude: tuple[str, ...] = ()) -> list[str]:
     """Varying keys that take more than one value among the cells where they apply."""
-    keys = list(dict.fromkeys(k for r in records for k in r.varying if k not in exclude))
+    # eval.checkpoints changes no number of the board (it adds scores along training, not a column): not shown
+    keys = list(dict.fromkeys(k for r in records for k in r.varying if k not in exclude
+                              and not k.startswith("eval.checkpoints")))
     return [k for k in keys if len({repr(value_of(r, k)) for r in records if applies(k, r.config)}) > 1]
 
 
@@ -179,23 +181,30 @@ def build(records: list[Record], *, aggregate: bool = True, by: list[str] | None
         raise UserError("--where " + " ".join(f"{k}={v}" for k, v in (where or {}).items()) + " matches no cell; "
                         + "; ".join(f"{k} takes {', '.join(vs)}" for k, vs in values.items()))
     records = kept
-    group_keys = by or ([k for k in dict.fromkeys(k for r in records for k in r.varying) if k != SEED]
-                        if aggregate else None)
     keys = by or shown_keys(records, exclude=(SEED,) if aggregate else ())
     if any(r.tune.get("role") in ("tuned", "default") for r in records):
         keys = [*keys, *(k for k in TUNE_KEYS if k not in keys)]
     columns = _columns(records)
-    groups: dict[tuple, list[Record]] = {}
-    for i, r in enumerate(records):
-        gid = tuple(repr(value_of(r, k)) for k in group_keys) if group_keys is not None else (i,)
-        groups.setdefault(gid, []).append(r)
     notes = _model_notes(records) + ([TEST_SELECTED_NOTE] if any(r.tune.get("test_selected") for r in records) else [])
     board = Board(keys, columns, aggregated=aggregate or bool(by), notes=notes)
-    board.rows = [_row(g, keys, columns, _label(g, by, aggregate)) for g in groups.values()]
+    board.rows = [_row(g, keys, columns, label) for label, g in grouped(records, aggregate, by)]
     _mark_best(board)
     if sort:
         _sort(board, sort)
     return board
+
+
+def grouped(records: list[Record], aggregate: bool = True,
+            by: list[str] | None = None) -> list[tuple[str, list[Record]]]:
+    """The leaderboard's rows as groups of records, with their labels: one per configuration (seeds folded),
+    per value of `by`, or per cell (aggregate False)."""
+    group_keys = by or ([k for k in dict.fromkeys(k for r in records for k in r.varying) if k != SEED]
+                        if aggregate else None)
+    groups: dict[tuple, list[Record]] = {}
+    for i, r in enumerate(records):
+        gid = tuple(repr(value_of(r, k)) for k in group_keys) if group_keys is not None else (i,)
+        groups.setdefault(gid, []).append(r)
+    return [(_label(g, by, aggregate), g) for g in groups.values()]
 
 
 def _model_notes(records: list[Record]) -> list[str]:

@@ -8,7 +8,10 @@ run needs to continue bit for bit.
   state.pt        scheduler, RNG states (python, numpy, torch, cuda), data position, loop counters
 
 The stepper writes its part, the main process the rest. A checkpoint is written into a temporary folder and
-renamed once complete, so a run killed while saving leaves the previous checkpoint as the latest one.
+renamed once complete, so a run killed while saving leaves the previous checkpoint as the latest one. Only the
+latest `train.keep_checkpoints` are kept, and those the caller protects (checkpoints waiting for their evaluation,
+the best ones of a selection: tunelab.stepscores). `load_weights` reads a checkpoint's model weights into a
+one-process model, whichever layout wrote it (checkpoint evaluation, train.select).
 """
 
 from __future__ import annotations
@@ -16,28 +19,51 @@ from __future__ import annotations
 import os
 import pickle
 import random
-import re
 import shutil
+from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from tunelab.cellfolder import step_dirs
 from tunelab.errors import UserError
-
-STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def all_steps(root: Path) -> list[tuple[int, Path]]:
-    if not root.is_dir():
-        return []
-    found = ((STEP_DIR.match(p.name), p) for p in root.iterdir() if p.is_dir())
-    return sorted((int(m.group(1)), p) for m, p in found if m)
+    return step_dirs(root)
 
 
 def latest(root: Path) -> Path | None:
     steps = all_steps(root)
     return steps[-1][1] if steps else None
+
+
+class Retention(Protocol):
+    """What else the loop saves and keeps besides train.save_every and keep_checkpoints (stepscores.StepScores:
+    the checkpoints an evaluation asks for, kept until scored, and a selection's best)."""
+
+    @property
+    def save_at(self) -> frozenset[int]: ...
+
+    def protected(self) -> Collection[int]: ...
+
+
+@dataclass(frozen=True)
+class NoRetention:
+    save_at: frozenset[int] = frozenset()
+
+    def protected(self) -> Collection[int]:
+        return ()
+
+
+def prune(root: Path, keep: int, protect: Collection[int] = ()) -> None:
+    """Delete every checkpoint but the latest `keep` and the `protect`ed steps."""
+    for step, old in all_steps(root)[:-keep]:
+        if step not in protect:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def rng_state() -> dict:
@@ -55,8 +81,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(root: Path, step: int, *, stepper, sched, loop_state: dict, keep: int, main: bool = True) -> Path:
-    """Every process calls it (engines write shards from each rank); the main one renames and prunes."""
+def save(root: Path, step: int, *, stepper, sched, loop_state: dict, keep: int, main: bool = True,
+         protect: Collection[int] = ()) -> Path:
+    """Every process calls it (engines write shards from each rank); the main one renames and prunes (sparing
+    the `protect`ed steps)."""
     import torch.distributed as dist
 
     tmp, dest = root / f".step-{step}-partial", root / f"step-{step}"
@@ -75,8 +103,7 @@ def save(root: Path, step: int, *, stepper, sched, loop_state: dict, keep: int, 
                    tmp / "state.pt")
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
-        for _, old in all_steps(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune(root, keep, protect)
     barrier()
     return dest
 
@@ -97,3 +124,41 @@ def load(path: Path, *, stepper, sched) -> dict:
                         file=path) from e
     sched.load_state_dict(state.pop("scheduler"))
     return state
+
+
+def copy_trainable(model: Any, saved: dict[str, torch.Tensor], where: Path) -> None:
+    """A one-process checkpoint's model.pt (the trainable parameters) into `model`, which must have exactly those
+    trainable parameters."""
+    params = dict(model.named_parameters())
+    expected = {n for n, p in params.items() if p.requires_grad}
+    if set(saved) != expected:
+        missing, extra = sorted(expected - set(saved))[:5], sorted(set(saved) - expected)[:5]
+        raise RuntimeError(f"checkpoint {where} does not match the model (missing {missing}, unexpected "
+                           f"{extra}); delete the checkpoints folder to start over")
+    with torch.no_grad():
+        for name, tensor in saved.items():
+            params[name].copy_(tensor)
+
+
+def load_weights(model: Any, path: Path) -> None:
+    """The model weights of checkpoint `path` (checkpoints/step-N/) into a one-process model built as the cell
+    builds it (base model + PEFT): the trainable parameters of a one-process checkpoint (model.pt), or the
+    model part of an engine's torch distributed checkpoint (engine/, any native layout; read by this process
+    alone, also inside a process group). The optimizer's state is not read."""
+    engine = path / "engine"
+    try:
+        if (engine / ".metadata").is_file():
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+            state = {"train": {"model": get_model_state_dict(model)}}
+            dcp.load(state, checkpoint_id=str(engine), no_dist=True)
+            set_model_state_dict(model, state["train"]["model"])
+        elif (path / "model.pt").is_file():
+            copy_trainable(model, torch.load(path / "model.pt", map_location="cpu", weights_only=True), path)
+        else:
+            raise UserError("no model weights one process can read here (model.pt, or engine/ written by the "
+                            "native engine)", file=path)
+    except (OSError, EOFError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise UserError(f"checkpoint weights unreadable ({type(e).__name__}: {first})", file=path) from e

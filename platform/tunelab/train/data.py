@@ -6,13 +6,16 @@ transformers 5 only infers example boundaries from `position_ids` when no attent
 cache are given, and a causal LM builds a cache unless `use_cache=False` reaches it, which a batch of
 tensors cannot carry. So a packed batch brings its own 4D additive mask, block-diagonal and causal,
 which the sdpa and eager kernels apply as given. flash_attention_2 takes no 4D mask: there the batch
-is flattened into one row and the kernel's varlen path splits it where `position_ids` restart.
+is flattened into one row and the kernel's varlen path splits it where `position_ids` restart; so is it
+for tunelab's own attention by example (train/segments.py: one process on CPU, SDPA).
 """
 
 from __future__ import annotations
 
 import torch
 from torch.utils.data import DataLoader
+
+from tunelab.train import segments
 
 IGNORE = -100
 # Finite, so that a float16/bfloat16 cast stays finite too and summing a mask cannot overflow to -inf.
@@ -104,9 +107,10 @@ def lengths_of(ds) -> list[int]:
 
 def loader(ds, batch_size: int, pad_id: int, *, shuffle: bool, seed: int = 0, attn: str = "sdpa",
            group_by_length: bool = False) -> DataLoader:
-    """`attn` is the model's attention implementation; it only matters for packed datasets."""
+    """`attn` is the model's attention implementation while it trains; it only matters for packed datasets."""
     g = torch.Generator().manual_seed(seed)
-    fn = collate_packed(pad_id, varlen=attn.startswith("flash")) if is_packed(ds) else collate(pad_id)
+    varlen = attn.startswith("flash") or attn == segments.NAME
+    fn = collate_packed(pad_id, varlen=varlen) if is_packed(ds) else collate(pad_id)
     if group_by_length and shuffle:
         return DataLoader(ds.with_format(None), batch_sampler=LengthGrouped(lengths_of(ds), batch_size, g),
                           generator=g, collate_fn=fn)

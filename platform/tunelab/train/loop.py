@@ -9,6 +9,7 @@ finds one resumes from it exactly. What it needs of the evaluation (validation b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -25,9 +26,10 @@ from tunelab.events import Emit, Resumed, Step, ignore
 from tunelab.registries import uses_engine
 from tunelab.runtime import STOP, Layout, Paused, Preempted, Runtime, precision_of, stop_agreed
 from tunelab.store import append_jsonl, read_jsonl, write_json, write_text
-from tunelab.train import checkpoint, optim, parallel
-from tunelab.train.data import batch_tokens, label_tokens, loader
+from tunelab.train import checkpoint, optim, parallel, segments
+from tunelab.train.data import batch_tokens, is_packed, label_tokens, loader
 from tunelab.train.metrics import mfu, peak_flops, peak_memory_mb
+from tunelab.train.optimizers.tied import prepare_for_fused
 from tunelab.train.parallel.deferred import Deferred
 from tunelab.train.parallel.predict import predicted_peak_mb
 from tunelab.train.validation import Validation, validation_loss
@@ -134,11 +136,15 @@ class Training:
     emit: Emit
     validate: Callable[[], float] | None  # None: no validation set
     n_params: int
+    attention: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # around each train step
     state: LoopState = field(default_factory=LoopState)
     # Where this run stops (validated, checkpointed) and where it validates on the way (a search's rungs): neither
     # is the cell's identity.
     stop_at: int | None = None
     validate_at: frozenset[int] = frozenset()
+    # Steps saved and kept for the checkpoints' evaluation (stepscores.StepScores): not the model's identity, since
+    # saving changes no number
+    retention: checkpoint.Retention = field(default_factory=checkpoint.NoRetention)
 
     @property
     def metrics_path(self) -> Path:
@@ -157,19 +163,29 @@ def _setup(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, folder: 
            runtime: Runtime, validation: Validation, weights: Deferred | None) -> Training:
     t = cfg.train
     n_params = sum(p.numel() for p in model.parameters())  # before an engine shards them
-    stepper = parallel.prepare(model, lambda ps: optim.build(ps, cfg.optim, max_grad_norm=t.max_grad_norm),
+    # One process: torch's fused Adam/AdamW kernel (optim.build); the engines keep their optimizers as they were.
+    one_process = not (runtime.layout.distributed or uses_engine(cfg.parallel))
+    stepper = parallel.prepare(model, lambda ps: optim.build(ps, cfg.optim, max_grad_norm=t.max_grad_norm,
+                                                             fused_kernel=one_process),
                                cfg, runtime.layout, runtime.precision, weights=weights)
+    if one_process and not hasattr(stepper.optimizer, "fused_step"):  # LOMO/AdaLomo's stepper does it itself
+        # A tied embedding's gradient built in one buffer, not three weight-sized ones (optimizers/tied.py): on
+        # CPU the two extra allocations, each freshly faulted in, cost AdamW about 3% of a SmolLM2-135M step.
+        prepare_for_fused(model)
     sched = torch.optim.lr_scheduler.LambdaLR(stepper.optimizer, lr_lambda(t.schedule, t.warmup_steps, t.steps))
     attn = getattr(model.config, "_attn_implementation", "sdpa")
+    # Packed rows in one process on CPU: flattened and attended example by example (train/segments.py).
+    by_example = one_process and is_packed(datasets["train"]) and segments.usable(model)
     pad = tokenizer.pad_token_id
-    stream = BatchStream(loader(datasets["train"], t.batch_size, pad, shuffle=True, seed=t.seed, attn=attn,
-                                group_by_length=t.group_by_length))
+    stream = BatchStream(loader(datasets["train"], t.batch_size, pad, shuffle=True, seed=t.seed,
+                                attn=segments.NAME if by_example else attn, group_by_length=t.group_by_length))
     val_ds = datasets["validation"]
     validate = (lambda: validation_loss(stepper.eval_loss, val_ds, pad, validation.batch_size,
                                         validation.max_batches)) if len(val_ds) else None
     if runtime.is_main:
         folder.train_dir.mkdir(parents=True, exist_ok=True)
-    return Training(cfg, runtime, stepper, sched, stream, folder, emit, validate, n_params)
+    attention = (lambda: segments.attending_by_example(model)) if by_example else contextlib.nullcontext
+    return Training(cfg, runtime, stepper, sched, stream, folder, emit, validate, n_params, attention=attention)
 
 
 def _resume(loop: Training) -> tuple[int, int | None]:
@@ -196,7 +212,8 @@ def _step(loop: Training, step: int, peak: float | None) -> None:
     n_items = sum(label_tokens(b) for b in micro)
     tokens = sum(batch_tokens(b) for b in micro)
     lr = loop.sched.get_last_lr()[0]
-    loss, norm = loop.stepper.train_step(micro, n_items, step)
+    with loop.attention():
+        loss, norm = loop.stepper.train_step(micro, n_items, step)
     loop.sched.step()
     dt = time.perf_counter() - t0
     st.tokens_total, st.seconds, st.loss = st.tokens_total + tokens, st.seconds + dt, loss
@@ -210,14 +227,21 @@ def _step(loop: Training, step: int, peak: float | None) -> None:
     if loop.runtime.is_main and (step % t.log_every == 0 or step == t.steps or "val_loss" in record):
         append_jsonl(loop.metrics_path, record)
     loop.emit(Step(step, t.steps, loss, record))
-    if t.save_every and (step % t.save_every == 0 or step == t.steps):
+    if _saves(loop, step):
         _checkpoint(loop, step)
 
 
+def _saves(loop: Training, step: int) -> bool:
+    t = loop.cfg.train
+    return bool(t.save_every and (step % t.save_every == 0 or step == t.steps)) or step in loop.retention.save_at
+
+
 def _checkpoint(loop: Training, step: int) -> None:
+    main = loop.runtime.is_main
     checkpoint.save(loop.folder.checkpoints, step, stepper=loop.stepper, sched=loop.sched,
-                    keep=loop.cfg.train.keep_checkpoints, main=loop.runtime.is_main,
-                    loop_state={"data": loop.stream.state(), "loop": asdict(loop.state)})
+                    keep=loop.cfg.train.keep_checkpoints, main=main,
+                    loop_state={"data": loop.stream.state(), "loop": asdict(loop.state)},
+                    protect=loop.retention.protected() if main else ())
 
 
 def _steps(loop: Training, start: int, peak: float | None) -> None:
@@ -232,7 +256,7 @@ def _steps(loop: Training, start: int, peak: float | None) -> None:
     try:
         for step in range(start, last + 1):
             _step(loop, step, peak)
-            saved = bool(t.save_every and (step % t.save_every == 0 or step == t.steps))
+            saved = _saves(loop, step)
             if stop_agreed(loop.runtime.layout):
                 if not saved:
                     _checkpoint(loop, step)
@@ -258,11 +282,13 @@ def _gather(value: float, layout: Layout) -> list[float]:
 
 def run(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, out: CellFolder | Path, emit: Emit = ignore, *,
         runtime: Runtime | None = None, validation: Validation = Validation(),
-        weights: Deferred | None = None, stop_at: int | None = None, validate_at: tuple[int, ...] = ()) -> TrainResult:
+        weights: Deferred | None = None, retention: checkpoint.Retention | None = None, stop_at: int | None = None,
+        validate_at: tuple[int, ...] = ()) -> TrainResult:
     """Every process of a layout calls this with the same model and data; only the main one writes files (into
     `out`, a cell folder). The caller has seeded the RNGs (the cell does it once). `weights`: the model is on the
-    meta device and the engine fills each process's shards from these (train/parallel/deferred.py). `stop_at`: validate
-    and checkpoint after that step and raise Paused; `validate_at`: validate after these steps too (neither changes a
+    meta device and the engine fills each process's shards from these (train/parallel/deferred.py). `retention`:
+    more steps to checkpoint, and checkpoints to keep (an evaluation of checkpoints). `stop_at`: validate and
+    checkpoint after that step and raise Paused; `validate_at`: validate after these steps too (neither changes a
     loss: validation draws no random number)."""
     t = cfg.train
     folder = out if isinstance(out, CellFolder) else CellFolder(out)
@@ -270,6 +296,7 @@ def run(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, out: CellFo
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     loop = _setup(model, tokenizer, datasets, cfg, folder, emit, runtime, validation, weights)
     loop.stop_at, loop.validate_at = stop_at, frozenset(validate_at)
+    loop.retention = retention or loop.retention
     peak = peak_flops(runtime.device)  # before the RNG states a checkpoint restores (a CPU may measure here)
     start, resumed_from = _resume(loop)
     model.train()

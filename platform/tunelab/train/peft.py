@@ -178,3 +178,19 @@ def load_trained(cfg: CellConfig, final_dir: Path, runtime: Runtime) -> tuple[An
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return PeftModel.from_pretrained(base, final_dir), tokenizer
+
+
+def load_checkpoint(cfg: CellConfig, step_dir: Path, runtime: Runtime) -> tuple[Any, Any]:
+    """The weights of a checkpoint (checkpoints/step-N/, any layout's) as a one-process model: the base model
+    loaded as the cell loads it, the method applied, then the checkpoint's weights over it. -> (model, tokenizer)."""
+    import torch
+
+    from tunelab import models
+    from tunelab.train.checkpoint import load_weights
+
+    model, tokenizer = models.load(cfg.model, runtime, **load_kwargs(cfg.peft, runtime.device))
+    with torch.random.fork_rng(devices=[]):  # adapters' first values are overwritten: they draw on a fork
+        model = apply(model, cfg.peft)
+    load_weights(model, step_dir)
+    model.eval()
+    return model, tokenizer

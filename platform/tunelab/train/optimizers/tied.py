@@ -1,10 +1,11 @@
-"""Tied input/output embeddings under LOMO/AdaLomo: one gradient buffer for the shared weight, not three.
+"""Tied input/output embeddings in one process: one gradient buffer for the shared weight, not three.
 
 With a tied weight W (vocab x hidden), autograd computes the output head's dense gradient G^T H first
 and holds it through the whole backward until the input embedding's gradient arrives last; it then
 sums the two into a new tensor (measured on CPU, torch 2.13: about three W-sized buffers at once with
 the embedding's dense gradient, two with a sparse one, which autograd never adds in place into a dense
-tensor). For the update-in-backward optimizers that was most of what a step adds to memory.
+tensor). For the update-in-backward optimizers that was most of what a step adds to memory; for the others
+(the loop prepares every one-process model) it is two weight-sized allocations per step saved.
 
 `prepare_for_fused(model)` routes both contributions to the embedding lookup's backward, which runs last:
 the head's backward returns no weight gradient but keeps only its factors, and the lookup builds W's whole
@@ -95,7 +96,7 @@ class _Lookup(torch.autograd.Function):
             # the gradient a block of rows at a time, never whole (the update pass builds it whole).
             opt.add_sq_norm(_blocks(parts, idx, rows, ctx.shape, None))
             return None, None, None, None
-        if rows.device.type == "cpu":
+        if rows.device.type == "cpu" and opt is not None:  # memory is LOMO's point; the others keep the pages
             _release_freed_pages()
         grad = rows.new_empty(ctx.shape)
         _blocks(parts, idx, rows, ctx.shape, grad)

@@ -20,6 +20,7 @@ from torch import nn
 
 from tunelab.registries import optimizer_spec as optim_spec
 from tunelab.runtime import Layout
+from tunelab.train.checkpoint import copy_trainable
 from tunelab.train.data import label_tokens
 from tunelab.train.loss import causal_lm_loss, sampled_label_loss
 from tunelab.train.optimizers.tied import prepare_for_fused
@@ -106,16 +107,7 @@ class LocalStepper(Stepper):
         path = Path(path)
         if (path / ".metadata").is_file():  # an engine's distributed checkpoint, saved under any layout
             return self._load_distributed(path)
-        saved = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
-        params = dict(self._model.named_parameters())
-        expected = {n for n, p in params.items() if p.requires_grad}
-        if set(saved) != expected:
-            missing, extra = sorted(expected - set(saved))[:5], sorted(set(saved) - expected)[:5]
-            raise RuntimeError(f"checkpoint {path} does not match the model (missing {missing}, unexpected "
-                               f"{extra}); delete the checkpoints folder to start over")
-        with torch.no_grad():
-            for name, tensor in saved.items():
-                params[name].copy_(tensor)
+        copy_trainable(self._model, torch.load(path / "model.pt", map_location="cpu", weights_only=True), path)
         if (path / "optimizer.pt").is_file() and callable(getattr(self.optimizer, "load_state_dict", None)):
             self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
 

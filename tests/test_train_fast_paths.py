@@ -1,0 +1,118 @@
+"""The one-process loop's fast paths compute what the plain paths compute: packed rows attended example by
+example (train/segments.py: the block-diagonal mask's losses and gradients; models it cannot serve keep the
+mask), a tied embedding's gradient in one buffer (optimizers/tied.py) under AdamW, torch's fused AdamW."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_data_pack import data, tiny_llama  # noqa: F401 - the module-scoped packed dataset fixture
+
+from tunelab.train import optim, segments
+from tunelab.train.data import collate_packed, label_tokens
+from tunelab.train.loss import causal_lm_loss
+
+
+def _loss_and_grads(model, batch: dict) -> tuple[float, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = causal_lm_loss(model, batch, label_tokens(batch))
+    loss.backward()
+    return float(loss.detach()), [p.grad.clone() for p in model.parameters()]
+
+
+def test_attention_by_example_equals_the_block_mask(data):  # noqa: F811
+    _, tok, built = data
+    rows = list(built[True]["train"].with_format(None))[:3]
+    model = tiny_llama(len(tok)).train()
+    masked = collate_packed(tok.pad_token_id)(rows)  # (rows, L) with a (rows, 1, L, L) block mask
+    flat = collate_packed(tok.pad_token_id, varlen=True)(rows)  # one row, no padding, no mask
+    assert masked["input_ids"].shape[0] == 3 and flat["input_ids"].shape[0] == 1 and "attention_mask" not in flat
+    want = _loss_and_grads(model, masked)
+    assert segments.usable(model)
+    with segments.attending_by_example(model):
+        got = _loss_and_grads(model, flat)
+    assert model.config._attn_implementation == "sdpa"  # restored
+    assert got[0] == pytest.approx(want[0], abs=1e-6)
+    for g, w in zip(got[1], want[1]):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+
+
+def test_the_loop_attends_packed_rows_by_example(data, tmp_path, monkeypatch):  # noqa: F811
+    """tests/test_data_pack.py checks the loop's packed losses against unpacked ones; here: that it took this path."""
+    from tunelab.config import CellConfig
+    from tunelab.train.loop import run
+
+    recipe, tok, built = data
+    seen: list[int] = []
+    inner = segments._attention
+
+    def spy(module, query, *args, **kwargs):
+        seen.append(query.shape[0])
+        return inner(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(segments, "_attention", spy)
+    segments._register.cache_clear()
+    cfg = CellConfig.model_validate({
+        "model": {"name": "tiny-random-llama"}, "data": {"recipe": str(recipe), "pack": True},
+        "train": {"steps": 2, "batch_size": 2, "save_final": False}, "eval": {"tasks": []},
+        "tracking": {"wandb": False}})
+    model = tiny_llama(len(tok))
+    try:
+        run(model, tok, built[True], cfg, tmp_path)
+    finally:
+        segments._register.cache_clear()
+    assert len(seen) == 3 * model.config.num_hidden_layers  # the check's forward, then 2 steps
+    assert set(seen) == {1}  # one flattened row per step
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_models_it_cannot_serve_keep_the_mask():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    assert not segments.usable(tiny_llama(64, "eager"))
+    torch.manual_seed(0)
+    windowed = MistralForCausalLM(MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=3, attn_implementation="sdpa"))
+    assert not segments.usable(windowed)  # each example would see past its window: the check's logits differ
+    assert windowed.config._attn_implementation == "sdpa"
+
+
+def _tied_run(built_data, tmp_path, name: str) -> tuple[list[dict], object]:
+    from tunelab.config import CellConfig
+    from tunelab.store import read_jsonl
+    from tunelab.train.loop import run
+
+    recipe, tok, built = built_data
+    cfg = CellConfig.model_validate({
+        "model": {"name": "tiny-random-llama"}, "data": {"recipe": str(recipe)},
+        "optim": {"name": "adamw", "lr": 1e-2}, "train": {"steps": 3, "batch_size": 4, "save_final": False},
+        "eval": {"tasks": []}, "tracking": {"wandb": False}})
+    model = tiny_llama(len(tok))
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    run(model, tok, built[False], cfg, tmp_path / name)
+    return read_jsonl(tmp_path / name / "train" / "metrics.jsonl"), model
+
+
+def test_adamw_with_a_tied_embedding_in_one_buffer(data, tmp_path, monkeypatch):  # noqa: F811
+    fast, model = _tied_run(data, tmp_path, "one-buffer")
+    assert model.get_input_embeddings().forward.__name__ == "lookup"  # the loop prepared it (tied.py)
+    monkeypatch.setattr("tunelab.train.loop.prepare_for_fused", lambda m: False)
+    plain, model = _tied_run(data, tmp_path, "plain")
+    assert model.get_input_embeddings().forward.__name__ == "forward"
+    assert [r["loss"] for r in fast] == pytest.approx([r["loss"] for r in plain], abs=1e-6)
+    assert [r["grad_norm"] for r in fast] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-5)
+    assert fast[0]["loss"] > fast[-1]["loss"]
+
+
+def test_adam_and_adamw_take_the_fused_kernel_unless_told_otherwise():
+    from tunelab.config import OptimCfg
+
+    params = list(tiny_llama(64).parameters())
+    assert optim.build(params, OptimCfg(name="adamw"), fused_kernel=True).defaults["fused"] is True
+    assert optim.build(params, OptimCfg(name="adam"), fused_kernel=True).defaults["fused"] is True
+    assert not optim.build(params, OptimCfg(name="adamw")).defaults["fused"]  # engines: as it was
+    told = optim.build(params, OptimCfg(name="adamw", kwargs={"foreach": True}), fused_kernel=True)
+    assert not told.defaults["fused"] and told.defaults["foreach"]
+    assert "fused" not in optim.build(params, OptimCfg(name="lion"), fused_kernel=True).defaults
