@@ -35,6 +35,7 @@ class Planned(Protocol):
     def dirname(self) -> str: ...
     @property
     def meta(self) -> dict[str, Any]: ...  # what cells.json says of it besides its id (its part in a search)
+    @property
     def checkpoints(self) -> dict[str, Any] | None: ...
 
 
