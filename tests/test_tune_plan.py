@@ -265,3 +265,10 @@ def test_the_study_record_is_idempotent_follows_the_cells_and_survives_a_torn_jo
     storage = record.open_storage("journal", tmp_path)
     record.sync(storage, "t", "minimize", space, [view("pruned", pruned_at=2)], {})
     assert [t.state.name for t in record.load(storage, "t")[1]] == ["PRUNED"]
+
+
+def test_run_only_matching_nothing_names_the_searches_and_writes_nothing(cli, tmp_path):
+    path = write(tmp_path / "tp.yaml", MATRIX)
+    code, _, err = cli("run", path, "--only", "zzz*", "--runs-dir", tmp_path / "runs")
+    assert code == 2 and "adamw (a search)" in err and "adam-s0" in err
+    assert not (tmp_path / "runs" / "tp").exists()

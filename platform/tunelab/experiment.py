@@ -61,7 +61,8 @@ def plan(req: Request) -> Planned:
     groups, chosen_groups = _searches(spec, req, how)
     chosen = runner.select(cells, req.only)
     if not chosen and not chosen_groups:
-        raise UserError(f"--only {req.only!r} matches none of the cells: {', '.join(c.slug for c in cells)}")
+        names = [c.slug for c in cells] + [f"{g.slug} (a search)" for g in groups]
+        raise UserError(f"--only {req.only!r} matches none of the cells: {', '.join(names)}")
     configs = [c.config for c in chosen] + [g.config for g in chosen_groups]
     for config in configs:  # what cannot run here fails before anything is written
         procs_per_node(world_size(config.parallel), how)
