@@ -37,11 +37,11 @@ def ours(tiny, cfg: EvalCfg, out: Path) -> tuple[dict, list[dict]]:
     return result, [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
 
 
-def lm_eval_hf(tasks: list, task_manager, **kw) -> dict:
+def lm_eval_hf(tasks: list, task_manager, model: str = "tiny-random-llama", **kw) -> dict:
     """lm-eval as its CLI runs it: a fresh `hf` model from the folder, batch size 1."""
     import lm_eval
 
-    model_args = {"pretrained": models.resolve("tiny-random-llama"), "device": "cpu", "dtype": "float32",
+    model_args = {"pretrained": models.resolve(model), "device": "cpu", "dtype": "float32",
                   "max_length": MAX_LENGTH}
     return lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=tasks, task_manager=task_manager,
                                    batch_size=1, log_samples=True, **kw)
@@ -76,6 +76,24 @@ def test_loglikelihood_requests_match_lm_eval(runs):
         assert [x[0] for x in r["response"]] == pytest.approx([x[0][0] for x in d["resps"]], abs=1e-4)
     assert res["tl_mc"]["value"] == theirs["results"]["tl_mc"]["acc,none"]
     assert res["tl_mc"]["also"]["acc_norm (none)"] == theirs["results"]["tl_mc"]["acc_norm,none"]
+
+
+def test_a_real_model_matches_lm_eval_item_by_item(folder, tmp_path):
+    """The same parity on a trained model, SmolLM2-135M-Instruct (the PyPI wheel's GGUF, dequantized): a random
+    tiny model's near-uniform choices would hide a wrong token more easily than a real model's."""
+    from lm_eval.tasks import TaskManager
+
+    real = models.load(ModelCfg(name="smollm2-135m-instruct"))
+    res, samples = ours(real, EvalCfg(tasks=["tl_mc", "tl_gen"], include_path=str(folder), batch_size=4), tmp_path)
+    tm = TaskManager(include_path=str(folder), include_defaults=False)
+    theirs = lm_eval_hf(["tl_mc", "tl_gen"], tm, model="smollm2-135m-instruct")
+    for r, d in paired(samples, theirs, "tl_mc", len(MC)):
+        assert r["acc"] == d["acc"]
+        assert [x[0] for x in r["response"]] == pytest.approx([x[0][0] for x in d["resps"]], abs=1e-3)
+    for r, d in paired(samples, theirs, "tl_gen", len(GEN)):
+        assert r["raw"] == d["resps"][0][0] and r["response"] == d["filtered_resps"]
+    assert res["tl_mc"]["value"] == theirs["results"]["tl_mc"]["acc,none"]
+    assert res["tl_gen"]["value"] == theirs["results"]["tl_gen"]["exact_match,first-word"]
 
 
 def test_generations_match_lm_eval_with_the_tasks_stops_and_filters(runs):
