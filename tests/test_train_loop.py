@@ -81,6 +81,7 @@ def test_mfu_table():
     assert cpu > 1e8 and peak_flops(torch.device("cpu")) == cpu
     assert mfu(100_000_000, 1000.0, 989e12) == pytest.approx(6e11 / 989e12)
     assert mfu(100_000_000, 1000.0, None) is None
+    assert mfu(100_000_000, 1000.0, 1e11) is None  # 6e11 FLOP/s against a 1e11 peak: the peak was under-measured
 
 
 def test_bf16_autocast_on_cpu(tmp_path):

@@ -67,8 +67,10 @@ def cpu_peak_flops(size: int = 1024, repeats: int = 8) -> float:
         a @ b
         best = max(best, 2 * size**3 / (time.perf_counter() - t0))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    write_json(path, {"flops": best, "threads": threads, "matmul": f"fp32 {size}x{size}", "measured_at": time.time(),
-                      "load_average": load, "runs": repeats})
+    if load is None or load <= (os.cpu_count() or 1):  # a peak measured on a busy host is kept for this run only:
+        # cached, it would stay too low for good and every later MFU would read high (above 1, seen here)
+        write_json(path, {"flops": best, "threads": threads, "matmul": f"fp32 {size}x{size}",
+                          "measured_at": time.time(), "load_average": load, "runs": repeats})
     return best
 
 
@@ -77,4 +79,5 @@ def mfu(n_params: int, tokens_per_s: float, peak: float | None) -> float | None:
     counted."""
     if peak is None or tokens_per_s <= 0:
         return None
-    return 6 * n_params * tokens_per_s / peak
+    used = 6 * n_params * tokens_per_s / peak
+    return used if used <= 1 else None  # above the peak: the peak was under-measured (a busy CPU), not a number
