@@ -42,6 +42,9 @@ def peak_flops(device: torch.device) -> float | None:
     return cpu_peak_flops() if device.type == "cpu" else None
 
 
+_MEASURED: dict[str, float] = {}  # this process's peaks, cached or not
+
+
 def cpu_peak_flops(size: int = 1024, repeats: int = 8) -> float:
     """What this host's CPU does at best on an fp32 matmul with torch's threads, measured once and cached
     (TUNELAB_CACHE/hosts/), so CPU runs report an MFU too. The best of a few timed runs: on a loaded machine
@@ -55,6 +58,8 @@ def cpu_peak_flops(size: int = 1024, repeats: int = 8) -> float:
     threads = torch.get_num_threads()
     key = f"{platform.node()}-{platform.machine()}-{threads}threads-torch{torch.__version__}"
     path = cache_dir() / "hosts" / f"{key}.json"
+    if str(path) in _MEASURED:
+        return _MEASURED[str(path)]
     cached = read_json(path)
     if cached and cached.get("flops", 0) > 0:
         return float(cached["flops"])
@@ -71,6 +76,7 @@ def cpu_peak_flops(size: int = 1024, repeats: int = 8) -> float:
         # cached, it would stay too low for good and every later MFU would read high (above 1, seen here)
         write_json(path, {"flops": best, "threads": threads, "matmul": f"fp32 {size}x{size}",
                           "measured_at": time.time(), "load_average": load, "runs": repeats})
+    _MEASURED[str(path)] = best
     return best
 
 
