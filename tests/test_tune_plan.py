@@ -112,6 +112,17 @@ tune:
     assert "Traceback" not in err and not (tmp_path / "runs").exists()  # nothing half-written
 
 
+def test_an_unreachable_study_server_exits_2_before_any_trial_trains(cli, tmp_path):
+    text = """name: far
+base: {model: {name: tiny-random-llama}, data: {recipe: arithmetic}, train: {steps: 4}}
+include: [{optim.name: adamw}]
+tune: {space: {optim.lr: {log_uniform: [1.0e-4, 1.0e-2]}}, trials: 2, storage: "postgresql://x@127.0.0.1:1/none"}
+"""
+    code, _, err = cli("run", write(tmp_path / "far.yaml", text), "--runs-dir", tmp_path / "runs")
+    assert code == 2 and "cannot open the study storage" in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()  # refused before a trial trained or a file was written
+
+
 def test_every_group_gets_the_same_budget(cli, tmp_path):
     uneven = MATRIX.replace("{optim.name: sgd, tune: {space:", "{optim.name: sgd, tune: {trials: 12, space:")
     code, _, err = cli("plan", write(tmp_path / "u.yaml", uneven))
