@@ -23,8 +23,9 @@ def test_ls_lists_every_kind_with_a_line_each():
     assert p.returncode == 0, p.stderr
     kinds = json.loads(p.stdout)
     assert set(kinds) == {"models", "recipes", "suites", "tasks", "optimizers", "peft", "engines", "samplers",
-                          "pruners", "experiments"}
+                          "pruners", "intermediates", "experiments"}
     assert list(kinds["optimizers"]) == list(registries.OPTIMIZERS) and list(kinds["peft"]) == list(registries.PEFT)
+    assert list(kinds["intermediates"]) == ["val_loss", "checkpoint"]
     assert {"arithmetic", "alpaca"} <= set(kinds["recipes"]) and {"quick", "paper"} <= set(kinds["suites"])
     assert "quickstart" in kinds["experiments"] and "(no description)" not in kinds["experiments"].values()
     assert all(isinstance(v, str) and v for k in kinds.values() for v in k.values())

@@ -81,6 +81,9 @@ BAD = {
     "hyperband without enough trials": ("pruner: hyperband\n  trials: 2\n  eta: 2\n  min_steps: 2", "tune.min_steps",
                                         "needs at least 3 trials"),
     "eta without rungs": ("eta: 2", "tune", "pruner none has none"),
+    "an unknown intermediate value": ("pruner: halving\n  min_steps: 2\n  intermediate: loss", "tune.intermediate",
+                                      "unknown intermediate value 'loss'"),
+    "a checkpoint intermediate without rungs": ("intermediate: checkpoint", "tune", "pruner none has none"),
 }
 DEFAULT = {"space": "space: {optim.lr: {log_uniform: [1.0e-6, 1.0e-3]}}", "trials": "trials: 4"}
 

@@ -256,19 +256,18 @@ def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None =
         _start(run, evaluate_only)
     try:
         runtime.check_host(cfg, file=folder.config_file)
-        stages = _load_trained(run) if evaluate_only else _train(run)
-        if main:  # evaluation needs the whole model: one process does it while the others wait
+        paused = None
+        try:
+            stages = _load_trained(run) if evaluate_only else _train(run)
+        except Paused as e:  # a search's rung: validated and checkpointed there
+            paused = e.step  # (handled once the exception, and the training model its frames hold, are gone)
+        if paused is not None:
+            _pause(run, paused)
+        elif main:  # evaluation needs the whole model: one process does it while the others wait
             if stages is not None:  # None: only checkpoints were left to score (_load_trained did)
                 _evaluate(run, *stages)
             run.finish()
             folder.write_status("done", finished_at=time.time(), timings=run.timings)
-        _barrier()
-    except Paused as e:  # a search's rung: validated and checkpointed there; the search decides if it goes on
-        if main:
-            run.finish()
-            folder.write_status("pending", finished_at=time.time(), timings=run.timings, paused_at=e.step,
-                                note=f"paused at step {e.step} by its search (exp tune): it continues from there "
-                                     "if promoted")
         _barrier()
     except Preempted as e:  # a stop signal: checkpoint written (when training), run again later
         _preempted(run, e)
@@ -285,6 +284,22 @@ def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None =
                                 error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
                                 bad_input=isinstance(e, UserError))
         raise
+
+
+def _pause(run: CellRun, step: int) -> None:
+    """Stopped at a search's rung: the checkpoints up to it scored (a search that ranks its rungs by a checkpoint
+    score reads them; W&B gets them when training ends), then pending until the search decides it goes on."""
+    from tunelab import ckpteval
+
+    if not run.rt.is_main:
+        return
+    if run.cfg.eval.checkpoints is not None:
+        t0 = time.perf_counter()
+        ckpteval.settle(run.folder, run.cfg, run.emit, run.rt, upto=step)
+        run.timings["checkpoints_s"] = run.timings.get("checkpoints_s", 0.0) + time.perf_counter() - t0
+    run.finish()
+    run.folder.write_status("pending", finished_at=time.time(), timings=run.timings, paused_at=step,
+                            note=f"paused at step {step} by its search (exp tune): it continues from there if promoted")
 
 
 def _preempted(run: CellRun, e: Preempted) -> None:

@@ -165,16 +165,23 @@ class Evaluator:
             write_json(tmp / "results.json", {**self.unavailable(reason), "step": step, "checkpoint": None})
 
 
-def settle(folder: CellFolder, cfg: CellConfig, emit: Emit = events.ignore, rt: Any = None) -> StepScores:
+def settle(folder: CellFolder, cfg: CellConfig, emit: Emit = events.ignore, rt: Any = None,
+           upto: int | None = None) -> StepScores:
     """Once training is over (in the cell's process): evaluate every asked checkpoint no evaluator finished, and
-    say the ones never saved are unavailable."""
-    ev = Evaluator(folder, cfg, "the cell, after training", emit, rt)
+    say the ones never saved are unavailable. `upto`: training paused at that step (a search's rung), so only
+    the steps up to it are settled; the later ones are still to be trained."""
+    ev = Evaluator(folder, cfg, "the cell, after training" if upto is None else f"the cell, paused at step {upto}",
+                   emit, rt)
     scores = ev.scores
-    for step in scores.ready():
+
+    def due(steps: list[int]) -> list[int]:
+        return [s for s in steps if upto is None or s <= upto]
+
+    for step in due(scores.ready()):
         while not ev.step(step) and step in scores.ready():  # another evaluator has it: wait for it
             time.sleep(POLL_S)
     saved = set(folder.checkpoint_steps())
-    for step in scores.pending():
+    for step in due(scores.pending()):
         if step not in saved:
             ev.missing(step)
     return scores

@@ -64,6 +64,7 @@ ROWS: dict[str, Callable[[bool], list[tuple[str, str]]]] = {
     "engines": lambda _: _registered(registries.ENGINES),
     "samplers": lambda _: _registered(registries.SAMPLERS),  # tune.sampler (docs/tuning.md)
     "pruners": lambda _: _registered(registries.PRUNERS),
+    "intermediates": lambda _: _registered(registries.INTERMEDIATES),  # tune.intermediate
     "experiments": lambda _: _content("experiments"),
 }
 KINDS = tuple(ROWS)

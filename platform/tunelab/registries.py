@@ -349,11 +349,16 @@ PRUNERS.add("hyperband", PrunerSpec("Hyperband: successive-halving brackets from
 
 @dataclass(frozen=True)
 class IntermediateSpec:
-    value: Lazy  # (cell folder, step) -> float | None: the trial's value at a rung
+    value: Lazy  # (cell folder, step, tune.metric, the trial's checkpoint eval id) -> float | None: a rung's value
     description: str
-    lower_is_better: bool = True
+    lower_is_better: bool | None = True  # None: as the objective (tune.metric, tune.mode)
+    checkpoints: bool = False  # the trials save and score their rung checkpoints (eval.checkpoints at the rungs)
 
 
 INTERMEDIATES: Registry[IntermediateSpec] = Registry("intermediate value")
 INTERMEDIATES.add("val_loss", IntermediateSpec(Lazy("tunelab.tune.objective:val_loss_at"),
-                                               "validation loss measured at the rung step"))
+                                               "validation loss the training loop measured at the rung step"))
+INTERMEDIATES.add("checkpoint", IntermediateSpec(Lazy("tunelab.tune.objective:checkpoint_score_at"),
+                                                 "tune.metric scored on the rung's checkpoint (eval.checkpoints at the "
+                                                 "rungs, evaluated before the trial stops there)",
+                                                 lower_is_better=None, checkpoints=True))

@@ -19,7 +19,7 @@ from typing import Any
 from tunelab import inputs, matrix
 from tunelab.config import CellConfig, content_id
 from tunelab.errors import UserError
-from tunelab.registries import PRUNERS
+from tunelab.registries import INTERMEDIATES, PRUNERS
 from tunelab.tune import schedule as sched
 from tunelab.tune.spec import TuneSpec
 
@@ -42,6 +42,8 @@ class Group:
         for key in self.spec.space:
             _pop_dotted(cfg, key)
         search = self.spec.model_dump(mode="json", exclude={"storage", "baseline"})
+        if search["intermediate"] == "val_loss":  # added later: at its default, studies keep their names
+            del search["intermediate"]
         return {"cell": cfg, "search": search}
 
     @property
@@ -89,9 +91,37 @@ def groups(spec: matrix.MatrixFile, path: Path, sets: dict[str, Any] | None = No
     out = []
     for t, cell in zip(built, matrix.named(spec.name, cells)):
         seeds = tuple(spec.seeds) if spec.seeds is not None else (t.config.train.seed,)
-        out.append(Group(cell.slug, t.spec, t.combo.tune_at, t.raw, t.config, cell.varying, seeds,
-                         _schedule(t.spec, t.config, path, t.combo.tune_at)))
+        schedule = _schedule(t.spec, t.config, path, t.combo.tune_at)
+        if INTERMEDIATES[t.spec.intermediate].checkpoints:
+            _check_rung_checkpoints(t, schedule, path)
+        out.append(Group(cell.slug, t.spec, t.combo.tune_at, t.raw, t.config, cell.varying, seeds, schedule))
     return out
+
+
+def trial_raw(raw: dict[str, Any], spec: TuneSpec, schedule: sched.Schedule, trial: int) -> dict[str, Any]:
+    """A trial's raw cell: evaluated on the objective's task only and, when its rungs are ranked by a checkpoint
+    score, that task on the checkpoints of its bracket's rungs, scored by the cell itself before it stops at one
+    (workers 0: the score is what the search waits for, nothing trains meanwhile)."""
+    out = copy.deepcopy(raw)
+    matrix.set_dotted(out, "eval.tasks", [spec.metric])
+    if INTERMEDIATES[spec.intermediate].checkpoints:
+        rungs = [r for r in schedule.bracket_of(trial).rungs if r < schedule.full]
+        matrix.set_dotted(out, "eval.checkpoints", {"at": rungs, "workers": 0})
+    return out
+
+
+def _check_rung_checkpoints(t: _Tuned, schedule: sched.Schedule, path: Path) -> None:
+    """intermediate: checkpoint sets the trials' eval.checkpoints: the cell must not have its own, and the trial
+    must be a valid cell with it (e.g. DeepSpeed's checkpoints cannot be evaluated)."""
+    at = f"{t.combo.tune_at}.intermediate"
+    own = [k for k, v in (("eval.checkpoints", t.config.eval.checkpoints), ("train.select", t.config.train.select))
+           if v is not None]
+    if own:
+        raise UserError(f"intermediate {t.spec.intermediate} scores the trials' rung checkpoints, which the search "
+                        f"sets as their eval.checkpoints; the tuned cell sets {' and '.join(own)} itself. Use "
+                        "intermediate: val_loss, or drop them from the tuned cells", file=path, key=at)
+    probe = trial_raw(t.raw, t.spec, schedule, 0)
+    matrix.checked(probe, path, {"eval.checkpoints": f"{at} (the trials' eval.checkpoints)"}, "trial 0")
 
 
 def _without(config: CellConfig, spec: TuneSpec) -> dict:

@@ -47,6 +47,13 @@ class Schedule:
     def first_trial(self, bracket: int) -> int:
         return sum(b.sizes[0] for b in self.brackets[:bracket])
 
+    def bracket_of(self, trial: int) -> Bracket:
+        """The bracket trial number `trial` belongs to (trials are numbered bracket after bracket)."""
+        for b, bracket in enumerate(self.brackets):
+            if trial < self.first_trial(b) + bracket.sizes[0]:
+                return bracket
+        raise IndexError(f"trial {trial} is past the schedule's {self.trials} trials")
+
     def describe(self) -> str:
         """One line per bracket: 'steps 7/20/60: 9 -> 3 -> 1 trials'."""
         return "; ".join(f"steps {'/'.join(map(str, b.rungs))}: {' -> '.join(map(str, b.sizes))}"

@@ -26,8 +26,6 @@ from tunelab.tune.record import TrialView
 from tunelab.tune.schedule import promote
 from tunelab.tune.spec import TuneSpec
 
-INTERMEDIATE = "val_loss"  # the INTERMEDIATES entry a rung reads (docs/tuning.md)
-
 
 @dataclass
 class Trial:
@@ -60,6 +58,16 @@ class Search:
         self.trials += new
         self.active = new
 
+    @property
+    def intermediate(self) -> str:
+        """What a rung ranks trials by (an INTERMEDIATES entry), in words for the record."""
+        name = self.spec.intermediate
+        return f"{self.spec.metric} at the rung checkpoint" if INTERMEDIATES[name].checkpoints else name
+
+    def lower_is_better(self) -> bool:
+        lower = INTERMEDIATES[self.spec.intermediate].lower_is_better
+        return self.spec.direction == "minimize" if lower is None else lower
+
     def rung(self, b: int, i: int) -> int:
         return self.group.schedule.brackets[b].rungs[i]
 
@@ -82,14 +90,19 @@ class Search:
                 self.blocked = self.blocked or f"trial {t.view.number} ({d.path.name}): {why}"
 
     def _at_rung(self, t: Trial, d: CellFolder, step: int) -> str | None:
-        value = INTERMEDIATES[INTERMEDIATE].value.load()(d.path, step)
+        entry, eval_id = INTERMEDIATES[self.spec.intermediate], t.cell.config.checkpoint_eval_id()
+        value = entry.value.load()(d.path, step, self.spec.metric, eval_id)
         if value is not None:
             t.view.intermediate[step] = value
             return None
+        if entry.checkpoints and eval_id and d.step_results(eval_id, step).get("complete"):  # no number: say why
+            return (f"its checkpoint of step {step} has no score of {self.spec.metric} (see "
+                    f"eval/{eval_id}/step-{step}/results.json)")
         if t.view.reached > step:
-            return (f"it trained past step {step} without measuring its {INTERMEDIATE} there (its cell was trained "
-                    "before this search asked, e.g. by another matrix); delete its folder to train it as a trial")
-        return _unfinished(d, f"reach step {step}")
+            return (f"it trained past step {step} without measuring its {self.intermediate} there (its cell was "
+                    "trained before this search asked, e.g. by another matrix); delete its folder to train it as a "
+                    "trial")
+        return _unfinished(d, f"reach step {step}" + (" and score its checkpoint" if entry.checkpoints else ""))
 
     def _at_end(self, t: Trial, d: CellFolder) -> str | None:
         if d.status().get("state") != "done" or not d.eval_done(t.cell.eval_id):
@@ -104,15 +117,15 @@ class Search:
         if self.blocked or i == len(bracket.rungs) - 1:
             return
         step = bracket.rungs[i]
-        lower = INTERMEDIATES[INTERMEDIATE].lower_is_better
+        lower = self.lower_is_better()
         values = [(t.view.number, t.view.intermediate.get(step)) for t in self.active]
         kept = promote(values, bracket.sizes[i + 1], lower)
         for t in self.active:
             if t.view.number not in kept:
                 t.view.state, t.view.pruned_at = "pruned", step
+        by = f"{self.intermediate} ({'lowest' if lower else 'highest'} first, ties by trial number)"
         self.decisions.append({"bracket": b, "rung": i, "step": step, "values": [list(v) for v in values],
-                               "promoted": kept, "by": f"{INTERMEDIATE} ({'lowest' if lower else 'highest'} first, "
-                                                       "ties by trial number)"})
+                               "promoted": kept, "by": by})
         self.active = [t for t in self.active if t.view.number in kept]
 
     def winner(self) -> Trial | None:
@@ -150,7 +163,7 @@ class Search:
         return {"group": self.group.slug, "study": self.group.study, "varying": self.group.varying,
                 "space": {k: {d.kind: d.bounds if d.choice is None else d.choice}
                           for k, d in self.spec.space.items()},
-                "metric": self.spec.metric, "direction": self.spec.direction, "intermediate": INTERMEDIATE,
+                "metric": self.spec.metric, "direction": self.spec.direction, "intermediate": self.intermediate,
                 "schedule": [{"rungs": list(b.rungs), "sizes": list(b.sizes)}
                              for b in self.group.schedule.brackets],
                 "trials": [asdict(t.view) for t in self.trials], "decisions": self.decisions,

@@ -7,6 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
+from tunelab.registries import INTERMEDIATES, PRUNERS
 from tunelab.tune.plan import Group
 
 
@@ -22,9 +23,18 @@ def space_text(g: Group) -> str:
     return ", ".join(f"{k} {d.kind} {list(d.values())}" for k, d in g.spec.space.items())
 
 
+def rungs_text(g: Group) -> str:
+    """What a rung ranks trials by (empty without rungs)."""
+    if not PRUNERS[g.spec.pruner].rungs:
+        return ""
+    checkpoint = INTERMEDIATES[g.spec.intermediate].checkpoints
+    return f"rungs by {g.spec.metric} on the rung checkpoint" if checkpoint else f"rungs by {g.spec.intermediate}"
+
+
 def plan_rows(groups: list[Group]) -> list[dict[str, Any]]:
     return [{"group": g.slug, "study": g.study, "varying": g.varying, "space": space_text(g),
-             "sampler": g.spec.sampler, "pruner": g.spec.pruner, "metric": g.spec.metric,
+             "sampler": g.spec.sampler, "pruner": g.spec.pruner, "intermediate": g.spec.intermediate,
+             "metric": g.spec.metric,
              "direction": g.spec.direction, "schedule": g.schedule.describe(), "seeds": list(g.seeds),
              "storage": g.spec.storage, **budget(g)} for g in groups]
 
@@ -36,8 +46,9 @@ def plan_table(name: str, groups: list[Group]) -> Table:
     for col in ("group", "space", "search", "schedule (rung steps: trials)", "steps", "unpruned", "retrain"):
         table.add_column(col, justify="right" if col in ("steps", "unpruned", "retrain") else "left")
     for g, b in zip(groups, map(budget, groups)):
+        ranks = f", {rungs_text(g)}" if rungs_text(g) else ""
         table.add_row(g.slug, space_text(g), f"{g.spec.trials} trials, {g.spec.sampler}, {g.spec.pruner}, "
-                      f"{g.spec.direction} {g.spec.metric}", g.schedule.describe(), str(b["search_steps"]),
+                      f"{g.spec.direction} {g.spec.metric}{ranks}", g.schedule.describe(), str(b["search_steps"]),
                       f"{b['full_search_steps']} ({g.spec.trials} x {g.schedule.full})",
                       f"{b['retrain_steps']} ({len(g.seeds)} seed{'s' * (len(g.seeds) != 1)})")
     return table

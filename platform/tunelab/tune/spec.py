@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tunelab.registries import PRUNERS, SAMPLERS, TASKS
+from tunelab.registries import INTERMEDIATES, PRUNERS, SAMPLERS, TASKS
 
 KINDS = ("log_uniform", "uniform", "int", "choice")
 # Keys a search may not vary: the seed is what retraining repeats, the steps are the budget itself.
@@ -19,8 +19,8 @@ NOT_SEARCHED = {"train.seed": "seeds are not a hyperparameter: the winner is ret
                 "train.steps": "train.steps is the budget every trial gets, not a hyperparameter"}
 STORAGE_PREFIXES = ("postgresql://", "postgresql+psycopg2://", "sqlite:///")
 # What must be the same in every tuned group, so that each gets the same budget and is judged alike.
-BUDGET_KEYS = ("trials", "metric", "mode", "sampler", "pruner", "eta", "min_steps", "batch", "seed", "storage",
-               "allow_test_selection")
+BUDGET_KEYS = ("trials", "metric", "mode", "sampler", "pruner", "eta", "min_steps", "intermediate", "batch", "seed",
+               "storage", "allow_test_selection")
 
 
 class Dist(BaseModel):
@@ -94,6 +94,8 @@ class TuneSpec(BaseModel):
     eta: int | None = Field(None, ge=2, description="halving/hyperband: 1/eta of a rung goes on (default 3)")
     min_steps: int | None = Field(None, gt=0, description="halving/hyperband: the first rung is at least this many "
                                   "steps; the rungs are train.steps / eta^k, rounded (default: train.steps / eta^2)")
+    intermediate: str = Field("val_loss", description="what a rung ranks trials by: val_loss (the loop's validation "
+                              "loss at the rung step) or checkpoint (tune.metric scored on the rung's checkpoint)")
     batch: int | None = Field(None, gt=0, description="trials sampled per round; default: all of them at once, for "
                               "tpe a quarter (each round sees the rounds before)")
     seed: int = Field(0, description="the sampler's seed")
@@ -133,6 +135,12 @@ class TuneSpec(BaseModel):
         PRUNERS.check(v)
         return v
 
+    @field_validator("intermediate")
+    @classmethod
+    def _intermediate(cls, v: str) -> str:
+        INTERMEDIATES.check(v)
+        return v
+
     @field_validator("storage")
     @classmethod
     def _storage(cls, v: str) -> str:
@@ -149,6 +157,9 @@ class TuneSpec(BaseModel):
                              "tune.allow_test_selection: true (its selections are then marked)")
         if not PRUNERS[self.pruner].rungs and (self.eta is not None or self.min_steps is not None):
             raise ValueError("eta and min_steps set the rungs of pruner halving or hyperband; pruner none has none")
+        if not PRUNERS[self.pruner].rungs and self.intermediate != "val_loss":
+            raise ValueError(f"intermediate {self.intermediate} ranks trials at the rungs of pruner halving or "
+                             "hyperband; pruner none has none")
         if SAMPLERS[self.sampler].finite:
             _check_grid(self)
         return self
