@@ -237,6 +237,26 @@ def test_the_winner_is_retrained_once_per_seed_and_its_first_seed_is_the_trial_i
                                                             "study": group.study, "trial": 4}
 
 
+def test_a_checkpoint_intermediate_gives_each_trial_its_brackets_rungs_to_score_and_keeps_the_winners_id(tmp_path):
+    text = MATRIX[:MATRIX.index("\ntune:")] + """
+tune:
+  space: {optim.lr: {log_uniform: [1.0e-6, 1.0e-3]}}
+  trials: 17
+  pruner: hyperband
+  min_steps: 7
+  intermediate: checkpoint
+"""
+    path = write(tmp_path / "hb.yaml", text.replace("steps: 60", "steps: 63"))
+    spec_, _ = matrix.load(path)
+    group = tune_plan.groups(spec_, path)[0]
+    assert [b.rungs for b in group.schedule.brackets] == [(7, 21, 63), (21, 63), (63,)]
+    first = [group.schedule.first_trial(b) for b in range(3)]
+    rungs = [trials.trial_cell(group, n, {"optim.lr": 1e-4}).config.eval.checkpoints for n in first]
+    assert [(c.at, c.workers) if c else None for c in rungs] == [([7, 21], 0), ([21], 0), None]  # no rung: none
+    trial = trials.trial_cell(group, 0, {"optim.lr": 1e-4})
+    assert trials.final_cells(group, {"optim.lr": 1e-4}, {})[0].id == trial.id  # the eval is not the training
+
+
 def test_the_tuned_optimizers_study_plans_as_written_and_as_its_stand_in(cli):
     from conftest import REPO
     from test_paper_studies import stand_in_args

@@ -104,8 +104,8 @@ def trial_raw(raw: dict[str, Any], spec: TuneSpec, schedule: sched.Schedule, tri
     (workers 0: the score is what the search waits for, nothing trains meanwhile)."""
     out = copy.deepcopy(raw)
     matrix.set_dotted(out, "eval.tasks", [spec.metric])
-    if INTERMEDIATES[spec.intermediate].checkpoints:
-        rungs = [r for r in schedule.bracket_of(trial).rungs if r < schedule.full]
+    rungs = [r for r in schedule.bracket_of(trial).rungs if r < schedule.full]  # none: Hyperband's last bracket
+    if INTERMEDIATES[spec.intermediate].checkpoints and rungs:
         matrix.set_dotted(out, "eval.checkpoints", {"at": rungs, "workers": 0})
     return out
 
