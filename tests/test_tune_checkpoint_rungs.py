@@ -7,12 +7,19 @@ test_tune_plan.py's table)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import yaml
 from conftest import write
 from processes import run_exp
 
+from tunelab import plan
 from tunelab.cellfolder import CellFolder
+from tunelab.launch import STOP_AT_ENV
 from tunelab.stepscores import score_at
 from tunelab.store import read_json, read_jsonl
 
@@ -76,3 +83,31 @@ def test_a_checkpoint_intermediate_over_a_cells_own_checkpoint_evaluation_exits_
     said = " ".join(err.split())
     assert code == 2 and f"{path}: tune.intermediate" in said and "sets eval.checkpoints itself" in said, said
     assert "Traceback" not in err and not (tmp_path / "runs").exists()
+
+
+def test_a_trial_killed_while_it_scores_its_rung_scores_it_when_started_again(tmp_path):
+    """What a kill during the rung's evaluation leaves (the checkpoint of the rung, no step folder: a step is
+    renamed into place only once complete) is scored by the next start: it resumes past its rung, stops at once
+    and evaluates the checkpoint."""
+    raw = yaml.safe_load(MATRIX.split("tune:")[0])["base"]
+    raw["eval"]["checkpoints"] = {"at": [2], "workers": 0}
+    cell = tmp_path / "cell"
+    cell.mkdir()
+    (cell / "config.yaml").write_text(yaml.safe_dump(plan.cell_config(raw).model_dump(mode="json")))
+    env = {**os.environ, STOP_AT_ENV: "2"}
+
+    def start() -> dict:
+        done = subprocess.run([sys.executable, "-m", "tunelab.cell", str(cell)], check=False, capture_output=True,
+                              text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        d = CellFolder(cell)
+        assert d.status()["paused_at"] == 2 and (cell / "checkpoints" / "step-2").is_dir()
+        return d.step_results(d.config().checkpoint_eval_id(), 2)
+
+    first = start()
+    shutil.rmtree(CellFolder(cell).step_dir(CellFolder(cell).config().checkpoint_eval_id(), 2))  # the kill
+    again = start()
+    assert again["complete"] and again["evaluated_by"] == "the cell, paused at step 2"
+    assert again["tasks"]["val_loss"]["value"] == first["tasks"]["val_loss"]["value"]
+    steps = [r["step"] for r in read_jsonl(cell / "train" / "metrics.jsonl")]
+    assert steps == [1, 2]  # nothing trained twice, nothing past the rung
