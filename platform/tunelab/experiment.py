@@ -93,10 +93,10 @@ def _searches(spec: MatrixFile, req: Request, how: Launch) -> tuple[list[Group],
         raise UserError("a matrix with a tune: section runs its searches with the local launcher on one node per "
                         "runner (each rung needs the one before it): on a cluster, run `exp run FILE` in one job per "
                         "node on a shared runs folder; they share the trials (docs/tuning.md)")
-    from tunelab.tune.record import open_storage
+    from tunelab.tune.record import check_reachable
 
     for url in {g.spec.storage for g in chosen} - {"journal"}:  # a server that cannot be reached: before training
-        open_storage(url, Path())  # (the journal file is the runs folder's own, made when the search starts)
+        check_reachable(url)  # (the journal file is the runs folder's own, made when the search starts)
     return groups, chosen
 
 

@@ -97,10 +97,27 @@ def open_storage(url: str, matrix_dir: Path) -> BaseStorage:
     try:
         return optuna.storages.RDBStorage(url)
     except Exception as e:  # noqa: BLE001 - a driver, a refused connection, a bad URL: one message
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise UserError(f"tune.storage {shown_url(url)}: cannot open the study storage ({first}); is the server "
-                        "running and the database created? (postgresql:// needs psycopg: pip install "
-                        "'psycopg[binary]'; postgresql+psycopg2:// needs psycopg2)") from None
+        raise _cannot_open(url, e) from None
+
+
+def check_reachable(url: str) -> None:
+    """Before anything trains: a database storage's server answers. A connection only: opening the storage makes
+    its tables, which runners starting at once would race to do (the search opens it under the tune folder's
+    lock)."""
+    import sqlalchemy
+
+    try:
+        with sqlalchemy.create_engine(url).connect():
+            pass
+    except Exception as e:  # noqa: BLE001 - as open_storage
+        raise _cannot_open(url, e) from None
+
+
+def _cannot_open(url: str, e: Exception) -> UserError:
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    return UserError(f"tune.storage {shown_url(url)}: cannot open the study storage ({first}); is the server "
+                     "running and the database created? (postgresql:// needs psycopg: pip install "
+                     "'psycopg[binary]'; postgresql+psycopg2:// needs psycopg2)")
 
 
 def study_id(storage: BaseStorage, name: str, direction: str) -> int:

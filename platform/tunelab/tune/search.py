@@ -58,16 +58,6 @@ class Search:
         self.trials += new
         self.active = new
 
-    @property
-    def intermediate(self) -> str:
-        """What a rung ranks trials by (an INTERMEDIATES entry), in words for the record."""
-        name = self.spec.intermediate
-        return f"{self.spec.metric} at the rung checkpoint" if INTERMEDIATES[name].checkpoints else name
-
-    def lower_is_better(self) -> bool:
-        lower = INTERMEDIATES[self.spec.intermediate].lower_is_better
-        return self.spec.direction == "minimize" if lower is None else lower
-
     def rung(self, b: int, i: int) -> int:
         return self.group.schedule.brackets[b].rungs[i]
 
@@ -99,7 +89,7 @@ class Search:
             return (f"its checkpoint of step {step} has no score of {self.spec.metric} (see "
                     f"eval/{eval_id}/step-{step}/results.json)")
         if t.view.reached > step:
-            return (f"it trained past step {step} without measuring its {self.intermediate} there (its cell was "
+            return (f"it trained past step {step} without measuring its {self.spec.ranked_by} there (its cell was "
                     "trained before this search asked, e.g. by another matrix); delete its folder to train it as a "
                     "trial")
         return _unfinished(d, f"reach step {step}" + (" and score its checkpoint" if entry.checkpoints else ""))
@@ -117,13 +107,13 @@ class Search:
         if self.blocked or i == len(bracket.rungs) - 1:
             return
         step = bracket.rungs[i]
-        lower = self.lower_is_better()
+        lower = self.spec.lower_is_better
         values = [(t.view.number, t.view.intermediate.get(step)) for t in self.active]
         kept = promote(values, bracket.sizes[i + 1], lower)
         for t in self.active:
             if t.view.number not in kept:
                 t.view.state, t.view.pruned_at = "pruned", step
-        by = f"{self.intermediate} ({'lowest' if lower else 'highest'} first, ties by trial number)"
+        by = f"{self.spec.ranked_by} ({'lowest' if lower else 'highest'} first, ties by trial number)"
         self.decisions.append({"bracket": b, "rung": i, "step": step, "values": [list(v) for v in values],
                                "promoted": kept, "by": by})
         self.active = [t for t in self.active if t.view.number in kept]
@@ -163,7 +153,7 @@ class Search:
         return {"group": self.group.slug, "study": self.group.study, "varying": self.group.varying,
                 "space": {k: {d.kind: d.bounds if d.choice is None else d.choice}
                           for k, d in self.spec.space.items()},
-                "metric": self.spec.metric, "direction": self.spec.direction, "intermediate": self.intermediate,
+                "metric": self.spec.metric, "direction": self.spec.direction, "intermediate": self.spec.ranked_by,
                 "schedule": [{"rungs": list(b.rungs), "sizes": list(b.sizes)}
                              for b in self.group.schedule.brackets],
                 "trials": [asdict(t.view) for t in self.trials], "decisions": self.decisions,

@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
-from tunelab.registries import INTERMEDIATES, PRUNERS
+from tunelab.registries import PRUNERS
 from tunelab.tune.plan import Group
 
 
@@ -21,14 +21,6 @@ def budget(g: Group) -> dict[str, Any]:
 
 def space_text(g: Group) -> str:
     return ", ".join(f"{k} {d.kind} {list(d.values())}" for k, d in g.spec.space.items())
-
-
-def rungs_text(g: Group) -> str:
-    """What a rung ranks trials by (empty without rungs)."""
-    if not PRUNERS[g.spec.pruner].rungs:
-        return ""
-    checkpoint = INTERMEDIATES[g.spec.intermediate].checkpoints
-    return f"rungs by {g.spec.metric} on the rung checkpoint" if checkpoint else f"rungs by {g.spec.intermediate}"
 
 
 def plan_rows(groups: list[Group]) -> list[dict[str, Any]]:
@@ -46,7 +38,7 @@ def plan_table(name: str, groups: list[Group]) -> Table:
     for col in ("group", "space", "search", "schedule (rung steps: trials)", "steps", "unpruned", "retrain"):
         table.add_column(col, justify="right" if col in ("steps", "unpruned", "retrain") else "left")
     for g, b in zip(groups, map(budget, groups)):
-        ranks = f", {rungs_text(g)}" if rungs_text(g) else ""
+        ranks = f", rungs by {g.spec.ranked_by}" if PRUNERS[g.spec.pruner].rungs else ""
         table.add_row(g.slug, space_text(g), f"{g.spec.trials} trials, {g.spec.sampler}, {g.spec.pruner}, "
                       f"{g.spec.direction} {g.spec.metric}{ranks}", g.schedule.describe(), str(b["search_steps"]),
                       f"{b['full_search_steps']} ({g.spec.trials} x {g.schedule.full})",

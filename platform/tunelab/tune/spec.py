@@ -171,6 +171,18 @@ class TuneSpec(BaseModel):
         return "minimize" if mode == "min" else "maximize"
 
     @property
+    def ranked_by(self) -> str:
+        """What a rung ranks trials by, in words (the search's record, `exp plan`)."""
+        checkpoint = INTERMEDIATES[self.intermediate].checkpoints
+        return f"{self.metric} at the rung checkpoint" if checkpoint else self.intermediate
+
+    @property
+    def lower_is_better(self) -> bool:
+        """At a rung: the intermediate's own direction, or the objective's."""
+        lower = INTERMEDIATES[self.intermediate].lower_is_better
+        return self.direction == "minimize" if lower is None else lower
+
+    @property
     def rounds_batch(self) -> int:
         """Trials sampled per round (the sampler sees every trial of the rounds before)."""
         if self.batch is not None:
