@@ -1,6 +1,6 @@
 """Training throughput, tunelab's loop vs transformers' Trainer: same model, batches, precision, optimizer.
 
-    python benchmarks/train_throughput.py [--steps 20] [--warmup 3] [--batch 4] [--max-length 256]
+    python benchmarks/train_throughput.py [--steps 20] [--warmup 3] [--batch 4] [--max-length 256] [--precision P]
                                           [--model NAME] [--device auto] [--data arithmetic|alpaca]
                                           [--repeats R] [--pack] [--plain-loss-too] [--out FILE]
 
@@ -16,7 +16,8 @@ headline ratio is tunelab's best against the peer's best.
 row of each batch by the same collate function), for a like-for-like step. All log every step and are timed
 from the end of the warmup steps to the end of the last step; tokens are each contender's own non-padding
 tokens, so the ratios are useful tokens per second. On CUDA all run fp32 weights with bf16 autocast
-(Trainer's bf16=True); on CPU all run fp32. AdamW is torch's fused kernel on both sides: Trainer's default
+(Trainer's bf16=True); on CPU all run fp32 unless --precision bf16 (a CPU with AMX or avx512_bf16 multiplies
+bf16 several times faster than fp32). AdamW is torch's fused kernel on both sides: Trainer's default
 optimizer (`adamw_torch_fused` since torch 2.8) and tunelab's in one process. Each run is a fresh Python
 process, so no contender inherits another's allocator state.
 
@@ -64,7 +65,8 @@ def make_cfg(args, device_type: str, pack: bool = False, batch: int | None = Non
         "optim": {"name": "adamw", "lr": 2e-5},
         "train": {"steps": args.warmup + args.steps, "batch_size": batch or args.batch, "schedule": "constant",
                   "group_by_length": grouped, "device": device_type,
-                  "precision": "bf16" if device_type == "cuda" else "fp32",
+                  "precision": args.precision if args.precision != "auto" else
+                  ("bf16" if device_type == "cuda" else "fp32"),
                   "save_final": False},
         "eval": {"tasks": []}, "tracking": {"wandb": False},
     })
@@ -240,6 +242,9 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1, help="runs of each, alternated; medians reported")
     p.add_argument("--out", type=Path, default=None, help="also write the figures as JSON")
     p.add_argument("--pack", action="store_true", help="tunelab trains on packed rows instead of padded batches")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="both sides: bf16 = fp32 weights with bf16 autocast (Trainer's bf16=True); "
+                        "auto = bf16 on CUDA, fp32 on CPU")
     p.add_argument("--plain-loss-too", action="store_true",
                    help="also time tunelab's loop with the plain model(**batch).loss")
     args = p.parse_args()

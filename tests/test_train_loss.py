@@ -230,7 +230,8 @@ def test_chunked_loss_function_direct():
 
 def test_bf16_autocast_matches_the_plain_head_within_bf16_rounding():
     """Under bf16 autocast (train.precision: bf16) the chunks compute as autocast would: bf16 matmuls, fp32
-    loss; the weight's gradient summed in fp32 (the plain head rounds it to bf16 once)."""
+    loss; the weight's gradient is each chunk's bf16 product summed in fp32 (the plain head rounds the product
+    of all positions to bf16 once)."""
     model, batch = tiny_llama(), padded_batch()
     set_chunk(model.get_output_embeddings(), 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -115,7 +115,9 @@ class _ChunkedLoss(torch.autograd.Function):
         dt = ctx.dtype or hidden.dtype
         w = weight.to(dt)
         grad_h = torch.empty_like(hidden) if need_h else None
-        # Summed in fp32 whatever the compute dtype (autocast's plain head rounds one product to bf16 instead).
+        # Each chunk's product runs in the compute dtype (a bf16 matmul accumulates in fp32 inside and rounds
+        # once, as autocast's plain head does for all positions at once) and the chunks are summed in fp32.
+        # An fp32 product of the upcast chunk would cost 3-4x the time on a CPU with bf16 matmul units.
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for a in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[a:a + ctx.chunk].to(dt)
@@ -125,7 +127,10 @@ class _ChunkedLoss(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[a:a + ctx.chunk] = torch.mm(gd, w)
             if grad_w is not None:
-                grad_w.addmm_(gd.t().float() if dt != torch.float32 else gd.t(), h.float())
+                if dt == torch.float32:
+                    grad_w.addmm_(gd.t(), h)
+                else:
+                    grad_w.add_(torch.mm(gd.t(), h))
             del logits, g, gd
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
