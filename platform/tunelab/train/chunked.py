@@ -73,8 +73,8 @@ def _add_product(out: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> torch.T
     """`out` (fp32, vocabulary x hidden) += g.T @ h for half-precision `g` (rows x vocabulary) and `h`, a block
     of vocabulary rows at a time: each block's product runs in g's dtype (accumulated in fp32 inside the matmul
     and rounded once, as autocast's plain head rounds its one product) and is added in fp32. Measured on a CPU
-    with bf16 matrix units (170 positions x 49,152 x 576): 47 ms in blocks of about 3,600 rows, against 73 ms
-    for the fp32 product of the upcast chunk and 125 ms for one whole bf16 product (its temporary, weight-sized,
+    with bf16 matrix units (170 positions x 49,152 x 576): 55 ms in blocks of about 3,600 rows, against 72 ms
+    for the fp32 product of the upcast chunk and 125 ms for one whole bf16 product (its weight-sized temporary
     leaves the cache before it is added)."""
     rows = max(256, PRODUCT_BLOCK_BYTES // (4 * h.shape[1]))
     for a in range(0, out.shape[0], rows):

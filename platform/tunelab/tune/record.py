@@ -107,8 +107,12 @@ def check_reachable(url: str) -> None:
     import sqlalchemy
 
     try:
-        with sqlalchemy.create_engine(url).connect():
-            pass
+        engine = sqlalchemy.create_engine(url)
+        try:
+            with engine.connect():
+                pass
+        finally:
+            engine.dispose()  # the probe's pooled connection is not kept open while the cells train
     except Exception as e:  # noqa: BLE001 - as open_storage
         raise _cannot_open(url, e) from None
 
