@@ -1,6 +1,7 @@
 """The one-process loop's fast paths compute what the plain paths compute: packed rows attended example by
 example (train/segments.py: the block-diagonal mask's losses and gradients; models it cannot serve keep the
-mask), a tied embedding's gradient in one buffer (optimizers/tied.py) under AdamW, torch's fused AdamW."""
+mask), short attention in fp32 under CPU bf16 autocast (train/cpu_attention.py), a tied embedding's gradient
+in one buffer (optimizers/tied.py) under AdamW, torch's fused AdamW."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from test_data_pack import data, tiny_llama  # noqa: F401 - the module-scoped packed dataset fixture
 
-from tunelab.train import optim, segments
+from tunelab.train import cpu_attention, optim, segments
 from tunelab.train.data import collate_packed, label_tokens
 from tunelab.train.loss import causal_lm_loss
 
@@ -116,3 +117,62 @@ def test_adam_and_adamw_take_the_fused_kernel_unless_told_otherwise():
     told = optim.build(params, OptimCfg(name="adamw", kwargs={"foreach": True}), fused_kernel=True)
     assert not told.defaults["fused"] and told.defaults["foreach"]
     assert "fused" not in optim.build(params, OptimCfg(name="lion"), fused_kernel=True).defaults
+
+
+def _qkv(keys: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, h, keys, 16, generator=gen) for h in (4, 2, 2))
+    return q, k, v.bfloat16()  # as under autocast: rotated q and k in fp32, v from a bf16 projection
+
+
+def test_short_attention_runs_in_fp32_under_cpu_autocast():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward as plain
+
+    attn = tiny_llama(64).model.layers[0].self_attn  # its key/value groups and causality, as the model calls it
+    q, k, v = _qkv(17)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = cpu_attention.sdpa(attn, q, k, v, None)[0]
+        autocast_bf16 = plain(attn, q, k, v, None)[0]
+    fp32 = plain(attn, q, k, v.float(), None)[0]
+    assert got.dtype == torch.bfloat16 and autocast_bf16.dtype == torch.bfloat16
+    assert torch.equal(got, fp32.bfloat16())  # computed in fp32, rounded once
+    assert not torch.equal(got, autocast_bf16)
+    q, k, v = _qkv(cpu_attention.SHORT_KEYS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # long enough: autocast's bf16 kernel, as without the swap
+        assert torch.equal(cpu_attention.sdpa(attn, q, k, v, None)[0], plain(attn, q, k, v, None)[0])
+    v = v.float()  # no autocast: as it comes
+    assert torch.equal(cpu_attention.sdpa(attn, q, k, v, None)[0], plain(attn, q, k, v, None)[0])
+
+
+def test_the_loop_attends_in_fp32_in_a_cpu_bf16_step(data, tmp_path, monkeypatch):  # noqa: F811
+    from transformers.integrations import sdpa_attention
+
+    from tunelab.config import CellConfig
+    from tunelab.store import read_jsonl
+    from tunelab.train.loop import run
+
+    recipe, tok, built = data
+    inner, seen = sdpa_attention.sdpa_attention_forward, []
+
+    def spy(module, query, key, value, *args, **kwargs):
+        seen.append((torch.is_autocast_enabled("cpu"), value.dtype))
+        return inner(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", spy)
+    model = tiny_llama(len(tok))
+    cfg = CellConfig.model_validate({
+        "model": {"name": "tiny-random-llama"}, "data": {"recipe": str(recipe)},
+        "train": {"steps": 2, "batch_size": 4, "precision": "bf16", "save_final": False}, "eval": {"tasks": []},
+        "tracking": {"wandb": False}})
+    assert cpu_attention.usable(model) and not cpu_attention.usable(tiny_llama(64, "eager"))
+    seen.clear()  # the check's forward through the swap
+    run(model, tok, built[False], cfg, tmp_path / "fp32-attention")
+    assert model.config._attn_implementation == "sdpa"  # restored
+    layers = model.config.num_hidden_layers
+    assert len(seen) == 2 * layers and all(not on and dt == torch.float32 for on, dt in seen)
+    seen.clear()
+    monkeypatch.setattr(cpu_attention, "usable", lambda m: False)
+    run(tiny_llama(len(tok)), tok, built[False], cfg, tmp_path / "bf16-attention")
+    assert seen == []  # the model's own SDPA, in autocast's bf16
+    fast, plain = (read_jsonl(tmp_path / n / "train" / "metrics.jsonl") for n in ("fp32-attention", "bf16-attention"))
+    assert [r["loss"] for r in fast] == pytest.approx([r["loss"] for r in plain], rel=2e-2)  # bf16 rounding apart

@@ -10,6 +10,7 @@ finds one resumes from it exactly. What it needs of the evaluation (validation b
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import time
@@ -26,7 +27,7 @@ from tunelab.events import Emit, Resumed, Step, ignore
 from tunelab.registries import uses_engine
 from tunelab.runtime import STOP, Layout, Paused, Preempted, Runtime, precision_of, stop_agreed
 from tunelab.store import append_jsonl, read_jsonl, write_json, write_text
-from tunelab.train import checkpoint, optim, parallel, segments
+from tunelab.train import checkpoint, cpu_attention, optim, parallel, segments
 from tunelab.train.data import batch_tokens, is_packed, label_tokens, loader
 from tunelab.train.metrics import mfu, peak_flops, peak_memory_mb
 from tunelab.train.optimizers.tied import prepare_for_fused
@@ -184,7 +185,11 @@ def _setup(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, folder: 
                                         validation.max_batches)) if len(val_ds) else None
     if runtime.is_main:
         folder.train_dir.mkdir(parents=True, exist_ok=True)
-    attention = (lambda: segments.attending_by_example(model)) if by_example else contextlib.nullcontext
+    attention: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    if by_example:
+        attention = functools.partial(segments.attending_by_example, model)
+    elif one_process and runtime.precision == "bf16" and cpu_attention.usable(model):
+        attention = functools.partial(cpu_attention.attending, model)  # short rows' attention in fp32 on CPU
     return Training(cfg, runtime, stepper, sched, stream, folder, emit, validate, n_params, attention=attention)
 
 

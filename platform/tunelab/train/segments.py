@@ -32,8 +32,9 @@ _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> us
 def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Causal SDPA over each example of a flattened packed row; examples start where position_ids is 0."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    """Causal SDPA over each example of a flattened packed row; examples start where position_ids is 0 (each in
+    fp32 under bf16 autocast when it is short: train/cpu_attention.py)."""
+    from tunelab.train.cpu_attention import sdpa
 
     position_ids = kwargs.get("position_ids")
     if attention_mask is not None or position_ids is None or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
@@ -43,8 +44,8 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     if not starts or starts[0] != 0:
         raise RuntimeError(f"{NAME} attention: a packed row starts at position 0")
     ends = [*starts[1:], query.shape[2]]
-    outs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
-                                   dropout=dropout, scaling=scaling, is_causal=True)[0]
+    outs = [sdpa(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
+                 dropout=dropout, scaling=scaling, is_causal=True)[0]
             for a, b in zip(starts, ends)]
     return torch.cat(outs, dim=1), None  # (1, tokens, heads, dim), as attention modules expect
 
