@@ -5,7 +5,8 @@
                                           [--repeats R] [--pack] [--plain-loss-too] [--out FILE]
 
 The peer runs at its best on the hardware: with `train_sampling_strategy="group_by_length"` (batches of
-similar lengths, the least padding it offers) everywhere, and also padding-free (`DataCollatorWithFlattening`)
+similar lengths, the least padding it offers) everywhere, with SDPA and with eager attention (on a CPU under
+bf16 autocast eager is the faster one on short rows), and also padding-free (`DataCollatorWithFlattening`)
 where an attention implementation keeps the flattened examples apart: checked first on a tiny model, with
 flash-attn's varlen kernel where it is installed (CUDA), then SDPA and eager (`padding_free_attention`); the headline
 ratio is tunelab against the fastest of them.
@@ -297,13 +298,18 @@ def prepare(args, data_cache: Path, device) -> SimpleNamespace:
 
 def contenders(args, d: SimpleNamespace, device, flat_attn: str | None) -> tuple[dict, list[str], list[str]]:
     """{name: (function, arguments)} of every contender, the peer's names and tunelab's. The peer at its best on
-    this hardware: group_by_length everywhere; padding-free rows where an attention implementation keeps the
-    examples apart (checked, not assumed). "Trainer" (tunelab's batches) is the like-for-like step."""
+    this hardware: group_by_length everywhere, SDPA and eager; padding-free rows where an attention
+    implementation keeps the examples apart (checked, not assumed). "Trainer" (tunelab's batches) is the
+    like-for-like step."""
     pad, train_rows = d.tok.pad_token_id, d.ds["train"]
     ours_name = "tunelab packed" if args.pack else "tunelab"
     table = {
         "Trainer": (run_trainer, (d.cfg, device, train_rows, d.order, pad, args.warmup)),
         "Trainer group_by_length": (run_trainer, (d.cfg, device, train_rows, d.order, pad, args.warmup, "grouped")),
+        # Eager attention is the faster implementation of the two under bf16 autocast on a CPU at short rows
+        # (torch's bf16 SDPA kernel is slow there: benchmarks/sdpa_cpu.py), so the sweep includes it.
+        "Trainer group_by_length (eager)": (run_trainer, (d.cfg, device, train_rows, d.order, pad, args.warmup,
+                                                          "grouped", "eager")),
     }
     if flat_attn:
         table[f"Trainer padding-free ({flat_attn})"] = (run_trainer, (d.cfg, device, train_rows, d.order, pad,
