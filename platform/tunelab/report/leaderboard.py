@@ -23,10 +23,12 @@ from tunelab.store import write_text
 
 FORMATS = ("md", "csv", "latex", "html", "json")
 FIGURES_NOTE = ("tok/s: non-padding tokens per second of training; peak MB: measured, the peak resident memory of the "
-                "process on CPU (interpreter and libraries included) or CUDA's max allocated on GPU (tensors), of "
-                "the main process under multi-process layouts; predicted MB: `exp memory`'s model of the tensors "
-                "alone (weights, gradients, optimizer state, activations, engine buffers), so on CPU it falls "
-                "short of peak MB by the process's baseline (train/memory.json: rss_before_load_mb).")
+                "process on CPU (interpreter, libraries and freed memory the allocator keeps included) or CUDA's max "
+                "allocated on GPU (tensors), of the main process under multi-process layouts; predicted MB: `exp "
+                "memory`'s model of the tensors alone (weights, gradients, optimizer state, activations, engine "
+                "buffers) for rows of data.max_length tokens, so on CPU it leaves out the process's baseline "
+                "(train/memory.json: rss_before_load_mb), and with shorter rows it counts more activations than "
+                "the step held.")
 
 
 def note(board: Board) -> str:
