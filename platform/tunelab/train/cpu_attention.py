@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from tunelab.train.attention_swap import probe_ids, swapped, verdict
+
 NAME = "tunelab_cpu_sdpa"
 SHORT_KEYS = 256  # below it fp32 is faster on the CPU measured above; from 512 keys bf16 is
-_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> usable(model)
 
 
 def sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -58,45 +57,22 @@ def _register() -> None:
     AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
-@contextlib.contextmanager
-def attending(model: Any) -> Iterator[None]:
+def attending(model: Any) -> contextlib.AbstractContextManager:
     """The model's attention is `NAME` inside; restored on exit."""
     _register()
-    config = model.config
-    saved = config._attn_implementation
-    config._attn_implementation = NAME
-    try:
-        yield
-    finally:
-        config._attn_implementation = saved
+    return swapped(model, NAME)
 
 
 def usable(model: Any) -> bool:
     """Whether `model`'s attention may be `NAME` (see the module docstring)."""
-    if model not in _CHECKED:
-        _CHECKED[model] = _check(model)
-    return _CHECKED[model]
+    return verdict(model, NAME, _check)
 
 
-def _check(model: Any) -> bool:
-    config = getattr(model, "config", None)
-    param = next(model.parameters(), None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or param is None or \
-            param.device.type != "cpu":
-        return False
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, min(int(config.vocab_size), 1000), (2, 7), generator=gen)
+def _check(model: Any, config: Any) -> bool:
+    ids = probe_ids(config, (2, 7))
     mask = torch.ones_like(ids)
     mask[1, 4:] = 0  # a padded row: the masks must be SDPA's (right-padded: no query sees no key at all)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            own = model(input_ids=ids, attention_mask=mask).logits
-            with attending(model):
-                swapped = model(input_ids=ids, attention_mask=mask).logits
-    except Exception:  # noqa: BLE001 - any failure means: not a model whose attention can be served so
-        return False
-    finally:
-        model.train(was_training)
-    return bool(torch.equal(own, swapped))
+    own = model(input_ids=ids, attention_mask=mask).logits
+    with attending(model):
+        swapped_logits = model(input_ids=ids, attention_mask=mask).logits
+    return bool(torch.equal(own, swapped_logits))

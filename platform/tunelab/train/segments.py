@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from tunelab.train.attention_swap import probe_ids, swapped, verdict
+
 NAME = "tunelab_by_example"
-_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> usable(model)
 
 
 def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -57,46 +56,23 @@ def _register() -> None:
     AttentionInterface.register(NAME, _attention)
 
 
-@contextlib.contextmanager
-def attending_by_example(model: Any) -> Iterator[None]:
+def attending_by_example(model: Any) -> contextlib.AbstractContextManager:
     """The model's attention is `NAME` inside; restored on exit."""
     _register()
-    config = model.config
-    saved = config._attn_implementation
-    config._attn_implementation = NAME
-    try:
-        yield
-    finally:
-        config._attn_implementation = saved
+    return swapped(model, NAME)
 
 
 def usable(model: Any) -> bool:
     """Whether packed rows of `model` may be attended example by example (see the module docstring)."""
-    if model not in _CHECKED:
-        _CHECKED[model] = _check(model)
-    return _CHECKED[model]
+    return verdict(model, NAME, _check)
 
 
-def _check(model: Any) -> bool:
-    config = getattr(model, "config", None)
-    param = next(model.parameters(), None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or param is None or \
-            param.device.type != "cpu":
-        return False
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, min(int(config.vocab_size), 1000), (1, 13), generator=gen)
+def _check(model: Any, config: Any) -> bool:
+    ids = probe_ids(config, (1, 13))
     lengths = (7, 6)
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            apart = torch.cat([model(input_ids=part).logits[0] for part in ids.split(lengths, dim=1)])
-            with attending_by_example(model):
-                together = model(input_ids=ids, position_ids=positions).logits[0]
-    except Exception:  # noqa: BLE001 - any failure means: not a model whose attention can be served so
-        return False
-    finally:
-        model.train(was_training)
+    apart = torch.cat([model(input_ids=part).logits[0] for part in ids.split(lengths, dim=1)])
+    with attending_by_example(model):
+        together = model(input_ids=ids, position_ids=positions).logits[0]
     scale = apart.abs().max().clamp_min(1.0)
     return bool(((together - apart).abs().max() / scale) < 1e-4)
