@@ -6,7 +6,7 @@ its fp32 one on short rows, backward above all. Measured on an Intel Xeon with A
 output): 11.4 against 4.5 ms at 64 keys, 19.6-25.2 against 9.2-11.1 ms at 128, about level at 256 (0.80-1.08),
 bf16 faster from 512 (benchmarks/sdpa_cpu.py). Instruction-tuning rows are mostly of a few hundred tokens
 or less, and packed rows are attended example by example (train/segments.py), so most attention of a CPU bf16
-step is short: a SmolLM2-135M step on the arithmetic recipe trains about 1.3x as many tokens a second
+step is short: a SmolLM2-135M step on the arithmetic recipe trains 1.21-1.39x as many tokens a second
 (benchmarks/README.md). In fp32 the attention is also more exact; it keeps q, k, v and its output for
 backward in fp32 instead of bf16 (a little more activation memory).
 
