@@ -58,7 +58,8 @@ class _KernelLock(JournalFileOpenLock):
     where Optuna's file locks stay behind for their 30 s grace period. (A subclass of a public lock: Optuna
     keeps the base class private.)"""
 
-    def __init__(self, path: Path) -> None:  # noqa: super().__init__ would set up the lock file this one replaces
+    # No super().__init__(): it would set up the lock file this one replaces.
+    def __init__(self, path: Path) -> None:
         self._path: Path = path
         self._file: IO[str] | None = None
 
