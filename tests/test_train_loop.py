@@ -68,7 +68,26 @@ def test_metrics_record_every_step(tmp_path):
         assert r["loss"] > 0 and r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["peak_mem_mb"] > 0
         assert 0 < r["mfu"] < 1  # CPU: against this host's measured matmul peak
     assert result.precision == "fp32" and result.resumed_from is None
-    assert read_json(tmp_path / "train" / "summary.json")["steps"] == 3
+    summary = read_json(tmp_path / "train" / "summary.json")
+    assert summary["steps"] == 3
+
+
+def test_the_prediction_is_for_the_longest_training_row(tmp_path):
+    """Arithmetic rows are shorter than max_length 256: the stored prediction is for the longest of them (a batch
+    pads to its longest row), below the one for rows of 256."""
+    from tunelab.train.data import lengths_of
+    from tunelab.train.parallel.predict import predicted_peak_mb
+
+    cfg = cell_cfg(steps=1)
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_length": 256})})
+    model, tok, ds = setup(cfg)
+    longest = max(lengths_of(ds["train"]))
+    assert longest < cfg.data.max_length
+    result = train.run(model, tok, ds, cfg, tmp_path)
+    assert result.predicted_peak_mb == pytest.approx(predicted_peak_mb(model.config, cfg, "float32", seq=longest))
+    assert result.predicted_peak_mb < predicted_peak_mb(model.config, cfg, "float32")
+    assert read_json(tmp_path / "train" / "summary.json")["predicted_peak_mb"] == pytest.approx(
+        result.predicted_peak_mb)
 
 
 def test_mfu_table():

@@ -26,9 +26,8 @@ FIGURES_NOTE = ("tok/s: non-padding tokens per second of training; peak MB: meas
                 "process on CPU (interpreter, libraries and freed memory the allocator keeps included) or CUDA's max "
                 "allocated on GPU (tensors), of the main process under multi-process layouts; predicted MB: `exp "
                 "memory`'s model of the tensors alone (weights, gradients, optimizer state, activations, engine "
-                "buffers) for rows of data.max_length tokens, so on CPU it leaves out the process's baseline "
-                "(train/memory.json: rss_before_load_mb), and with shorter rows it counts more activations than "
-                "the step held.")
+                "buffers) for rows as long as the cell's longest training row, so on CPU it leaves out the "
+                "process's baseline (train/memory.json: rss_before_load_mb).")
 
 
 def note(board: Board) -> str:

@@ -28,7 +28,7 @@ from tunelab.registries import uses_engine
 from tunelab.runtime import STOP, Layout, Paused, Preempted, Runtime, precision_of, stop_agreed
 from tunelab.store import append_jsonl, read_jsonl, write_json, write_text
 from tunelab.train import checkpoint, cpu_attention, optim, parallel, segments
-from tunelab.train.data import batch_tokens, is_packed, label_tokens, loader
+from tunelab.train.data import batch_tokens, is_packed, label_tokens, lengths_of, loader
 from tunelab.train.metrics import mfu, peak_flops, peak_memory_mb
 from tunelab.train.optimizers.tied import prepare_for_fused
 from tunelab.train.parallel.deferred import Deferred
@@ -315,7 +315,8 @@ def run(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, out: CellFo
         peak_mem_mb=mem, peak_mem_kind=kind, train_seconds=st.seconds, trainable_params=trainable,
         total_params=loop.n_params, precision=runtime.precision, resumed_from=resumed_from,
         world_size=runtime.world_size, peak_mem_mb_ranks=_gather(mem, runtime.layout),
-        predicted_peak_mb=predicted_peak_mb(model.config, cfg, str(runtime.dtype).removeprefix("torch.")),
+        predicted_peak_mb=predicted_peak_mb(model.config, cfg, str(runtime.dtype).removeprefix("torch."),
+                                            seq=max(lengths_of(datasets["train"]), default=None)),
         validation=None if val is None else validation.settings(),
         model=loop.stepper.unwrap(),  # every rank takes part in gathering the weights
     )

@@ -1,5 +1,8 @@
 """What `exp memory` predicts for a cell as configured, stored beside the measured peak (train/summary.json),
-so every run checks the memory model and the memory study (experiments/paper_memory.yaml) prints both."""
+so every run checks the memory model and the memory study (experiments/paper_memory.yaml) prints both. The loop
+asks for rows as long as the longest training row (`seq`): a batch is padded to its longest row, so that is the
+longest step, and rows shorter than data.max_length (the quickstart's are about 100 tokens of 256) would
+otherwise be predicted with activations the step never holds."""
 
 from __future__ import annotations
 
@@ -12,9 +15,10 @@ SHORT = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj"
 ALL_LINEAR = ("q", "k", "v", "o", "gate", "up", "down")  # tunelab's LoRA default for Llama-like families
 
 
-def setup_of(cell, dtype: str) -> Setup | None:
-    """The memory model's Setup for a cell; None where the model does not cover it (other PEFT methods,
-    optimizers outside the registry, LoRA on modules it does not know)."""
+def setup_of(cell, dtype: str, seq: int | None = None) -> Setup | None:
+    """The memory model's Setup for a cell, for rows of `seq` tokens (data.max_length when None); None where the
+    model does not cover it (other PEFT methods, optimizers outside the registry, LoRA on modules it does not
+    know)."""
     p, t = cell.parallel, cell.train
     if cell.optim.name not in OPTIMIZERS or cell.peft.method not in ("none", "lora"):
         return None
@@ -24,15 +28,16 @@ def setup_of(cell, dtype: str) -> Setup | None:
             return None
         targets = tuple(SHORT[m] for m in cell.peft.target_modules)
     return Setup(optim=cell.optim.name, peft=cell.peft.method, lora_r=cell.peft.r, lora_targets=targets, dtype=dtype,
-                 dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, seq=cell.data.max_length, batch=t.batch_size,
+                 dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, seq=seq or cell.data.max_length, batch=t.batch_size,
                  microbatches=p.microbatches, pp_schedule=p.pp_schedule,
                  activation_checkpointing=p.activation_checkpointing or t.gradient_checkpointing,
                  loss_chunk=t.loss_chunk)
 
 
-def predicted_peak_mb(model_config, cell, dtype: str) -> float | None:
-    """Peak MB per device by the memory model (tensors only: no runtime, no allocator slack), or None."""
-    s = setup_of(cell, dtype)
+def predicted_peak_mb(model_config, cell, dtype: str, seq: int | None = None) -> float | None:
+    """Peak MB per device by the memory model (tensors only: no runtime, no allocator slack) for rows of `seq`
+    tokens (data.max_length when None), or None."""
+    s = setup_of(cell, dtype, seq)
     try:
         shape = shape_of(model_config)
     except AttributeError:  # not a Llama-like config the model can read
