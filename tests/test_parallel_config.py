@@ -164,6 +164,8 @@ def test_memory_cli_bad_input(cli):
     assert code == 2 and "--optim" in err
     code, out, _ = cli("memory", "--model", "llama-7b", "--tp", "8")
     assert code == 0 and "devices needed" in out
+    code, _, err = cli("memory", "--model", "llama-7b", "--peft", "lora", "--lora-dropout", "1.5")
+    assert code == 2 and "--lora-dropout" in err and "Traceback" not in err
 
 
 def test_parallel_section_unknown_key_is_refused():

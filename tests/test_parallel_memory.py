@@ -148,3 +148,21 @@ def test_the_prediction_stored_with_a_cell_is_in_mib():
     n = shape_of(config).total()
     mb = predicted_peak_mb(config, cell, "float32")
     assert 16 * n / 2**20 <= mb < 160 * n / 2**20
+
+
+def test_lora_dropout_keeps_a_copy_of_each_adapted_input_and_its_mask():
+    """With dropout, each adapted layer keeps its dropped-out input (a value) and the mask (a byte) for the
+    adapter's backward; without, nothing more. The loop's prediction takes the cell's peft.dropout."""
+    from tunelab import plan
+    from tunelab.train.parallel.predict import setup_of
+
+    shape = SHAPES["llama-7b"]
+    base = Setup(peft="lora", lora_targets=("q", "down"), dtype="float32", seq=128, batch=2)
+    dropped = Setup(peft="lora", lora_targets=("q", "down"), lora_dropout=0.1, dtype="float32", seq=128, batch=2)
+    extra = estimate(shape, dropped).activations - estimate(shape, base).activations
+    values = 2 * 128 * shape.layers * (shape.hidden + shape.inter) * (1 + 1 / 4)
+    assert extra == pytest.approx(values * 4)  # fp32 bytes
+    assert estimate(shape, Setup(lora_dropout=0.1)).activations == estimate(shape, Setup()).activations  # no LoRA
+    cell = plan.cell_config({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"},
+                             "peft": {"method": "lora", "dropout": 0.1}, "train": {"steps": 1}})
+    assert setup_of(cell, "float32").lora_dropout == 0.1

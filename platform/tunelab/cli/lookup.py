@@ -50,6 +50,8 @@ def memory(
     optim: Annotated[str, typer.Option(help=f"one of {', '.join(OPTIMIZERS)}")] = "adamw",
     peft: Annotated[str, typer.Option(help="none or lora")] = "none",
     lora_r: Annotated[int, typer.Option(help="LoRA rank")] = 8,
+    lora_dropout: Annotated[float, typer.Option(help="LoRA dropout (each adapted layer then keeps a copy of its "
+                                                     "input and a mask)")] = 0.05,
     dp: Annotated[int, typer.Option(help="data-parallel degree")] = 1,
     tp: Annotated[int, typer.Option(help="tensor-parallel degree")] = 1,
     pp: Annotated[int, typer.Option(help="pipeline-parallel degree")] = 1,
@@ -74,14 +76,16 @@ def memory(
     for flag, (value, choices) in allowed.items():
         if value not in choices:
             raise UserError(f"{flag} {value!r} is not one of {', '.join(map(str, choices))}")
+    if not 0 <= lora_dropout < 1:
+        raise UserError(f"--lora-dropout {lora_dropout} is not in [0, 1)")
     if min(dp, tp, pp, microbatches, seq, batch, lora_r) < 1 or device_gb <= 0:
         raise UserError("--dp, --tp, --pp, --microbatches, --seq, --batch, --lora-r and --device-gb must be positive")
     try:
         shape = load_shape(model)
     except (OSError, ValueError) as err:
         raise UserError(f"cannot read the config of {model!r}: {err}", key="--model") from None
-    s = Setup(optim=optim, peft=peft, lora_r=lora_r, dtype=dtype, dp=dp, tp=tp, pp=pp, zero=zero, seq=seq,
-              batch=batch, microbatches=microbatches, pp_schedule=pp_schedule,
+    s = Setup(optim=optim, peft=peft, lora_r=lora_r, lora_dropout=lora_dropout, dtype=dtype, dp=dp, tp=tp, pp=pp,
+              zero=zero, seq=seq, batch=batch, microbatches=microbatches, pp_schedule=pp_schedule,
               activation_checkpointing=activation_checkpointing, backend=backend)
     est, need = estimate(shape, s), devices_needed(shape, s, device_gb)
     if as_json:
