@@ -272,3 +272,17 @@ def test_no_kernel_on_cpu_and_the_chunk_is_read_from_the_head():
     assert widest_logits(lambda: loss_and_grads(model, causal_lm_loss, padded_batch()), 97) == 3
     assert "loss_chunk" not in CellConfig.model_validate({"model": {"name": "x"}, "data": {"recipe": "y"}}) \
         .identity()["train"]
+
+
+def test_a_deferred_gradient_block_stays_small_at_few_labelled_positions():
+    """A tied weight's gradient is built from the head's factors a block of vocabulary rows at a time: with
+    few labelled positions the logits bound alone would allow the whole vocabulary in one block (a weight-sized
+    gradient while a clipping pass holds every activation); the gradient's own bound keeps it to CHUNK_BYTES / 8."""
+    from tunelab.train.chunked import CHUNK_BYTES, HeadFactors
+
+    hidden, weight = torch.zeros(10, 64), torch.zeros(100_000, 64)
+    few = HeadFactors(hidden, weight, torch.zeros(10, dtype=torch.long), torch.zeros(10), torch.ones(()), None)
+    assert few.block_rows() * 64 * 4 <= CHUNK_BYTES // 8 and few.block_rows() < weight.shape[0]
+    many = HeadFactors(torch.zeros(50_000, 64), weight, torch.zeros(50_000, dtype=torch.long), torch.zeros(50_000),
+                       torch.ones(()), None)
+    assert many.block_rows() * 50_000 * 8 <= CHUNK_BYTES  # the logits' bound where it is the tighter one

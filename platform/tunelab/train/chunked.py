@@ -98,8 +98,12 @@ class HeadFactors:
         return torch.mm(g.to(dt).t(), h)
 
     def block_rows(self) -> int:
-        """Vocabulary rows per block: a block's logits and one temporary within CHUNK_BYTES."""
-        return max(64, CHUNK_BYTES // (8 * max(1, self.hidden.shape[0])))
+        """Vocabulary rows per block: a block's logits and one temporary within CHUNK_BYTES, and its fp32
+        gradient (rows x hidden) within CHUNK_BYTES / 8. Without the second bound a step with few labelled
+        positions (the quickstart's ~170) made one block of the whole vocabulary: a weight-sized gradient and
+        its logits, built in a clipping pass while every activation is alive (AdaLomo's quickstart peak)."""
+        positions, hidden = self.hidden.shape
+        return max(64, min(CHUNK_BYTES // (8 * max(1, positions)), CHUNK_BYTES // (8 * 4 * hidden)))
 
 
 class _ChunkedLoss(torch.autograd.Function):
