@@ -4,8 +4,10 @@
 
 What train/cpu_attention.py's SHORT_KEYS rests on: for each number of keys, milliseconds per forward and
 backward of causal SDPA (`is_causal`, and with a boolean mask, as padded batches are attended), on bf16
-inputs, and on the same inputs cast to fp32 with the output cast back (what cpu_attention does). One thread
-unless OMP_NUM_THREADS says otherwise; the machine's CPU is printed.
+inputs, and on the same inputs cast to fp32 with the output cast back (what cpu_attention does). Also
+transformers' eager attention (its `eager_attention_forward`, additive mask, softmax in fp32) under bf16
+autocast and in fp32, the other implementation Trainer's users can pick (benchmarks/train_throughput.py sweeps
+it). One thread unless OMP_NUM_THREADS says otherwise; the machine's CPU is printed.
 """
 
 from __future__ import annotations
@@ -18,16 +20,41 @@ import torch
 import torch.nn.functional as F
 
 
-def per_call_ms(keys: int, args, upcast: bool, masked: bool) -> float:
+def per_call_ms(keys: int, args, upcast: bool, masked: bool, dtype: torch.dtype = torch.bfloat16) -> float:
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(args.rows, args.heads, keys, args.dim, generator=gen, dtype=torch.bfloat16)
+    q, k, v = (torch.randn(args.rows, args.heads, keys, args.dim, generator=gen, dtype=dtype)
                .requires_grad_() for _ in range(3))
     mask = torch.ones(args.rows, 1, keys, keys, dtype=torch.bool).tril() if masked else None
 
     def step() -> None:
         a, b, c = (t.float() for t in (q, k, v)) if upcast else (q, k, v)
-        out = F.scaled_dot_product_attention(a, b, c, attn_mask=mask, is_causal=mask is None).to(torch.bfloat16)
+        out = F.scaled_dot_product_attention(a, b, c, attn_mask=mask, is_causal=mask is None).to(dtype)
         out.sum().backward()
+
+    for _ in range(3):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(args.repeats):
+        step()
+    return (time.perf_counter() - t0) / args.repeats * 1000
+
+
+def eager_ms(keys: int, args, autocast: bool) -> float:
+    """transformers' eager attention, forward and backward, with its causal additive mask."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, eager_attention_forward
+
+    module = LlamaAttention(LlamaConfig(hidden_size=args.heads * args.dim, num_attention_heads=args.heads,
+                                        num_key_value_heads=args.heads, head_dim=args.dim), layer_idx=0)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(args.rows, args.heads, keys, args.dim, generator=gen).requires_grad_() for _ in range(3))
+    mask = torch.zeros(args.rows, 1, keys, keys).masked_fill(~torch.ones(keys, keys, dtype=torch.bool).tril(),
+                                                             float("-inf"))
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = eager_attention_forward(module, q, k, v, mask, scaling=args.dim ** -0.5)[0]
+        out.float().sum().backward()
 
     for _ in range(3):
         step()
@@ -49,12 +76,17 @@ def main() -> None:
                platform.processor())
     print(f"{cpu}; torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.rows} rows x {args.heads} "
           f"heads x {args.dim} dims, forward + backward, ms per call")
-    print("| keys | attention | bf16 | fp32 (with casts) | bf16 / fp32 |\n|---:|---|---:|---:|---:|")
+    print("| keys | SDPA | bf16 SDPA | fp32 SDPA (with casts) | bf16 / fp32 |\n|---:|---|---:|---:|---:|")
     for keys in (int(k) for k in args.keys.split(",")):
         for masked in (False, True):
             half, full = (per_call_ms(keys, args, up, masked) for up in (False, True))
             print(f"| {keys} | {'boolean mask' if masked else 'is_causal'} | {half:.1f} | {full:.1f} | "
                   f"{half / full:.2f} |")
+    print("\n| keys | eager, bf16 autocast | eager, fp32 | SDPA, fp32 (boolean mask, no casts) |\n"
+          "|---:|---:|---:|---:|")
+    for keys in (int(k) for k in args.keys.split(",")):
+        print(f"| {keys} | {eager_ms(keys, args, True):.1f} | {eager_ms(keys, args, False):.1f} | "
+              f"{per_call_ms(keys, args, True, True, dtype=torch.float32):.1f} |")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Autocast runs `scaled_dot_product_attention` in bf16 on a CPU, and there torch's bf16 kernel is slower than
 its fp32 one on short rows, backward above all. Measured on an Intel Xeon with AMX (torch 2.13, one thread,
 4 rows x 9 heads x 64 dims, forward and backward, the fp32 figure including the casts of q, k, v and the
-output): 11.4 against 4.5 ms at 64 keys, 19.6-25.2 against 9.2-11.1 ms at 128, about level at 256 (0.80-1.08),
+output): 7.6-8.2 against 2.8-3.1 ms at 64 keys, 19.3-21.7 against 9.0-9.7 ms at 128, level at 256 (1.00-1.06),
 bf16 faster from 512 (benchmarks/sdpa_cpu.py). Instruction-tuning rows are mostly of a few hundred tokens
 or less, and packed rows are attended example by example (train/segments.py), so most attention of a CPU bf16
 step is short: a SmolLM2-135M step on the arithmetic recipe trains 1.21-1.39x as many tokens a second
