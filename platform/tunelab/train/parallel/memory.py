@@ -260,14 +260,20 @@ def _state_values(shape: Shape, s: Setup, opt, matrices, trainable_here: float) 
     return values(opt.states, hidden, matrices) + values(opt.other_states, trainable_here - hidden, [])
 
 
+def _linear_inputs(shape: Shape, s: Setup) -> dict[tuple[str, ...], float]:
+    """Each group of linear layers that reads one input, and that input's values per token (sharded under TP
+    for the row-parallel o and down)."""
+    h, i = shape.hidden, shape.inter
+    return {("down",): i / s.tp, ("o",): h / s.tp, ("gate", "up"): h, ("q", "k", "v"): h}
+
+
 def _unsaved_inputs(shape: Shape, s: Setup) -> float:
     """Values per token and layer that backward keeps only for a weight's gradient: with LoRA the base
     weights are frozen, and a linear layer with a frozen weight (and no adapter) does not keep its input."""
     if s.peft != "lora":
         return 0.0
-    h, i, t = shape.hidden, shape.inter, set(s.lora_targets)
-    inputs = {("down",): i / s.tp, ("o",): h / s.tp, ("gate", "up"): h, ("q", "k", "v"): h}
-    return sum(size for layers, size in inputs.items() if not t & set(layers))
+    t = set(s.lora_targets)
+    return sum(size for layers, size in _linear_inputs(shape, s).items() if not t & set(layers))
 
 
 def _dropout_copies(shape: Shape, s: Setup) -> float:
@@ -276,9 +282,8 @@ def _dropout_copies(shape: Shape, s: Setup) -> float:
     (SmolLM2-135M, all seven projections, fp32): 1,949 MB of tensors with dropout 0.05 against 1,456 with 0."""
     if s.peft != "lora" or s.lora_dropout == 0:
         return 0.0
-    h, i = shape.hidden, shape.inter
-    size = {"q": h, "k": h, "v": h, "o": h / s.tp, "gate": h, "up": h, "down": i / s.tp}
-    return sum(size[t] for t in s.lora_targets) * (1 + 1 / DTYPE_BYTES[s.dtype])
+    adapted = sum(size * len(set(layers) & set(s.lora_targets)) for layers, size in _linear_inputs(shape, s).items())
+    return adapted * (1 + 1 / DTYPE_BYTES[s.dtype])
 
 
 def _activations(shape: Shape, s: Setup) -> float:
