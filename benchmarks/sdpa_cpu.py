@@ -20,6 +20,16 @@ import torch
 import torch.nn.functional as F
 
 
+def timed_ms(step, repeats: int) -> float:
+    """Milliseconds per call of `step`, after 3 untimed calls."""
+    for _ in range(3):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    return (time.perf_counter() - t0) / repeats * 1000
+
+
 def per_call_ms(keys: int, args, upcast: bool, masked: bool, dtype: torch.dtype = torch.bfloat16) -> float:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(args.rows, args.heads, keys, args.dim, generator=gen, dtype=dtype)
@@ -31,12 +41,7 @@ def per_call_ms(keys: int, args, upcast: bool, masked: bool, dtype: torch.dtype 
         out = F.scaled_dot_product_attention(a, b, c, attn_mask=mask, is_causal=mask is None).to(dtype)
         out.sum().backward()
 
-    for _ in range(3):
-        step()
-    t0 = time.perf_counter()
-    for _ in range(args.repeats):
-        step()
-    return (time.perf_counter() - t0) / args.repeats * 1000
+    return timed_ms(step, args.repeats)
 
 
 def eager_ms(keys: int, args, autocast: bool) -> float:
@@ -56,12 +61,7 @@ def eager_ms(keys: int, args, autocast: bool) -> float:
             out = eager_attention_forward(module, q, k, v, mask, scaling=args.dim ** -0.5)[0]
         out.float().sum().backward()
 
-    for _ in range(3):
-        step()
-    t0 = time.perf_counter()
-    for _ in range(args.repeats):
-        step()
-    return (time.perf_counter() - t0) / args.repeats * 1000
+    return timed_ms(step, args.repeats)
 
 
 def main() -> None:
