@@ -315,6 +315,8 @@ def test_wandb_gets_each_checkpoint_score_against_its_step(tmp_path, monkeypatch
     for step, loss in ((2, 1.5), (4, 1.25)):
         tracker.on_event(CheckpointScores(step, {"checkpoint/val_loss": loss, "checkpoint/humaneval": "unavailable"}))
     tracker.finish()
+    import wandb
+    wandb.teardown()  # run.finish() returns before wandb-core has flushed the run file; teardown waits for it
     (run,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     rows = [(r["checkpoint/step"], r["checkpoint/val_loss"]) for r in _history(run) if "checkpoint/step" in r]
     assert rows == [(2, 1.5), (4, 1.25)]
