@@ -11,7 +11,7 @@ python3 -m pytest -q -p no:cacheprovider tests/test_optim_lomo.py -k cuda 2>&1 |
 # 2. Throughput: tunelab (padded, then packed) vs Trainer on a SmolLM2-135M-shaped model, bf16.
 model=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; from gpu_check import model_source; print(model_source(Path('/tmp/m'))[0])")
 for mode in "" "--pack"; do
-  python3 benchmarks/train_throughput.py --model "$model" --steps 20 --warmup 3 --batch 64 --max-length 512 $mode \
+  python3 benchmarks/train_throughput.py --model "$model" --warmup 2 --batch 64 --max-length 512 $mode \
     --out "$OUT/throughput${mode//-/_}.json" 2>&1 | grep -v -i warn | tail -4 | tee -a "$OUT/throughput.txt"
 done
 # 3. The decoding engine: batch-size independence on CPU and CUDA, greedy parity with model.generate, speed.
