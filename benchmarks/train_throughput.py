@@ -69,7 +69,8 @@ def make_cfg(args, device_type: str, pack: bool = False, batch: int | None = Non
         "model": {"name": args.model, "dtype": "float32", "attn": "sdpa"},
         "data": {"recipe": str(args.recipe), "max_length": args.max_length, "pack": pack},
         "optim": {"name": "adamw", "lr": 2e-5},
-        "train": {"steps": args.steps or 1,  # or 1: before prepare() sets the default "batch_size": batch or args.batch, "schedule": "constant",
+        # steps: `or 1` only until prepare() has set the default from the data
+        "train": {"steps": args.steps or 1, "batch_size": batch or args.batch, "schedule": "constant",
                   "group_by_length": grouped, "device": device_type,
                   "precision": args.precision if args.precision != "auto" else
                   ("bf16" if device_type == "cuda" else "fp32"),
