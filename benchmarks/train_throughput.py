@@ -1,6 +1,6 @@
 """Training throughput, tunelab's loop vs transformers' Trainer: same model, batches, precision, optimizer.
 
-    python benchmarks/train_throughput.py [--steps 50] [--warmup 2] [--batch 4] [--max-length 256] [--precision P]
+    python benchmarks/train_throughput.py [--steps N] [--warmup 2] [--batch 4] [--max-length 256] [--precision P]
                                           [--model NAME] [--device auto] [--data arithmetic|alpaca]
                                           [--repeats R] [--pack] [--plain-loss-too] [--out FILE]
 
@@ -13,17 +13,18 @@ ratio is tunelab against the fastest of them.
 tunelab runs the same two ways: on its padded batches ("tunelab", or packed rows with --pack) and with
 `train.group_by_length: true` ("tunelab group_by_length", the same megabatch grouping as Trainer's); the
 headline ratio is tunelab's best against the peer's best.
-"Trainer" alone trains on tunelab's own batches (the rows in tunelab's shuffled order, padded to the longest
-row of each batch by the same collate function), for a like-for-like step. All log every step. Each first
-runs --warmup untimed forward and backward passes of its model on a throwaway batch (the libraries' first-call
-costs), then is timed from the start of its first step to the end of its last; tokens are each contender's own
-non-padding tokens, so the ratios are useful tokens per second. The default of 50 steps is one of Trainer's
-group_by_length megabatches: Trainer runs each megabatch's batches from its longest rows to its shortest, so a
-window of its first few steps holds its longest rows (about 1.6x the mean row on the Alpaca-shaped data), where
-the per-step costs (the optimizer step, the weight casts) spread over the most tokens; only whole megabatches
-give the throughput a run over the data gets. tunelab's grouped batches come in a random order. On CUDA all run fp32 weights with bf16 autocast
-(Trainer's bf16=True); on CPU all run fp32 unless --precision bf16 (a CPU with AMX or avx512_bf16 multiplies
-bf16 several times faster than fp32). AdamW is torch's fused kernel on both sides: Trainer's default
+"Trainer" alone trains on tunelab's own batches (the rows in tunelab's shuffled order, padded to the longest row of
+each batch by the same collate function), for a like-for-like step. All log every step. Each first runs --warmup
+untimed forward and backward passes of its model on a throwaway batch (the libraries' first-call costs), then is
+timed from the start of its first step to the end of its last; tokens are each contender's own non-padding tokens,
+so the ratios are useful tokens per second. By default the steps are whole megabatches of Trainer's group_by_length
+sampler (50 steps at batch 4 on 2,000 rows; `whole_megabatches`): Trainer runs each megabatch's batches from its
+longest rows to its shortest, so a window of its first few steps holds its longest rows (about 1.6x the mean row on
+the Alpaca-shaped data), where the per-step costs (the optimizer step, the weight casts) spread over the most
+tokens; only whole megabatches give the throughput a run over the data gets. tunelab's grouped batches come in a
+random order. On CUDA all run fp32 weights with bf16 autocast (Trainer's bf16=True); on CPU all run fp32 unless
+--precision bf16 (a CPU with AMX or avx512_bf16 multiplies bf16 several times faster than fp32).
+AdamW is torch's fused kernel on both sides: Trainer's default
 optimizer (`adamw_torch_fused` since torch 2.8) and tunelab's in one process. Each run is a fresh Python
 process, so no contender inherits another's allocator state.
 
