@@ -28,7 +28,7 @@ def setup_of(cell, dtype: str, seq: int | None = None) -> Setup | None:
             return None
         targets = tuple(SHORT[m] for m in cell.peft.target_modules)
     return Setup(optim=cell.optim.name, peft=cell.peft.method, lora_r=cell.peft.r, lora_targets=targets,
-                 lora_dropout=cell.peft.dropout if cell.peft.method == "lora" else 0.0, dtype=dtype,
+                 lora_dropout=cell.peft.dropout, dtype=dtype,
                  dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, seq=seq or cell.data.max_length, batch=t.batch_size,
                  microbatches=p.microbatches, pp_schedule=p.pp_schedule,
                  activation_checkpointing=p.activation_checkpointing or t.gradient_checkpointing,
