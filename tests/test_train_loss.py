@@ -211,7 +211,41 @@ def test_chunked_head_equals_the_plain_head_within_1e_6(tied, chunk):
     assert widest_logits(lambda: loss_and_grads(model, plain_loss, batch), 97) == batch["labels"].numel()
 
 
-def test_chunked_loss_function_direct():
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("chunk", [1, 4, None])
+def test_early_gradients_equal_the_plain_head_within_1e_6(tied, chunk):
+    """The head's gradients built in its forward (`set_chunk(early=True)`, what every optimizer but LOMO/AdaLomo
+    runs), with a tied weight through the one-buffer lookup the loop prepares (optimizers/tied.py), which adds
+    its rows into the head's buffer: loss and every gradient within 1e-6 of a fresh model's plain loss in fp32;
+    forward makes no logits wider than a chunk and backward none at all."""
+    from tunelab.train import chunked
+    from tunelab.train.optimizers.tied import prepare_for_fused
+
+    model, batch = tiny_llama(tied), padded_batch()
+    assert prepare_for_fused(model) == tied
+    set_chunk(model.get_output_embeddings(), chunk, early=True)
+    ready = []
+    real = chunked.ReadyGrad.__init__
+    chunked.ReadyGrad.__init__ = lambda self, grad: ready.append(1) or real(self, grad)
+    try:
+        fast_loss, fast = loss_and_grads(model, causal_lm_loss, batch)
+    finally:
+        chunked.ReadyGrad.__init__ = real
+    assert len(ready) == int(tied)  # the tied lookup took the head's whole gradient
+    plain_loss_, plain = loss_and_grads(tiny_llama(tied), plain_loss, batch)
+    torch.testing.assert_close(fast_loss, plain_loss_, rtol=1e-6, atol=1e-6)
+    for name in plain:
+        torch.testing.assert_close(fast[name], plain[name], rtol=1e-6, atol=1e-6, msg=name)
+    n = label_tokens(batch)
+    assert widest_logits(lambda: loss_and_grads(model, causal_lm_loss, batch), 97) == min(chunk or n, n)
+    loss = causal_lm_loss(model, batch, 1)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="earlier backward"):  # its buffers were scaled in place: once only
+        loss.backward()
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_chunked_loss_function_direct(early):
     """`chunked_loss` against `F.cross_entropy(hidden @ W.T)` on random rows, gradients of both inputs, with
     chunks that do not divide the rows, and the automatic chunk from the vocabulary."""
     g = torch.Generator().manual_seed(0)
@@ -221,19 +255,20 @@ def test_chunked_loss_function_direct():
     want = torch.nn.functional.cross_entropy(h @ w.t(), t, reduction="sum")
     gh, gw = torch.autograd.grad(want * 0.3, (h, w))
     for chunk in (5, 37, 100):
-        got = chunked_loss(h, w, t, chunk)
+        got = chunked_loss(h, w, t, chunk, early=early)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         for a, b in zip(torch.autograd.grad(got * 0.3, (h, w)), (gh, gw)):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert auto_chunk(32000) == 262 and auto_chunk(49152) == 170 and auto_chunk(10**9) == 16
 
 
-def test_bf16_autocast_matches_the_plain_head_within_bf16_rounding():
+@pytest.mark.parametrize("early", [False, True])
+def test_bf16_autocast_matches_the_plain_head_within_bf16_rounding(early):
     """Under bf16 autocast (train.precision: bf16) the chunks compute as autocast would: bf16 matmuls, fp32
     loss; the weight's gradient summed in fp32 from bf16 products a block of vocabulary rows at a time (the plain
     head rounds the product of all positions to bf16 once)."""
     model, batch = tiny_llama(), padded_batch()
-    set_chunk(model.get_output_embeddings(), 4)
+    set_chunk(model.get_output_embeddings(), 4, early=early)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         fast_loss, fast = loss_and_grads(model, causal_lm_loss, batch)
         plain_loss_, plain = loss_and_grads(model, plain_loss, batch)

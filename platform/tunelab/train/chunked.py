@@ -43,12 +43,16 @@ from torch import nn
 from tunelab.train.parallel.memory import CHUNK_BYTES, auto_chunk
 
 CHUNK_ATTR = "tunelab_loss_chunk"  # the head module's attribute holding train.loss_chunk
+EARLY_ATTR = "tunelab_head_grads_early"  # whether the head's gradients are built in its forward (`_EarlyLoss`)
 __all__ = ["CHUNK_ATTR", "CHUNK_BYTES", "auto_chunk", "chunked_loss", "computing_loss", "head_loss", "set_chunk"]
 
 
-def set_chunk(head: nn.Module, chunk: int | None) -> None:
-    """Record `train.loss_chunk` (None: automatic) on the output head module, where every head call reads it."""
+def set_chunk(head: nn.Module, chunk: int | None, early: bool = False) -> None:
+    """Record `train.loss_chunk` (None: automatic) on the output head module, where every head call reads it.
+    `early`: build the head's gradients while its forward has each chunk's logits at hand (`_EarlyLoss`), for
+    an optimizer that runs one backward per forward and keeps a whole gradient anyway (not LOMO/AdaLomo)."""
     setattr(head, CHUNK_ATTR, chunk)
+    setattr(head, EARLY_ATTR, early)
 
 
 def _compute_dtype(device: torch.device) -> torch.dtype | None:
@@ -155,6 +159,75 @@ class _ChunkedLoss(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None
 
 
+class ReadyGrad:
+    """A head weight's gradient built whole in forward (`_EarlyLoss`), handed to a tied lookup's backward
+    (optimizers/tied.py), which adds its looked-up rows into this very buffer."""
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        self.grad = grad
+
+    def block(self, a: int, b: int) -> torch.Tensor:
+        return self.grad[a:b]
+
+    def block_rows(self) -> int:
+        return self.grad.shape[0]
+
+
+class _EarlyLoss(torch.autograd.Function):
+    """The chunked head and loss with its gradients built in forward, where each chunk's logits are at hand:
+    two head-sized matmuls and one softmax per chunk fewer than recomputing them in backward (and, for a tied
+    embedding, a third recompute in the lookup's backward), the approach of Liger's fused linear
+    cross-entropy. The price is the weight's fp32 gradient from the end of forward on, which a plain head
+    allocates as backward starts, when every activation is alive too: the same peak. Backward scales the
+    stored gradients by the loss's gradient in place, so it may run once; LOMO/AdaLomo's two passes over one
+    graph and their no-whole-gradient point keep the recomputing `_ChunkedLoss`."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                dtype: torch.dtype | None, link: object, need_h: bool, need_w: bool) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            dt = dtype or hidden.dtype
+            w = weight.to(dt)
+            rows = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+            grad_h = torch.empty_like(hidden) if need_h else None
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+            for a in range(0, hidden.shape[0], chunk):
+                h, t = hidden[a:a + chunk].to(dt), targets[a:a + chunk]
+                logits = F.linear(h, w).float()
+                lse = torch.logsumexp(logits, dim=-1)
+                rows[a:a + chunk] = lse - logits.gather(1, t[:, None]).squeeze(1)
+                gd = _probs_minus_onehot(logits, lse, t).to(dt)
+                del logits
+                if grad_h is not None:
+                    grad_h[a:a + chunk] = torch.mm(gd, w)
+                if grad_w is not None:
+                    if dt == torch.float32:
+                        grad_w.addmm_(gd.t(), h)
+                    else:
+                        _add_product(grad_w, gd, h)
+                del gd
+        ctx.grads, ctx.link, ctx.weight_dtype = [grad_h, grad_w], link, weight.dtype
+        return rows.sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        if ctx.grads is None:
+            raise RuntimeError("the chunked head's early gradients were used by an earlier backward "
+                               "(set_chunk(early=False) for an optimizer that runs backward twice)")
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        if grad_h is not None:
+            grad_h.mul_(grad)
+        if grad_w is not None:
+            grad_w.mul_(grad)
+            if ctx.link is not None:  # the tied lookup adds its rows into this buffer (optimizers/tied.py)
+                ctx.link.pending.append((torch._C._current_graph_task_id(), ReadyGrad(grad_w)))
+                grad_w = None
+            else:
+                grad_w = grad_w.to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
 @functools.cache
 def _cce() -> Callable | None:
     try:
@@ -165,9 +238,10 @@ def _cce() -> Callable | None:
 
 
 def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int | None = None,
-                 link: object = None) -> torch.Tensor:
+                 link: object = None, early: bool = False) -> torch.Tensor:
     """Summed fp32 cross-entropy of `hidden @ weight.T` (rows x vocabulary, never whole) against `targets`.
-    `link`: the tied lookup's (optimizers/tied.py) that the weight's gradient is deferred to."""
+    `link`: the tied lookup's (optimizers/tied.py) that the weight's gradient is deferred to. `early`: the
+    gradients are built in forward (`_EarlyLoss`); backward may then run once."""
     dtype = _compute_dtype(hidden.device)
     half = (dtype or weight.dtype) in (torch.bfloat16, torch.float16)
     cce = _cce() if hidden.is_cuda and half and link is None else None
@@ -175,6 +249,9 @@ def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
         dt = dtype or weight.dtype
         return cce(hidden.to(dt), weight.to(dt), targets, reduction="sum", filter_eps=None, impl="cce").float()
     chunk = chunk or auto_chunk(weight.shape[0])
+    need_h, need_w = hidden.requires_grad, weight.requires_grad
+    if early and torch.is_grad_enabled() and (need_h or need_w):
+        return _EarlyLoss.apply(hidden, weight, targets, chunk, dtype, link, need_h, need_w)
     return _ChunkedLoss.apply(hidden, weight, targets, chunk, dtype, link)
 
 
@@ -208,7 +285,7 @@ def _head_loss(head: nn.Module, forward: Callable, hidden: torch.Tensor, targets
         return _checkpointed(forward, h, targets, chunk or auto_chunk(getattr(head, "out_features", 65536)))
     tied_link = getattr(head, "tied_link", None)  # set by optimizers/tied.py prepare_for_fused
     link = tied_link(hidden) if callable(tied_link) else None
-    return chunked_loss(h, weight, targets, chunk, link)
+    return chunked_loss(h, weight, targets, chunk, link, getattr(head, EARLY_ATTR, False))
 
 
 @contextlib.contextmanager

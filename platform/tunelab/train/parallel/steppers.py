@@ -64,7 +64,11 @@ def prepare(model, optim_builder, cell, layout: Layout, precision: str = "fp32",
     if not (layout.distributed or uses_engine(cell.parallel)):
         from tunelab.train.parallel.local import LocalStepper
 
-        return LocalStepper(model, optim_builder, cell, layout, precision)
-    stepper = ENGINES[cell.parallel.backend].stepper.load()
-    return stepper(model, optim_builder, cell, layout, weights) if weights else stepper(model, optim_builder, cell,
-                                                                                        layout)
+        stepper = LocalStepper(model, optim_builder, cell, layout, precision)
+    else:
+        engine = ENGINES[cell.parallel.backend].stepper.load()
+        stepper = engine(model, optim_builder, cell, layout, weights) if weights else engine(model, optim_builder,
+                                                                                             cell, layout)
+    if head is not None:  # one backward per forward, a whole gradient kept: the head's built in its forward
+        set_chunk(head, cell.train.loss_chunk, early=not hasattr(stepper.optimizer, "fused_step"))
+    return stepper
