@@ -1,4 +1,4 @@
-"""The output head and its cross-entropy in chunks of positions, recomputed in backward.
+"""The output head and its cross-entropy in chunks of positions: gradients built in forward, or recomputed.
 
 At a realistic batch the head's logits (labelled positions x vocabulary, fp32) and their gradient are the
 largest tensors of a step: 2,048 positions x 49,152 words is 403 MB each. Here the head and the loss run
@@ -9,6 +9,15 @@ products into the hidden states' and the weight's gradients. No full logits tens
 gradient exists at any time; the loss and gradients are the plain head's up to float summation order
 (tests/test_train_loss.py: within 1e-6 in fp32).
 
+Most optimizers run one backward per forward and keep a whole gradient anyway: for them (`set_chunk(early=
+True)`, which every stepper sets unless its optimizer updates inside backward) `_EarlyLoss` builds the
+gradients in forward, where each chunk's logits are at hand, and backward only scales them by the loss's
+gradient: the head's matmul runs 3 times a step instead of 4 (5 with a tied embedding, whose lookup
+recomputed the logits once more), one softmax instead of two or three. Its price is the weight's fp32
+gradient from the end of forward on, which a plain head allocates as backward starts, with every activation
+alive too: the same peak. LOMO and AdaLomo keep the recomputing path: their two backward passes over one graph
+and their point, no whole gradient, rule out a buffer built in forward.
+
 The chunk (positions per chunk) is `train.loss_chunk`, or chosen from the vocabulary so that a chunk's fp32
 logits and its one temporary stay within CHUNK_BYTES (`auto_chunk`). The stepper writes it on the head
 module (`set_chunk`), where every layout's head call reads it.
@@ -18,16 +27,17 @@ as around a plain head: FSDP2 unshards the weight there, DeepSpeed ZeRO-3 gather
 before its backward. A root forward that calls the head itself (transformers' `logits_to_keep`) then
 returns the summed loss as its `.logits`.
 
-Tied embeddings under LOMO/AdaLomo (optimizers/tied.py): the head's backward builds no weight gradient but
-hands its factors (`HeadFactors`: hidden states, log-sum-exps, targets, the loss's gradient) to the
-embedding lookup's backward, which builds the one shared gradient a block of vocabulary rows at a time,
-recomputing those rows' logits.
+Tied embeddings in one process (optimizers/tied.py): the head's backward hands the weight's gradient to the
+embedding lookup's backward, which runs last and adds its rows in: the early path hands its whole buffer
+(`ReadyGrad`); under LOMO/AdaLomo it hands its factors (`HeadFactors`: hidden states, log-sum-exps, targets,
+the loss's gradient), from which the lookup builds the one shared gradient a block of vocabulary rows at a
+time, recomputing those rows' logits.
 
 On CUDA, with half-precision compute and Apple's Cut Cross-Entropy installed (the `cce` extra), its kernel
-computes the same loss (exact gradients: `filter_eps=None`). Liger's fused linear cross-entropy is not used:
-it computes the weight's gradient during forward and keeps it until backward (a weight-sized buffer through
-the whole step, the opposite of what LOMO needs) and scales its stored gradients in place in backward, which
-LOMO's second backward pass over the same graph would apply twice.
+computes the same loss (exact gradients: `filter_eps=None`), except under a tied lookup. Liger's fused linear
+cross-entropy, which builds the gradients in forward as `_EarlyLoss` does, is not used: it scales its stored
+gradients in place in backward, and under LOMO/AdaLomo (two backward passes over one graph) it would apply
+that twice; elsewhere `_EarlyLoss` does the same work.
 """
 
 from __future__ import annotations
