@@ -11,7 +11,8 @@ isolates the optimizer's own state; 4 x 512 and 8 x 1024 are realistic batches, 
 output head weigh in), --steps full training steps (default 2) as tunelab's loop does them: forward with the
 loop's loss (train/loss.py), backward, clip to norm 1.0, step; or, for LOMO/AdaLomo, `prepare_for_fused(model,
 opt)` as the loop calls it for them (optimizers/tied.py) and the fused step, which clips inside its two backward
-passes. Two steps, not one: an optimizer's state is made in its first step, after that step's backward has
+passes. Every optimizer's model is prepared as the loop and its stepper prepare it (`prepare_for_fused`; for
+optimizers other than LOMO/AdaLomo the chunked head builds its gradients in forward). Two steps, not one: an optimizer's state is made in its first step, after that step's backward has
 freed the activations, so only from the second step on do the state and a batch's activations share memory.
 Measured: the process's peak RSS (getrusage ru_maxrss) for the whole run, that peak minus the RSS right after
 the model was built (what training added), and that peak minus the RSS before the model was built (the
@@ -140,10 +141,7 @@ def _stepper(method: str, model, params, forward_loss, batch):
     name = "adamw" if method == "lora" else method
     kwargs = {"hessian_interval": 1} if name == "sophiag" else {}
     opt = optim.build(params, OptimCfg(name=name, lr=1e-3, kwargs=kwargs), max_grad_norm=1.0)
-    if hasattr(opt, "fused_step"):  # as the loop does in one process: the tied weight's one gradient buffer
-        from tunelab.train.optimizers.tied import prepare_for_fused
-
-        prepare_for_fused(model, opt)
+    _as_the_loop_prepares(model, opt)
 
     def step(i):
         if hasattr(opt, "fused_step"):
@@ -159,6 +157,22 @@ def _stepper(method: str, model, params, forward_loss, batch):
             opt.after_step(step=i, model=model, batch=batch)
         return loss
     return step
+
+
+def _as_the_loop_prepares(model, opt) -> None:
+    """What the loop and its one-process stepper do to the model for `opt`: the tied weight's one gradient
+    buffer (optimizers/tied.py) and, for an optimizer that runs one backward per forward, the chunked head's
+    gradients built in forward (train/chunked.py). A --before revision without the latter is left as it was."""
+    from tunelab.train.optimizers.tied import prepare_for_fused
+
+    fused = hasattr(opt, "fused_step")
+    prepare_for_fused(model, opt if fused else None)
+    try:
+        from tunelab.train.chunked import set_chunk
+
+        set_chunk(model.get_output_embeddings(), None, early=not fused)
+    except (ImportError, TypeError):
+        pass
 
 
 def predicted_mb(method: str, model_name: str, rows: int, seq: int, checkpointing: bool) -> float | None:

@@ -135,7 +135,7 @@ class TrainCfg(Section):
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
     loss_chunk: int | None = Field(
         None, gt=0, description="labelled positions per chunk of the output head and loss, which run in chunks "
-                                "recomputed in backward (the logits and their gradient are never whole); null = "
+                                "(the logits and their gradient are never whole); null = "
                                 "chosen from the vocabulary (a chunk's fp32 logits about 32 MiB). Changes memory "
                                 "and speed, not results (float summation order only)")
     eval_every: int | None = Field(

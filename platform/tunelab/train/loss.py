@@ -17,7 +17,7 @@ have the body called directly: `root_forward_loss` calls the root forward with t
 the positions where any row has a label), so the head and the fp32 cross-entropy run there only: the same
 sum, up to float rounding.
 
-In every case the head and the cross-entropy run together in chunks of positions, recomputed in backward
+In every case the head and the cross-entropy run together in chunks of positions
 (train/chunked.py): the logits and their gradient are never whole.
 """
 

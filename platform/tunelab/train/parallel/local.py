@@ -1,7 +1,7 @@
 """One process: the Stepper that runs a cell with no parallel engine, so the loop has one step path.
 
 What only a single process can do lives here: bf16 autocast (engines run the model in its own dtype), the
-output head and loss at labelled positions, in chunks recomputed in backward, by calling the decoder body alone
+output head and loss at labelled positions, in chunks, by calling the decoder body alone
 (train/loss.py, train/chunked.py; the engines, whose hooks sit on the root forward, use its `root_forward_loss`),
 LOMO/AdaLomo running forward and backward themselves with one gradient buffer for a tied embedding
 (optimizers/tied.py), and Sophia's Hessian refresh between steps. Checkpoints are the trainable parameters
