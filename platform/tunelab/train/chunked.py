@@ -15,8 +15,10 @@ gradients in forward, where each chunk's logits are at hand, and backward only s
 gradient: the head's matmul runs 3 times a step instead of 4 (5 with a tied embedding, whose lookup
 recomputed the logits once more), one softmax instead of two or three. Its price is the weight's fp32
 gradient from the end of forward on, which a plain head allocates as backward starts, with every activation
-alive too: the same peak. LOMO and AdaLomo keep the recomputing path: their two backward passes over one graph
-and their point, no whole gradient, rule out a buffer built in forward.
+alive too: the plain head's peak, one weight-sized gradient above the tied lookup's recomputing path (which
+builds it after the activations are freed; measured: AdamW at 4 x 512 1.02-1.03x, benchmarks/README.md). LOMO
+and AdaLomo keep the recomputing path: their two backward passes over one graph and their point, no whole
+gradient, rule out a buffer built in forward.
 
 The chunk (positions per chunk) is `train.loss_chunk`, or chosen from the vocabulary so that a chunk's fp32
 logits and its one temporary stay within CHUNK_BYTES (`auto_chunk`). The stepper writes it on the head
