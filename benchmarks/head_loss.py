@@ -33,7 +33,7 @@ def whole(h, w, t):
 
 
 PATHS = {"whole": whole,
-         "chunked, recomputed": lambda h, w, t: chunked_loss(h, w, t),
+         "chunked, recomputed": chunked_loss,
          "chunked, early": lambda h, w, t: chunked_loss(h, w, t, early=True)}
 
 

@@ -12,8 +12,9 @@ output head weigh in), --steps full training steps (default 2) as tunelab's loop
 loop's loss (train/loss.py), backward, clip to norm 1.0, step; or, for LOMO/AdaLomo, `prepare_for_fused(model,
 opt)` as the loop calls it for them (optimizers/tied.py) and the fused step, which clips inside its two backward
 passes. Every optimizer's model is prepared as the loop and its stepper prepare it (`prepare_for_fused`; for
-optimizers other than LOMO/AdaLomo the chunked head builds its gradients in forward). Two steps, not one: an optimizer's state is made in its first step, after that step's backward has
-freed the activations, so only from the second step on do the state and a batch's activations share memory.
+optimizers other than LOMO/AdaLomo the chunked head builds its gradients in forward). Two steps, not one: an
+optimizer's state is made in its first step, after that step's backward has freed the activations, so only
+from the second step on do the state and a batch's activations share memory.
 Measured: the process's peak RSS (getrusage ru_maxrss) for the whole run, that peak minus the RSS right after
 the model was built (what training added), and that peak minus the RSS before the model was built (the
 tensors, the quantity `exp memory` predicts: train/parallel/memory.py, printed beside it).
