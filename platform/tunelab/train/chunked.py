@@ -176,13 +176,13 @@ class ReadyGrad:
     (optimizers/tied.py), which adds its looked-up rows into this very buffer."""
 
     def __init__(self, grad: torch.Tensor) -> None:
-        self.grad = grad
+        self.whole = grad  # the lookup adds into it when it is the pass's only head call
 
     def block(self, a: int, b: int) -> torch.Tensor:
-        return self.grad[a:b]
+        return self.whole[a:b]
 
     def block_rows(self) -> int:
-        return self.grad.shape[0]
+        return self.whole.shape[0]
 
 
 class _EarlyLoss(torch.autograd.Function):

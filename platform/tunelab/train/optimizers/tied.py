@@ -32,8 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tunelab.train.chunked import ReadyGrad
-
 CHUNK_ROWS = 4096  # rows of the shared weight's gradient built at a time from a plain head's factors
 
 
@@ -100,9 +98,10 @@ class _Lookup(torch.autograd.Function):
             return None, None, None, None
         if rows.device.type == "cpu" and opt is not None:  # memory is LOMO's point; the others keep the pages
             _release_freed_pages()
-        if len(parts) == 1 and isinstance(parts[0], ReadyGrad) and parts[0].grad.dtype == rows.dtype:
-            # The head built its whole gradient in forward (train/chunked.py `_EarlyLoss`): add into it.
-            return None, parts[0].grad.index_add_(0, idx, rows), None, None
+        whole = getattr(parts[0], "whole", None) if len(parts) == 1 else None
+        if whole is not None and whole.dtype == rows.dtype:
+            # The head built its whole gradient in forward (train/chunked.py `ReadyGrad`): add into it.
+            return None, whole.index_add_(0, idx, rows), None, None
         grad = rows.new_empty(ctx.shape)
         _blocks(parts, idx, rows, ctx.shape, grad)
         return None, grad, None, None
