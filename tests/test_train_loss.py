@@ -321,3 +321,19 @@ def test_a_deferred_gradient_block_stays_small_at_few_labelled_positions():
     many = HeadFactors(torch.zeros(50_000, 64), weight, torch.zeros(50_000, dtype=torch.long), torch.zeros(50_000),
                        torch.ones(()), None)
     assert many.block_rows() * 50_000 * 8 <= CHUNK_BYTES  # the logits' bound where it is the tighter one
+
+
+@pytest.mark.parametrize(("optimizer", "early"), [("adamw", True), ("lion", True), ("lomo", False)])
+def test_the_stepper_builds_the_heads_gradients_early_unless_the_optimizer_updates_in_backward(optimizer, early):
+    """parallel.prepare (every layout's entry) marks the head: gradients in forward for an optimizer that runs one
+    backward per forward, the recomputing path for LOMO/AdaLomo (two backward passes over one graph)."""
+    from tunelab.train import optim
+    from tunelab.train.chunked import EARLY_ATTR
+    from tunelab.train.parallel import Layout, prepare
+
+    cell = CellConfig.model_validate({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"},
+                                      "optim": {"name": optimizer}, "train": {"steps": 1, "loss_chunk": 4}})
+    model = tiny_llama(tied=True)
+    prepare(model, lambda ps: optim.build(ps, cell.optim), cell, Layout(device=torch.device("cpu")))
+    head = model.get_output_embeddings()
+    assert getattr(head, EARLY_ATTR) is early and head.tunelab_loss_chunk == 4
