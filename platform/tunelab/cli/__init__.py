@@ -112,6 +112,12 @@ def main() -> None:
         _say(UserError(f"{e.strerror or e} (the system refused this file or folder); check the path and its "
                        "permissions, then run again", file=what))
         sys.exit(2)
+    except RuntimeError as e:  # pathlib's expanduser on '~name' for a user this machine does not have
+        if "home directory" not in str(e):
+            raise
+        _say(UserError(f"{e}: a path beginning with '~name' names a user this machine does not know; give the "
+                       "path without it, then run again"))
+        sys.exit(2)
     except KeyboardInterrupt:  # the cell marks itself pending; its checkpoints stay
         err.print("interrupted: run the same `exp run` again to continue (cells resume from their checkpoints)")
         sys.exit(130)
