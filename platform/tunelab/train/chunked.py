@@ -98,6 +98,19 @@ def _add_product(out: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> torch.T
     return out
 
 
+def _add_chunk_grads(gd: torch.Tensor, h: torch.Tensor, w: torch.Tensor, grad_h: torch.Tensor | None,
+                     grad_w: torch.Tensor | None, a: int) -> None:
+    """One chunk's share of the gradients, from its logits' gradient `gd` (compute dtype): its rows of the hidden
+    states' gradient (from row `a`) and its product added into the weight's fp32 gradient."""
+    if grad_h is not None:
+        grad_h[a:a + gd.shape[0]] = torch.mm(gd, w)
+    if grad_w is not None:
+        if gd.dtype == torch.float32:
+            grad_w.addmm_(gd.t(), h)
+        else:
+            _add_product(grad_w, gd, h)
+
+
 class HeadFactors:
     """What the head weight's gradient is made of, kept instead of it (tied embeddings under LOMO/AdaLomo)."""
 
@@ -158,13 +171,7 @@ class _ChunkedLoss(torch.autograd.Function):
             logits = F.linear(h, w).float()
             g = _probs_minus_onehot(logits, lse[a:a + ctx.chunk], targets[a:a + ctx.chunk]).mul_(grad)
             gd = g.to(dt)
-            if grad_h is not None:
-                grad_h[a:a + ctx.chunk] = torch.mm(gd, w)
-            if grad_w is not None:
-                if dt == torch.float32:
-                    grad_w.addmm_(gd.t(), h)
-                else:
-                    _add_product(grad_w, gd, h)
+            _add_chunk_grads(gd, h, w, grad_h, grad_w, a)
             del logits, g, gd
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
@@ -210,13 +217,7 @@ class _EarlyLoss(torch.autograd.Function):
                 rows[a:a + chunk] = lse - logits.gather(1, t[:, None]).squeeze(1)
                 gd = _probs_minus_onehot(logits, lse, t).to(dt)
                 del logits
-                if grad_h is not None:
-                    grad_h[a:a + chunk] = torch.mm(gd, w)
-                if grad_w is not None:
-                    if dt == torch.float32:
-                        grad_w.addmm_(gd.t(), h)
-                    else:
-                        _add_product(grad_w, gd, h)
+                _add_chunk_grads(gd, h, w, grad_h, grad_w, a)
                 del gd
         ctx.grads, ctx.link, ctx.weight_dtype = [grad_h, grad_w], link, weight.dtype
         return rows.sum()
