@@ -82,33 +82,63 @@ def _probs_minus_onehot(logits: torch.Tensor, lse: torch.Tensor, targets: torch.
     return g
 
 
+def _log_probs_inplace(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's cross-entropy against `targets`, and `logits` (fp32) turned into d(summed cross-entropy)/
+    d(logits) in place: softmax - one-hot. One fused log-softmax written over the logits (torch's CPU kernel reads
+    a row whole before writing it; tests/test_train_loss.py checks the result against the plain head), then exp:
+    no chunk-sized temporary, where logsumexp's subtraction of the row maxima allocated one (33 MB at 170
+    positions x 49,152 words, faulted in afresh every chunk: 80-130 ms of a CPU step, measured)."""
+    torch.log_softmax(logits, dim=-1, out=logits)
+    rows = logits.gather(1, targets[:, None]).squeeze(1).neg_()
+    g = logits.exp_()
+    g[torch.arange(g.shape[0], device=g.device), targets] -= 1.0
+    return rows
+
+
+def _logsumexp_inplace(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's log-sum-exp of fp32 `logits`, which it overwrites (torch.logsumexp allocates a chunk-sized
+    temporary)."""
+    top = logits.amax(dim=1)
+    return logits.sub_(top[:, None]).exp_().sum(dim=1).log_().add_(top)
+
+
+def _weight_grad_buffer(weight: torch.Tensor, positions: int) -> torch.Tensor:
+    """The head weight's fp32 gradient: uninitialized, as the first chunk writes it whole (`_add_chunk_grads`);
+    zeros when there is no chunk."""
+    make = torch.empty if positions else torch.zeros
+    return make(weight.shape, dtype=torch.float32, device=weight.device)
+
+
 PRODUCT_BLOCK_BYTES = 8 * 2**20  # a block of the head weight's gradient, as fp32, in _add_product
 
 
-def _add_product(out: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+def _add_product(out: torch.Tensor, g: torch.Tensor, h: torch.Tensor, first: bool = False) -> torch.Tensor:
     """`out` (fp32, vocabulary x hidden) += g.T @ h for half-precision `g` (rows x vocabulary) and `h`, a block
     of vocabulary rows at a time: each block's product runs in g's dtype (accumulated in fp32 inside the matmul
-    and rounded once, as autocast's plain head rounds its one product) and is added in fp32. Measured on a CPU
-    with bf16 matrix units (170 positions x 49,152 x 576): 55 ms in blocks of about 3,600 rows, against 72 ms
-    for the fp32 product of the upcast chunk and 125 ms for one whole bf16 product (its weight-sized temporary
-    leaves the cache before it is added)."""
+    and rounded once, as autocast's plain head rounds its one product) and is added in fp32 (`first`: written,
+    `out` is uninitialized). Measured on a CPU with bf16 matrix units (170 positions x 49,152 x 576): 55 ms in
+    blocks of about 3,600 rows, against 72 ms for the fp32 product of the upcast chunk and 125 ms for one whole
+    bf16 product (its weight-sized temporary leaves the cache before it is added)."""
     rows = max(256, PRODUCT_BLOCK_BYTES // (4 * h.shape[1]))
     for a in range(0, out.shape[0], rows):
-        out[a:a + rows].add_(torch.mm(g[:, a:a + rows].t(), h))
+        block = torch.mm(g[:, a:a + rows].t(), h)
+        (out[a:a + rows].copy_ if first else out[a:a + rows].add_)(block)
     return out
 
 
 def _add_chunk_grads(gd: torch.Tensor, h: torch.Tensor, w: torch.Tensor, grad_h: torch.Tensor | None,
                      grad_w: torch.Tensor | None, a: int) -> None:
     """One chunk's share of the gradients, from its logits' gradient `gd` (compute dtype): its rows of the hidden
-    states' gradient (from row `a`) and its product added into the weight's fp32 gradient."""
+    states' gradient (from row `a`) and its product added into the weight's fp32 gradient. The first chunk
+    (`a == 0`) writes the weight's gradient instead, so its buffer needs no zero fill (a weight-sized pass over
+    fresh memory: 135 ms a step for SmolLM2's 113 MB on a CPU that faults its pages in at first touch)."""
     if grad_h is not None:
         grad_h[a:a + gd.shape[0]] = torch.mm(gd, w)
     if grad_w is not None:
         if gd.dtype == torch.float32:
-            grad_w.addmm_(gd.t(), h)
+            torch.mm(gd.t(), h, out=grad_w) if a == 0 else grad_w.addmm_(gd.t(), h)
         else:
-            _add_product(grad_w, gd, h)
+            _add_product(grad_w, gd, h, first=a == 0)
 
 
 class HeadFactors:
@@ -146,8 +176,9 @@ class _ChunkedLoss(torch.autograd.Function):
             rows = torch.empty_like(lse)
             for a in range(0, hidden.shape[0], chunk):
                 logits = F.linear(hidden[a:a + chunk].to(dt), w).float()
-                lse[a:a + chunk] = torch.logsumexp(logits, dim=-1)
-                rows[a:a + chunk] = lse[a:a + chunk] - logits.gather(1, targets[a:a + chunk, None]).squeeze(1)
+                target = logits.gather(1, targets[a:a + chunk, None]).squeeze(1)
+                lse[a:a + chunk] = _logsumexp_inplace(logits)
+                rows[a:a + chunk] = lse[a:a + chunk] - target
                 del logits
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk, ctx.dtype, ctx.link = chunk, dtype, link
@@ -165,7 +196,7 @@ class _ChunkedLoss(torch.autograd.Function):
         w = weight.to(dt)
         grad_h = torch.empty_like(hidden) if need_h else None
         # Summed in fp32 whatever the compute dtype (autocast's plain head rounds one product to bf16 instead).
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_w = _weight_grad_buffer(weight, hidden.shape[0]) if need_w else None
         for a in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[a:a + ctx.chunk].to(dt)
             logits = F.linear(h, w).float()
@@ -209,13 +240,12 @@ class _EarlyLoss(torch.autograd.Function):
             w = weight.to(dt)
             rows = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
             grad_h = torch.empty_like(hidden) if need_h else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+            grad_w = _weight_grad_buffer(weight, hidden.shape[0]) if need_w else None
             for a in range(0, hidden.shape[0], chunk):
                 h, t = hidden[a:a + chunk].to(dt), targets[a:a + chunk]
                 logits = F.linear(h, w).float()
-                lse = torch.logsumexp(logits, dim=-1)
-                rows[a:a + chunk] = lse - logits.gather(1, t[:, None]).squeeze(1)
-                gd = _probs_minus_onehot(logits, lse, t).to(dt)
+                rows[a:a + chunk] = _log_probs_inplace(logits, t)
+                gd = logits.to(dt)
                 del logits
                 _add_chunk_grads(gd, h, w, grad_h, grad_w, a)
                 del gd
