@@ -12,7 +12,8 @@ output head weigh in), --steps full training steps (default 2) as tunelab's loop
 loop's loss (train/loss.py), backward, clip to norm 1.0, step; or, for LOMO/AdaLomo, `prepare_for_fused(model,
 opt)` as the loop calls it for them (optimizers/tied.py) and the fused step, which clips inside its two backward
 passes. Every optimizer's model is prepared as the loop and its stepper prepare it (`prepare_for_fused`; for
-optimizers other than LOMO/AdaLomo the chunked head builds its gradients in forward). Two steps, not one: an
+optimizers other than LOMO/AdaLomo the chunked head builds its gradients in forward; for every method, the
+official Lomo included, the lean norms and MLPs of train/lean.py). Two steps, not one: an
 optimizer's state is made in its first step, after that step's backward has freed the activations, so only
 from the second step on do the state and a batch's activations share memory.
 Measured: the process's peak RSS (getrusage ru_maxrss) for the whole run, that peak minus the RSS right after
@@ -100,6 +101,7 @@ def one(method: str, model_name: str, seq: int, rows: int = 1, steps: int = 2, c
     model.config._attn_implementation = "sdpa"
     if checkpointing:
         enable_gradient_checkpointing(model)
+    _lean(model)
     total = sum(p.numel() for p in model.parameters())
     after_model = rss_mb()
     ids = torch.randint(0, config.vocab_size, (rows, seq))
@@ -158,6 +160,17 @@ def _stepper(method: str, model, params, forward_loss, batch):
             opt.after_step(step=i, model=model, batch=batch)
         return loss
     return step
+
+
+def _lean(model) -> None:
+    """The lean norms and MLPs every layout's stepper puts on the model (train/lean.py), for every method, the
+    official Lomo too, so that its comparison stays optimizer against optimizer; a --before revision without
+    them is left as it was."""
+    try:
+        from tunelab.train import lean
+    except ImportError:
+        return
+    lean.apply(model)
 
 
 def _as_the_loop_prepares(model, opt) -> None:

@@ -43,10 +43,12 @@ def _model():
 def _measure(optim: str, lora: tuple | str, seq: int, chunk: int | None) -> float:
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from tunelab.train import lean
     from tunelab.train.chunked import set_chunk
     from tunelab.train.loss import causal_lm_loss
 
     model = _model()
+    lean.apply(model)  # as every layout's stepper does (train/parallel/steppers.prepare)
     set_chunk(model.get_output_embeddings(), chunk)
     if lora != "none":
         from peft import LoraConfig, get_peft_model
@@ -89,6 +91,23 @@ def test_prediction_within_10_percent_of_measured_peak(case):
                                                           loss_chunk=chunk, **peft)).peak
     assert predicted == pytest.approx(measured, rel=0.10), f"predicted {predicted / 2**20:.1f} MiB, " \
                                                             f"measured {measured / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2"])
+def test_lean_types_are_the_families_train_lean_swaps(model_type):
+    """The memory model's LEAN_TYPES counts the lean norms and MLPs exactly for the families where train/lean.py
+    swaps every norm and every MLP."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tunelab.train import lean
+    from tunelab.train.parallel.memory import LEAN_TYPES
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0)
+    layers = cfg.num_hidden_layers
+    swapped = lean.apply(AutoModelForCausalLM.from_config(cfg))
+    assert (swapped >= 3 * layers + 1) == (model_type in LEAN_TYPES), swapped
+    assert shape_of(cfg).lean == (model_type in LEAN_TYPES)
 
 
 def test_parameter_count_matches_the_model():

@@ -21,7 +21,8 @@ attention: nothing quadratic in the sequence):
   per layer and token: 6h replicated under tp (two RMSNorms' input and output, the two blocks'
   inputs) + 3h + 2kv + 4i split under tp (query, attention output and its copy, key, value;
   gate, SiLU, up, product); plus 3h per token at the head (final norm's input and output, the labelled
-  rows' copy). The head and loss run in chunks (train/chunked.py): one chunk's fp32
+  rows' copy). tunelab's lean norm and MLP (train/lean.py, the families of LEAN_TYPES) keep neither a norm's
+  output nor the SiLU's: 4h + (3h + 2kv + 3i) / tp a layer, 2h at the head. The head and loss run in chunks (train/chunked.py): one chunk's fp32
   logits (chunk x v fp32 values; measured, its temporaries do not meet the peak) instead of the whole batch's
   logits and their gradient, and, as backward starts with all activations alive, the head weight's fp32 gradient
   (v x h: built in forward, or being summed in backward; not under LOMO/AdaLomo with a tied embedding, whose
@@ -58,6 +59,7 @@ class Shape:
     kv_heads: int
     head_dim: int
     tied: bool
+    lean: bool = True  # train/lean.py swaps its norms and MLPs (LEAN_TYPES)
 
     @property
     def kv(self) -> int:
@@ -78,13 +80,19 @@ class Shape:
         return self.embed_params() + head + self.layers * self.layer_params() + self.hidden
 
 
+# Model types whose RMSNorm and MLP are transformers' Llama code, which train/lean.py swaps (it compares the
+# code itself; tests/test_parallel_memory.py checks this list against it).
+LEAN_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
 def shape_of(config) -> Shape:
     heads = config.num_attention_heads
     hd = getattr(config, "head_dim", None) or config.hidden_size // heads
     return Shape(vocab=config.vocab_size, hidden=config.hidden_size, inter=config.intermediate_size,
                  layers=config.num_hidden_layers, heads=heads,
                  kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=hd,
-                 tied=bool(getattr(config, "tie_word_embeddings", False)))
+                 tied=bool(getattr(config, "tie_word_embeddings", False)),
+                 lean=getattr(config, "model_type", None) in LEAN_TYPES)
 
 
 def _llama(h: int, i: int, layers: int, heads: int) -> Shape:
@@ -293,10 +301,12 @@ def _activations(shape: Shape, s: Setup) -> float:
         in_flight = s.microbatches if s.pp_schedule == "gpipe" else min(s.pp, s.microbatches)
         rows = rows * in_flight / s.microbatches
     tokens = rows * s.seq
-    per_layer = 6 * h + (3 * h + 2 * kv + 4 * i) / s.tp - _unsaved_inputs(shape, s) + _dropout_copies(shape, s)
+    norms, mlp, final = (4, 3, 2) if shape.lean else (6, 4, 3)  # train/lean.py: no norm or SiLU output kept
+    per_layer = (norms * h + (3 * h + 2 * kv + mlp * i) / s.tp - _unsaved_inputs(shape, s)
+                 + _dropout_copies(shape, s))
     layers = shape.layers / s.pp
     body = tokens * (layers * h + per_layer) if s.activation_checkpointing else tokens * layers * per_layer
-    return body + tokens * 3 * h + _head(shape, s, tokens)
+    return body + tokens * final * h + _head(shape, s, tokens)
 
 
 def _head(shape: Shape, s: Setup, tokens: float) -> float:

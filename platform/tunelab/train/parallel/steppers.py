@@ -6,6 +6,7 @@ from tunelab.errors import UserError
 from tunelab.layouts import check_layout
 from tunelab.registries import ENGINES, uses_engine
 from tunelab.runtime import Layout
+from tunelab.train import lean
 from tunelab.train.chunked import set_chunk
 from tunelab.train.parallel.anatomy import causal_lm
 from tunelab.train.parallel.deferred import Deferred, needs_whole
@@ -58,6 +59,7 @@ def prepare(model, optim_builder, cell, layout: Layout, precision: str = "fp32",
         raise UserError(str(e), key="parallel") from None
     if cell.train.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    lean.apply(model)  # norms and MLPs that keep less for backward, on every layout (train/lean.py)
     head = causal_lm(model).get_output_embeddings()
     if head is not None:  # the chunk of the head's loss (train/chunked.py), read by every layout's head call
         set_chunk(head, cell.train.loss_chunk)
