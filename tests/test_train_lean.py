@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from test_train_loss import padded_batch  # noqa: E402 - the shared tiny batch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from tunelab.config import PeftCfg
@@ -15,14 +16,12 @@ from tunelab.train import lean, peft
 from tunelab.train.data import label_tokens
 from tunelab.train.loss import causal_lm_loss
 
-from test_train_loss import padded_batch  # noqa: E402 - the shared tiny batch
-
-H, I, LAYERS = 32, 64, 2
+H, INTER, LAYERS = 32, 64, 2
 
 
 def tiny(family: str = "llama", dtype=torch.float32):
     torch.manual_seed(0)
-    kw = dict(vocab_size=97, hidden_size=H, intermediate_size=I, num_hidden_layers=LAYERS, num_attention_heads=4,
+    kw = dict(vocab_size=97, hidden_size=H, intermediate_size=INTER, num_hidden_layers=LAYERS, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
     model = LlamaForCausalLM(LlamaConfig(**kw)) if family == "llama" else Qwen2ForCausalLM(Qwen2Config(**kw))
     with torch.no_grad():  # norm weights away from 1, so that the weight's product matters
@@ -125,7 +124,7 @@ def test_keeps_exactly_2h_plus_i_fewer_values_a_token_and_layer():
     tokens = batch["input_ids"].numel()
     saved = _saved_bytes(plain, batch) - _saved_bytes(model, batch)
     # fp32 values; the final norm keeps h fewer too (each norm's scale, one value a row, both keep)
-    assert saved == tokens * 4 * (LAYERS * (2 * H + I) + H)
+    assert saved == tokens * 4 * (LAYERS * (2 * H + INTER) + H)
 
 
 def test_without_gradients_the_modules_own_code_runs(monkeypatch):
@@ -142,7 +141,7 @@ def test_without_gradients_the_modules_own_code_runs(monkeypatch):
 def test_other_code_is_left_alone():
     from transformers import GemmaConfig, GemmaForCausalLM
 
-    model = GemmaForCausalLM(GemmaConfig(vocab_size=97, hidden_size=H, intermediate_size=I, num_hidden_layers=1,
+    model = GemmaForCausalLM(GemmaConfig(vocab_size=97, hidden_size=H, intermediate_size=INTER, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                          hidden_act="gelu_pytorch_tanh"))
     assert lean.apply(model) == 0  # Gemma's norm is (1 + weight) and its MLP GELU-gated

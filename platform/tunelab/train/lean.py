@@ -76,13 +76,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SiluMul.apply(gate, up)
 
 
-def _norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+def _norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     if not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)):
         return type(self).forward(self, hidden_states)  # nothing kept for backward: the module's own code
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled():  # evaluation and decoding: the module's own code, no Function call
         return type(self).forward(self, x)
     return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
@@ -96,7 +96,7 @@ def _reference_sources() -> tuple[str, str]:
 
 
 @functools.cache
-def _kind(cls: type) -> str | None:
+def _kind(cls: Any) -> str | None:
     """"norm" or "mlp" when `cls.forward` is transformers' Llama code for it, else None."""
     try:
         source = inspect.getsource(cls.forward)
@@ -118,7 +118,7 @@ def apply(model: nn.Module) -> int:
     for module in model.modules():
         if getattr(module, MARK, False) or "forward" in module.__dict__:
             continue  # done already, or another instance-level forward is in charge
-        kind = _kind(type(module))
+        kind = _kind(type(module))  # type: ignore[arg-type]  # classes hash by identity
         if kind == "mlp" and not _silu(getattr(module, "act_fn", None)):
             kind = None
         if kind is None:

@@ -21,12 +21,13 @@ attention: nothing quadratic in the sequence):
   per layer and token: 6h replicated under tp (two RMSNorms' input and output, the two blocks'
   inputs) + 3h + 2kv + 4i split under tp (query, attention output and its copy, key, value;
   gate, SiLU, up, product); plus 3h per token at the head (final norm's input and output, the labelled
-  rows' copy). tunelab's lean norm and MLP (train/lean.py, the families of LEAN_TYPES) keep neither a norm's
-  output nor the SiLU's: 4h + (3h + 2kv + 3i) / tp a layer, 2h at the head. The head and loss run in chunks (train/chunked.py): one chunk's fp32
-  logits (chunk x v fp32 values; measured, its temporaries do not meet the peak) instead of the whole batch's
-  logits and their gradient, and, as backward starts with all activations alive, the head weight's fp32 gradient
-  (v x h: built in forward, or being summed in backward; not under LOMO/AdaLomo with a tied embedding, whose
-  lookup builds it at the end of backward). Checked against measured peaks in tests/test_parallel_memory.py.
+  rows' copy). tunelab's lean norm and MLP (train/lean.py, the families of LEAN_TYPES) keep neither a
+  norm's output nor the SiLU's: 4h + (3h + 2kv + 3i) / tp a layer, 2h at the head.
+The head and loss run in chunks (train/chunked.py): one chunk's fp32 logits (chunk x v fp32 values;
+measured, its temporaries do not meet the peak) instead of the whole batch's logits and their gradient,
+and, as backward starts with all activations alive, the head weight's fp32 gradient (v x h: built in
+forward, or being summed in backward; not under LOMO/AdaLomo with a tied embedding, whose lookup builds
+it at the end of backward). Checked against measured peaks in tests/test_parallel_memory.py.
 """
 
 from __future__ import annotations
