@@ -156,10 +156,20 @@ def _stepper(method: str, model, params, forward_loss, batch):
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        if hasattr(opt, "after_step"):
-            opt.after_step(step=i, model=model, batch=batch)
+        if hasattr(opt, "after_step"):  # SophiaG's refresh, with the loop's sampled loss (the head in chunks)
+            opt.after_step(step=i, model=model, batch=batch, **_sampled_loss())
         return loss
     return step
+
+
+def _sampled_loss() -> dict:
+    """The sampled-label loss the one-process stepper hands SophiaG's refresh (train/loss.py), where this
+    revision has one."""
+    try:
+        from tunelab.train.loss import sampled_label_loss
+    except ImportError:
+        return {}
+    return {"sampled_loss": sampled_label_loss}
 
 
 def _lean(model) -> None:
