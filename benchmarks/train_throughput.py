@@ -3,6 +3,7 @@
     python benchmarks/train_throughput.py [--steps N] [--warmup 2] [--batch 4] [--max-length 256] [--precision P]
                                           [--model NAME] [--device auto] [--data arithmetic|alpaca]
                                           [--repeats R] [--pack] [--plain-loss-too] [--out FILE]
+                                          [--only NAME,NAME] [--kept-heap]
 
 The peer runs at its best on the hardware: with `train_sampling_strategy="group_by_length"` (batches of
 similar lengths, the least padding it offers) everywhere, with SDPA and with eager attention (on a CPU under
@@ -39,6 +40,13 @@ data.pack: true: no padding, no attention across examples; in one process on CPU
 its own, train/segments.py), with as many rows per step as keep the tokens per step about equal to the
 padded batches'; Trainer trains on the padded batches, grouped by length, and padding-free. Tokens are each
 side's own non-padding tokens, so the ratio is useful tokens per second.
+
+--only runs the named contenders alone (their names as the table prints them, comma-separated). --kept-heap starts
+every contender's process with glibc told to keep the memory it frees (`KEPT_HEAP`): by default glibc hands a freed
+block above its mmap threshold (128 KiB, rising to at most 32 MiB) back to the kernel, and the next step's tensor of
+that size is faulted in and zeroed again, page by page; a process whose step allocates large tensors (a
+whole-vocabulary logits tensor and its gradient: 88 MB each at 450 tokens and SmolLM2's 49k words, in fp32) pays
+that every step. It is a setting of the C library, not of either program, which any user can set.
 """
 
 from __future__ import annotations
@@ -54,6 +62,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
+
+# glibc's tunables (mallopt(3)): freed memory stays in the heap, large blocks come from it, the top is never trimmed
+KEPT_HEAP = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36),
+             "MALLOC_TOP_PAD_": str(1 << 28)}
 
 
 def default_model() -> str:
@@ -283,6 +295,9 @@ def main() -> int:
                         "auto = bf16 on CUDA, fp32 on CPU")
     p.add_argument("--plain-loss-too", action="store_true",
                    help="also time tunelab's loop with the plain model(**batch).loss")
+    p.add_argument("--only", default=None, help="run only these contenders (comma-separated, as the table names them)")
+    p.add_argument("--kept-heap", action="store_true",
+                   help="every contender's process starts with glibc keeping the memory it frees (KEPT_HEAP)")
     args = p.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     with tempfile.TemporaryDirectory() as work:
@@ -395,6 +410,17 @@ def measure(args, data_cache: Path | None) -> int:
           f"{f'a contender with {flat_attn}' if flat_attn else 'examples attend to each other, not a contender'}",
           file=sys.stderr, flush=True)
     table, peers, ours = contenders(args, d, device, flat_attn)
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in table]
+        if unknown:
+            print(f"--only: no contender named {', '.join(map(repr, unknown))}; the contenders here are "
+                  f"{', '.join(map(repr, table))}", file=sys.stderr)
+            return 2
+        table = {n: table[n] for n in names}
+        peers, ours = [n for n in peers if n in table], [n for n in ours if n in table]
+    if args.kept_heap:  # read by glibc when each contender's fresh process starts
+        os.environ.update(KEPT_HEAP)
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in table}
     for i in range(args.repeats):  # alternated, so a change in machine load hits all alike
         for name, (fn, fn_args) in table.items():
@@ -429,28 +455,32 @@ def summarize(args, d: SimpleNamespace, device, runs: dict, peers: list[str], ou
         "tokens_per_s": {k: round(v, 1) for k, v in wall.items()},
         "tokens_per_cpu_s": {k: round(v, 1) for k, v in cpu.items()},
         "runs_tokens_per_s": {k: [round(w, 1) for w, _ in v] for k, v in runs.items()},
-        "peer_best": max(peers, key=lambda k: wall[k]), "tunelab_best": max(ours, key=lambda k: wall[k]),
-        # the headline: each side at its best
-        "ratio": round(max(wall[k] for k in ours) / max(wall[k] for k in peers), 3),
-        "ratio_grouped": round(wall["tunelab group_by_length"] / wall["Trainer group_by_length"], 3),
-        "ratio_cpu_time": round(max(cpu[k] for k in ours) / max(cpu[k] for k in peers), 3),
+        "kept_heap": args.kept_heap,
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
     }
-    if not args.pack:
-        result["ratio_same_batches"] = round(wall["tunelab"] / wall["Trainer"], 3)
-    if args.plain_loss_too:
-        result["ratio_plain_loss"] = round(wall["tunelab-plain-loss"] / wall["Trainer"], 3)
+    if peers and ours:  # the headline: each side at its best (--only may leave a side out)
+        result.update(peer_best=max(peers, key=lambda k: wall[k]), tunelab_best=max(ours, key=lambda k: wall[k]),
+                      ratio=round(max(wall[k] for k in ours) / max(wall[k] for k in peers), 3),
+                      ratio_cpu_time=round(max(cpu[k] for k in ours) / max(cpu[k] for k in peers), 3))
+    for key, a, b in (("ratio_grouped", "tunelab group_by_length", "Trainer group_by_length"),
+                      ("ratio_same_batches", "tunelab", "Trainer"),
+                      ("ratio_plain_loss", "tunelab-plain-loss", "Trainer")):
+        if a in wall and b in wall:
+            result[key] = round(wall[a] / wall[b], 3)
     print(f"{'':34} {'tokens/s':>10} {'tokens/CPU-s':>13}")
     for k in runs:
         print(f"{k:34} {wall[k]:10.1f} {cpu[k]:13.1f}")
-    same = f"; on the same batches {result['ratio_same_batches']:.3f}" if not args.pack else ""
-    print(f"ratio tunelab's best ({result['tunelab_best']}) / the peer's best ({result['peer_best']}): "
-          f"{result['ratio']:.3f} wall, {result['ratio_cpu_time']:.3f} CPU time; both grouped by length "
-          f"{result['ratio_grouped']:.3f}{same}  ({result['model']}, {result['device']}, {result['precision']}, "
+    same = f"; on the same batches {result['ratio_same_batches']:.3f}" if "ratio_same_batches" in result else ""
+    grouped = f"; both grouped by length {result['ratio_grouped']:.3f}" if "ratio_grouped" in result else ""
+    head = (f"ratio tunelab's best ({result['tunelab_best']}) / the peer's best ({result['peer_best']}): "
+            f"{result['ratio']:.3f} wall, {result['ratio_cpu_time']:.3f} CPU time" if "ratio" in result else
+            "no ratio: --only left one side out")
+    heap = ", glibc keeping freed memory" if args.kept_heap else ""
+    print(f"{head}{grouped}{same}  ({result['model']}, {result['device']}, {result['precision']}, "
           f"{args.data}, batch {args.batch}, padding {d.padding_share:.0%} of positions, labels on "
-          f"{d.labelled[0]:.0%} of positions, median of {args.repeats}, load average at the end "
-          f"{result['load_average'][0]})")
+          f"{d.labelled[0]:.0%} of positions, median of {args.repeats}{heap}, "
+          f"load average at the end {result['load_average'][0]})")
     return result
 
 
