@@ -70,7 +70,7 @@ def model(cfg: ModelCfg, where: Runtime | torch.device | str = "cpu", **from_pre
         )
     except OSError as e:  # transformers' message does not always say which model it was
         raise OSError(f"could not load model {cfg.name!r}: {e}" + (f" ({hub})" if hub else "")) from e
-    return loaded if "device_map" in from_pretrained else loaded.to(device)  # type: ignore[arg-type]
+    return loaded if "device_map" in from_pretrained else loaded.to(device)
 
 
 def folder(cfg: ModelCfg) -> Path:
