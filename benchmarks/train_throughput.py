@@ -188,7 +188,7 @@ def padding_free_attention(device, use_cache: bool | None = None) -> tuple[str |
     gaps: dict[str, float] = {}
     rows = [list(range(5, 17)), list(range(30, 37))]
     flat = DataCollatorWithFlattening()([{"input_ids": r, "labels": r} for r in rows])
-    for attn in [*tried, "sdpa", "eager"]:
+    for attn in [*tried, *FLAT_ATTENTION[1:]]:
         torch.manual_seed(0)
         config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=4, attn_implementation=attn)
@@ -299,6 +299,14 @@ def main() -> int:
     p.add_argument("--kept-heap", action="store_true",
                    help="every contender's process starts with glibc keeping the memory it frees (KEPT_HEAP)")
     args = p.parse_args()
+    if args.only:  # checked before the data and models are set up, which takes tens of seconds
+        args.only = [n.strip() for n in args.only.split(",") if n.strip()]
+        names = contender_names(args)
+        unknown = [n for n in args.only if n not in names]
+        if unknown:
+            print(f"--only: no contender named {', '.join(map(repr, unknown))}; the contenders here are "
+                  f"{', '.join(map(repr, names))}", file=sys.stderr)
+            return 2
     os.environ.setdefault("WANDB_MODE", "disabled")
     with tempfile.TemporaryDirectory() as work:
         # Generated data is built into a throwaway cache, so it never lands in tunelab's own.
@@ -356,6 +364,17 @@ def prepare(args, data_cache: Path, device) -> SimpleNamespace:
     return d
 
 
+PEERS = ("Trainer", "Trainer group_by_length", "Trainer group_by_length (eager)")
+FLAT_ATTENTION = ("flash_attention_2", "sdpa", "eager")  # what padding_free_attention may find, in its order
+
+
+def contender_names(args) -> list[str]:
+    """Every name `contenders` can give on any machine: the padding-free peer's depends on its check."""
+    ours = ["tunelab packed" if args.pack else "tunelab", "tunelab group_by_length"]
+    return [*PEERS, *(f"Trainer padding-free ({a})" for a in FLAT_ATTENTION), *ours,
+            *(["tunelab-plain-loss"] if args.plain_loss_too else [])]
+
+
 def contenders(args, d: SimpleNamespace, device, flat_attn: str | None) -> tuple[dict, list[str], list[str]]:
     """{name: (function, arguments)} of every contender, the peer's names and tunelab's. The peer at its best on
     this hardware: group_by_length everywhere, SDPA and eager; padding-free rows where an attention
@@ -363,7 +382,7 @@ def contenders(args, d: SimpleNamespace, device, flat_attn: str | None) -> tuple
     like-for-like step."""
     pad, train_rows = d.tok.pad_token_id, d.ds["train"]
     ours_name = "tunelab packed" if args.pack else "tunelab"
-    table = {
+    table = {  # PEERS, in order
         "Trainer": (run_trainer, (d.cfg, device, train_rows, d.order, pad, args.warmup)),
         "Trainer group_by_length": (run_trainer, (d.cfg, device, train_rows, d.order, pad, args.warmup, "grouped")),
         # Eager attention is the faster implementation of the two under bf16 autocast on a CPU at short rows
@@ -410,14 +429,8 @@ def measure(args, data_cache: Path | None) -> int:
           f"{f'a contender with {flat_attn}' if flat_attn else 'examples attend to each other, not a contender'}",
           file=sys.stderr, flush=True)
     table, peers, ours = contenders(args, d, device, flat_attn)
-    if args.only:
-        names = [n.strip() for n in args.only.split(",") if n.strip()]
-        unknown = [n for n in names if n not in table]
-        if unknown:
-            print(f"--only: no contender named {', '.join(map(repr, unknown))}; the contenders here are "
-                  f"{', '.join(map(repr, table))}", file=sys.stderr)
-            return 2
-        table = {n: table[n] for n in names}
+    if args.only:  # a padding-free name the check did not make a contender is simply not run
+        table = {n: table[n] for n in args.only if n in table}
         peers, ours = [n for n in peers if n in table], [n for n in ours if n in table]
     if args.kept_heap:  # read by glibc when each contender's fresh process starts
         os.environ.update(KEPT_HEAP)
