@@ -3,7 +3,7 @@
     python benchmarks/train_throughput.py [--steps N] [--warmup 2] [--batch 4] [--max-length 256] [--precision P]
                                           [--model NAME] [--device auto] [--data arithmetic|alpaca]
                                           [--repeats R] [--pack] [--plain-loss-too] [--out FILE]
-                                          [--only NAME,NAME] [--kept-heap]
+                                          [--only NAME,NAME] [--kept-heap] [--profile DIR]
 
 The peer runs at its best on the hardware: with `train_sampling_strategy="group_by_length"` (batches of
 similar lengths, the least padding it offers) everywhere, with SDPA and with eager attention (on a CPU under
@@ -47,6 +47,8 @@ block above its mmap threshold (128 KiB, rising to at most 32 MiB) back to the k
 that size is faulted in and zeroed again, page by page; a process whose step allocates large tensors (a
 whole-vocabulary logits tensor and its gradient: 88 MB each at 450 tokens and SmolLM2's 49k words, in fp32) pays
 that every step. It is a setting of the C library, not of either program, which any user can set.
+--profile DIR runs each contender under torch's profiler from its first timed step (step_profile.py) and prints
+where its CPU time went, by kind of operation, per 1,000 tokens; profiled runs are slower than the figures above.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
+
+import step_profile  # benchmarks/, beside this script
 
 # glibc's tunables (mallopt(3)): freed memory stays in the heap, large blocks come from it, the top is never trimmed
 KEPT_HEAP = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36),
@@ -98,6 +102,7 @@ def timed(stamps: dict[int, tuple[float, float]], tokens: list[int]) -> tuple[fl
     shared machine; wall time is what a user waits."""
     last = max(stamps)
     n = sum(tokens[:last])
+    step_profile.STATE["tokens"] = n
     return n / (stamps[last][0] - stamps[0][0]), n / (stamps[last][1] - stamps[0][1])
 
 
@@ -132,6 +137,7 @@ def run_tunelab(cfg, device, ds, tok, tokens, warmup, plain_loss: bool = False) 
 
     def first_stamped(lp, step, peak):
         if step == 1:
+            step_profile.start()
             stamps[0] = _now()
         return step_fn(lp, step, peak)
 
@@ -241,6 +247,7 @@ def run_trainer(cfg, device, ds, order, pad_id, warmup, mode: str = "ordered",
     class Stamp(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             if state.global_step == 0:
+                step_profile.start()
                 stamps[0] = _now()
 
         def on_step_end(self, args, state, control, **kw):
@@ -298,6 +305,8 @@ def main() -> int:
     p.add_argument("--only", default=None, help="run only these contenders (comma-separated, as the table names them)")
     p.add_argument("--kept-heap", action="store_true",
                    help="every contender's process starts with glibc keeping the memory it frees (KEPT_HEAP)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="profile each contender's timed steps into this folder (step_profile.py); slows them")
     args = p.parse_args()
     if args.only:  # checked before the data and models are set up, which takes tens of seconds
         args.only = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -437,11 +446,15 @@ def measure(args, data_cache: Path | None) -> int:
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in table}
     for i in range(args.repeats):  # alternated, so a change in machine load hits all alike
         for name, (fn, fn_args) in table.items():
-            runs[name].append(in_fresh_process(fn, *fn_args))
+            runs[name].append(in_fresh_process(step_profile.run, args.profile, name, fn, *fn_args) if args.profile
+                              else in_fresh_process(fn, *fn_args))
             # Each run as it ends: a long benchmark stopped early still leaves its figures.
             print(f"run {i + 1} {name}: {runs[name][-1][0]:.1f} tokens/s, {runs[name][-1][1]:.1f} tokens/CPU-s, "
                   f"load average {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
     result = summarize(args, d, device, runs, peers, ours)
+    if args.profile:
+        print(f"where the CPU time went (the last run of each, profiled: {args.profile}):\n"
+              f"{step_profile.compare(args.profile, list(table))}", flush=True)
     result["peer_padding_free"] = {"attention": flat_attn, "largest_logit_difference": flat_gaps}
     print(json.dumps(result))
     if args.out:
