@@ -11,13 +11,26 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _threads() -> str:
+    """Threads for each test's torch: the cores shared among pytest-xdist's workers (`-n N`), so that workers and
+    the processes their tests start do not oversubscribe the machine (OpenMP's waiting threads then spin against
+    each other); alone, OMP_NUM_THREADS as set (2 by default)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        return str(max(1, (os.cpu_count() or 1) // workers))
+    return os.environ.get("OMP_NUM_THREADS", "2")
+
+
+# Set at import, before any test module imports torch (which reads it once).
+os.environ["OMP_NUM_THREADS"] = _threads()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("tunelab-cache")
     os.environ["TUNELAB_CACHE"] = str(cache)
     os.environ.setdefault("WANDB_MODE", "disabled")
     os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "2")
     yield cache
 
 

@@ -30,6 +30,15 @@ def test_build_then_cached(cli, setup):
     assert code == 0 and "cached" in out
 
 
+def test_output_to_a_pipe_keeps_each_line_whole(cli, setup):
+    """A pipe or log file has no width: a path longer than a terminal's line is printed on one line, whole."""
+    recipe, d = setup
+    deep = d / ("x" * 60) / ("y" * 60)
+    code, out, err = cli("data", "build", recipe, "--model", d / "tok", "--max-length", "128", "--cache-dir", deep)
+    assert code == 0, err
+    assert any(line.startswith(str(deep / "data")) for line in out.splitlines()), out
+
+
 def test_stats_counts(cli, setup):
     recipe, d = setup
     code, out, err = cli("data", "stats", recipe, "--model", d / "tok", "--max-length", "64", "--cache-dir",

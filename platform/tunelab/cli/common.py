@@ -34,8 +34,18 @@ def _no_flag_types() -> None:
 
 
 _no_flag_types()
-out = Console()  # rich honours NO_COLOR (and FORCE_COLOR, TERM=dumb) from the environment
-err = Console(stderr=True)
+
+
+def _console(stderr: bool = False) -> Console:
+    """rich honours NO_COLOR (and FORCE_COLOR, TERM=dumb) from the environment. A terminal's lines wrap at its
+    width; a pipe or log file has none, so there a line is printed whole (a path or a key stays greppable)."""
+    console = Console(stderr=stderr)
+    console.soft_wrap = not console.is_terminal
+    return console
+
+
+out = _console()
+err = _console(stderr=True)
 
 # `exp --help` lists commands by what a user does.
 RUN, INSPECT, EVALUATE, EXPORT = "Run", "Inspect", "Evaluate", "Export"
