@@ -1,0 +1,128 @@
+"""tunelab's training step against the plain one in one process, batch by batch: `train_throughput.py` without its
+process-to-process noise.
+
+    python benchmarks/step_ab.py [--model NAME] [--batches 8] [--repeats 5] [--precision fp32|bf16] [--chunk N ...]
+
+On a shared VM two fresh processes timed minutes apart can differ by 10-60% in speed (benchmarks/README.md), more
+than the gap being measured. Here two copies of one model train side by side in one process on the same
+length-grouped Alpaca-shaped batches (train_throughput.py's data, every 6th of the first 6 x --batches batches, so
+they span the lengths), and the two steps alternate batch by batch (their order flipped every repeat), so a change
+in the machine's speed hits both alike:
+- "plain": what Trainer's step does: `model(**batch).loss` (the whole-vocabulary head and log-softmax at every
+  position), backward, clip at 1.0, torch's fused AdamW, gradients set to None;
+- "tunelab": the one-process stepper as `train.run` builds it (train/parallel/steppers.prepare: lean norms and
+  MLPs, the head and loss at labelled positions in chunks with its gradients built in forward, the tied
+  embedding's one gradient buffer, the same clip and fused AdamW), stepped by `LocalStepper.train_step`.
+`--chunk N` adds a contender: tunelab's step with `train.loss_chunk: N` (positions per chunk of the head; the
+default is automatic, 64 MiB of fp32 logits and a temporary: 170 positions at SmolLM2's 49,152 words).
+Prints each repeat's seconds per side and the median ratio (plain / tunelab: above 1, tunelab is faster). This is
+a diagnostic of the step alone; the headline peer is Trainer as its own entry point runs it (train_throughput.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def batches(args, tok) -> list[dict]:
+    import train_throughput as tt
+
+    from tunelab.data.build import build
+    from tunelab.train.data import loader
+    from tunelab.train.loop import BatchStream
+
+    work = Path(tempfile.mkdtemp())
+    spec = SimpleNamespace(model=args.model, recipe=tt.alpaca_recipe(work, 2000), max_length=256, steps=1,
+                           batch=4, precision=args.precision)
+    cfg = tt.make_cfg(spec, "cpu", grouped=True)
+    stream = BatchStream(loader(build(cfg.data, tok, work)["train"], 4, tok.pad_token_id, shuffle=True,
+                                seed=cfg.train.seed, group_by_length=True))
+    return [next(stream) for _ in range(6 * args.batches)][::6]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default: smollm2-135m-instruct when cached, else tiny")
+    p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--chunk", type=int, nargs="*", default=[], help="also time tunelab at these loss_chunk values")
+    args = p.parse_args()
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    import torch
+    import train_throughput as tt
+
+    from tunelab import models
+    from tunelab.config import ModelCfg
+    from tunelab.runtime import Layout
+    from tunelab.train import optim, parallel
+    from tunelab.train.data import label_tokens
+    from tunelab.train.parallel.local import autocast
+
+    args.model = args.model or tt.default_model()
+    base, tok = models.load(ModelCfg.model_validate({"name": args.model, "dtype": "float32", "attn": "sdpa"}), "cpu")
+    data = batches(args, tok)
+    cell = tt.make_cfg(SimpleNamespace(model=args.model, recipe="arithmetic", max_length=256, steps=1, batch=4,
+                                       precision=args.precision), "cpu")
+    device = torch.device("cpu")
+
+    def tunelab_step(chunk: int | None):
+        c = cell.model_copy(update={"train": cell.train.model_copy(update={"loss_chunk": chunk})})
+        stepper = parallel.prepare(copy.deepcopy(base).train(),
+                                   lambda ps: optim.build(ps, c.optim, max_grad_norm=1.0, fused_kernel=True),
+                                   c, Layout(device=device), args.precision)
+        return lambda b: stepper.train_step([b], label_tokens(b))
+
+    plain_model = copy.deepcopy(base).train()
+    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=cell.optim.lr, fused=True)
+
+    def plain(batch):
+        n = torch.as_tensor(label_tokens(batch))
+        with autocast(args.precision, device):
+            loss = plain_model(**batch, num_items_in_batch=n, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(plain_model.parameters(), 1.0)
+        plain_opt.step()
+        plain_opt.zero_grad(set_to_none=True)
+
+    steps = {"plain": plain, "tunelab": tunelab_step(None)}
+    steps.update({f"tunelab chunk {n}": tunelab_step(n) for n in args.chunk})
+    for fn in steps.values():  # first-call costs outside the timing
+        for b in data[:2]:
+            fn(b)
+    tokens = sum(int(b["attention_mask"].sum()) for b in data)
+    print(f"{args.model}, {args.precision}, {len(data)} grouped batches of 4 rows ({tokens} tokens, lengths "
+          f"{[b['input_ids'].shape[1] for b in data]}), {torch.get_num_threads()} threads", flush=True)
+    seconds: dict[str, list[float]] = {name: [] for name in steps}
+    for rep in range(args.repeats):
+        took = dict.fromkeys(steps, 0.0)
+        for b in data:
+            for name in (list(steps) if rep % 2 == 0 else list(steps)[::-1]):
+                t = time.perf_counter()
+                steps[name](b)
+                took[name] += time.perf_counter() - t
+        for name, s in took.items():
+            seconds[name].append(s)
+        print(f"repeat {rep + 1}: " + ", ".join(f"{name} {s:.2f} s" for name, s in took.items())
+              + "; plain / tunelab " + ", ".join(f"{took['plain'] / s:.3f}" for name, s in took.items()
+                                                    if name != "plain"), flush=True)
+    for name in [n for n in steps if n != "plain"]:
+        ratios = [a / b for a, b in zip(seconds["plain"], seconds[name])]
+        print(f"median: plain {statistics.median(seconds['plain']):.2f} s, {name} "
+              f"{statistics.median(seconds[name]):.2f} s; ratio plain / {name} {statistics.median(ratios):.3f} "
+              f"(each repeat {min(ratios):.3f}-{max(ratios):.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
