@@ -15,6 +15,7 @@ in the machine's speed hits both alike:
   embedding's one gradient buffer, the same clip and fused AdamW), stepped by `LocalStepper.train_step`.
 `--chunk N` adds a contender: tunelab's step with `train.loss_chunk: N` (positions per chunk of the head; the
 default is automatic, 64 MiB of fp32 logits and a temporary: 170 positions at SmolLM2's 49,152 words).
+The two untimed steps' losses are printed and must agree (relative 1e-4 in fp32, 2e-2 in bf16; else exit 1).
 Prints each repeat's seconds per side and the median ratio (plain / tunelab: above 1, tunelab is faster). This is
 a diagnostic of the step alone; the headline peer is Trainer as its own entry point runs it (train_throughput.py).
 """
@@ -81,7 +82,7 @@ def main() -> int:
         stepper = parallel.prepare(copy.deepcopy(base).train(),
                                    lambda ps: optim.build(ps, c.optim, max_grad_norm=1.0, fused_kernel=True),
                                    c, Layout(device=device), args.precision)
-        return lambda b: stepper.train_step([b], label_tokens(b))
+        return lambda b: stepper.train_step([b], label_tokens(b))[0]
 
     plain_model = copy.deepcopy(base).train()
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=cell.optim.lr, fused=True)
@@ -94,12 +95,18 @@ def main() -> int:
         torch.nn.utils.clip_grad_norm_(plain_model.parameters(), 1.0)
         plain_opt.step()
         plain_opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
 
     steps = {"plain": plain, "tunelab": tunelab_step(None)}
     steps.update({f"tunelab chunk {n}": tunelab_step(n) for n in args.chunk})
-    for fn in steps.values():  # first-call costs outside the timing
-        for b in data[:2]:
-            fn(b)
+    # First-call costs outside the timing. The copies start from the same weights, so their first two losses
+    # (before and after one update) must agree: the two sides compute the same step, or there is nothing to compare.
+    warm = {name: [fn(b) for b in data[:2]] for name, fn in steps.items()}
+    tol = 1e-4 if args.precision == "fp32" else 2e-2
+    print("untimed steps' losses: " + "; ".join(f"{n} {', '.join(f'{x:.6f}' for x in v)}" for n, v in warm.items()))
+    if any(abs(x - y) > tol * abs(y) for v in warm.values() for x, y in zip(v, warm["plain"])):
+        print(f"the steps' losses differ by more than {tol:g} (relative): not the same computation", file=sys.stderr)
+        return 1
     tokens = sum(int(b["attention_mask"].sum()) for b in data)
     print(f"{args.model}, {args.precision}, {len(data)} grouped batches of 4 rows ({tokens} tokens, lengths "
           f"{[b['input_ids'].shape[1] for b in data]}), {torch.get_num_threads()} threads", flush=True)
