@@ -13,14 +13,12 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from types import TracebackType
 
 from tunelab.cellfolder import CellFolder
 from tunelab.store import LOCK_HELD_ENV
 
 RESTARTS = 3  # per evaluator, while training goes on
-WATCH_S = 0.5
 # What a process of torchrun's group carries: an evaluator is a process of its own, in no process group.
 NOT_INHERITED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID", LOCK_HELD_ENV)
@@ -36,7 +34,7 @@ class Beside:
         self.restarts = [0] * workers
         self._lock = threading.Lock()
         self._training = False
-        self._watch: threading.Thread | None = None
+        self._waiters: list[threading.Thread] = []
 
     def _start(self) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED and not k.startswith("TORCHELASTIC_")}
@@ -46,29 +44,29 @@ class Beside:
     def __enter__(self) -> Beside:
         self._training = True
         self.procs = [self._start() for _ in range(self.workers)]
-        self._watch = threading.Thread(target=self._restart_dead, name="checkpoint-evaluators", daemon=True)
-        self._watch.start()
+        # One waiter per evaluator, blocked in wait(): a death is seen the moment it happens, not at the next poll
+        # (a polling thread paused with training, e.g. by SIGSTOP, could lose the race to the end of training).
+        self._waiters = [threading.Thread(target=self._restart_when_dead, args=(i,), daemon=True,
+                                          name=f"checkpoint-evaluator-{i}") for i in range(self.workers)]
+        for waiter in self._waiters:
+            waiter.start()
         return self
 
-    def _restart_dead(self) -> None:
+    def _restart_when_dead(self, i: int) -> None:
         while True:
+            proc = self.procs[i]
+            proc.wait()
             with self._lock:
-                if not self._training:
+                if not self._training or self.restarts[i] >= RESTARTS:
                     return
-                for i, proc in enumerate(self.procs):
-                    if proc.poll() is not None and self.restarts[i] < RESTARTS:
-                        self.restarts[i] += 1
-                        print(f"tunelab: checkpoint evaluator pid {proc.pid} ended ({proc.returncode}) while "
-                              f"training goes on: starting it again ({self.restarts[i]}/{RESTARTS})", file=sys.stderr,
-                              flush=True)
-                        self.procs[i] = self._start()
-            time.sleep(WATCH_S)
+                self.restarts[i] += 1
+                print(f"tunelab: checkpoint evaluator pid {proc.pid} ended ({proc.returncode}) while training goes "
+                      f"on: starting it again ({self.restarts[i]}/{RESTARTS})", file=sys.stderr, flush=True)
+                self.procs[i] = self._start()
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         with self._lock:
-            self._training = False
-        if self._watch is not None:
-            self._watch.join()
+            self._training = False  # from here on no evaluator is started again
         try:
             for proc in self.procs:
                 if proc.stdin is not None:
@@ -80,6 +78,8 @@ class Beside:
         except BaseException:  # interrupted while waiting: their finished steps are kept, the rest is redone
             self.stop()
             raise
+        for waiter in self._waiters:
+            waiter.join()
 
     def stop(self) -> None:
         for proc in self.procs:
