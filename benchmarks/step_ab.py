@@ -2,6 +2,7 @@
 process-to-process noise.
 
     python benchmarks/step_ab.py [--model NAME] [--batches 8] [--repeats 5] [--precision fp32|bf16] [--chunk N ...]
+                                  [--compile]
 
 On a shared VM two fresh processes timed minutes apart can differ by 10-60% in speed (benchmarks/README.md), more
 than the gap being measured. Here two copies of one model train side by side in one process on the same
@@ -15,7 +16,9 @@ in the machine's speed hits both alike:
   embedding's one gradient buffer, the same clip and fused AdamW), stepped by `LocalStepper.train_step`.
 `--chunk N` adds a contender: tunelab's step with `train.loss_chunk: N` (positions per chunk of the head; the
 default is automatic, 64 MiB of fp32 logits and a temporary: 170 positions at SmolLM2's 49,152 words).
-The two untimed steps' losses are printed and must agree (relative 1e-4 in fp32, 2e-2 in bf16; else exit 1).
+`--compile` adds both steps with each decoder layer compiled (torch.compile, dynamic shapes), warmed up on every
+batch so that compiling stays outside the timing.
+The untimed steps' losses are printed and must agree (relative 1e-4 in fp32, 2e-2 in bf16; else exit 1).
 Prints each repeat's seconds per side and the median ratio (plain / tunelab: above 1, tunelab is faster). This is
 a diagnostic of the step alone; the headline peer is Trainer as its own entry point runs it (train_throughput.py).
 """
@@ -58,6 +61,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--chunk", type=int, nargs="*", default=[], help="also time tunelab at these loss_chunk values")
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer on both sides")
     args = p.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     import torch
@@ -77,31 +81,46 @@ def main() -> int:
                                        precision=args.precision), "cpu")
     device = torch.device("cpu")
 
-    def tunelab_step(chunk: int | None):
+    def fresh(compiled: bool):  # compiled after the copy: a copy of a compiled layer would run the original's code
+        model = copy.deepcopy(base).train()
+        if compiled:
+            import torch._dynamo
+
+            # The layers differ in their index and cache slot: one compiled graph each, past the default limit of 8.
+            torch._dynamo.config.recompile_limit = 16 * len(model.model.layers)
+            for layer in model.model.layers:
+                layer.compile(dynamic=True)
+        return model
+
+    def tunelab_step(chunk: int | None, compiled: bool = False):
         c = cell.model_copy(update={"train": cell.train.model_copy(update={"loss_chunk": chunk})})
-        stepper = parallel.prepare(copy.deepcopy(base).train(),
+        stepper = parallel.prepare(fresh(compiled),
                                    lambda ps: optim.build(ps, c.optim, max_grad_norm=1.0, fused_kernel=True),
                                    c, Layout(device=device), args.precision)
         return lambda b: stepper.train_step([b], label_tokens(b))[0]
 
-    plain_model = copy.deepcopy(base).train()
-    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=cell.optim.lr, fused=True)
+    def plain_step(compiled: bool = False):
+        model = fresh(compiled)
+        opt = torch.optim.AdamW(model.parameters(), lr=cell.optim.lr, fused=True)
 
-    def plain(batch):
-        n = torch.as_tensor(label_tokens(batch))
-        with autocast(args.precision, device):
-            loss = plain_model(**batch, num_items_in_batch=n, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(plain_model.parameters(), 1.0)
-        plain_opt.step()
-        plain_opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        def step(batch):
+            n = torch.as_tensor(label_tokens(batch))
+            with autocast(args.precision, device):
+                loss = model(**batch, num_items_in_batch=n, use_cache=False).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return float(loss.detach())
+        return step
 
-    steps = {"plain": plain, "tunelab": tunelab_step(None)}
+    steps = {"plain": plain_step(), "tunelab": tunelab_step(None)}
     steps.update({f"tunelab chunk {n}": tunelab_step(n) for n in args.chunk})
-    # First-call costs outside the timing. The copies start from the same weights, so their first two losses
-    # (before and after one update) must agree: the two sides compute the same step, or there is nothing to compare.
-    warm = {name: [fn(b) for b in data[:2]] for name, fn in steps.items()}
+    if args.compile:
+        steps.update({"plain compiled": plain_step(True), "tunelab compiled": tunelab_step(None, True)})
+    # First-call costs outside the timing. The copies start from the same weights, so their untimed losses
+    # (before and after updates) must agree: the two sides compute the same step, or there is nothing to compare.
+    warm = {name: [fn(b) for b in (data if 'compiled' in name else data[:2])] for name, fn in steps.items()}
     tol = 1e-4 if args.precision == "fp32" else 2e-2
     print("untimed steps' losses: " + "; ".join(f"{n} {', '.join(f'{x:.6f}' for x in v)}" for n, v in warm.items()))
     if any(abs(x - y) > tol * abs(y) for v in warm.values() for x, y in zip(v, warm["plain"])):
@@ -121,13 +140,15 @@ def main() -> int:
         for name, s in took.items():
             seconds[name].append(s)
         print(f"repeat {rep + 1}: " + ", ".join(f"{name} {s:.2f} s" for name, s in took.items())
-              + "; plain / tunelab " + ", ".join(f"{took['plain'] / s:.3f}" for name, s in took.items()
-                                                    if name != "plain"), flush=True)
-    for name in [n for n in steps if n != "plain"]:
-        ratios = [a / b for a, b in zip(seconds["plain"], seconds[name])]
-        print(f"median: plain {statistics.median(seconds['plain']):.2f} s, {name} "
-              f"{statistics.median(seconds[name]):.2f} s; ratio plain / {name} {statistics.median(ratios):.3f} "
-              f"(each repeat {min(ratios):.3f}-{max(ratios):.3f})")
+              + "; plain / " + ", ".join(f"{name} {took['plain'] / s:.3f}" for name, s in took.items()
+                                         if name != "plain"), flush=True)
+    pairs = [("plain", n) for n in steps if n != "plain"]
+    if args.compile:
+        pairs.append(("plain compiled", "tunelab compiled"))
+    for a, b in pairs:
+        ratios = [x / y for x, y in zip(seconds[a], seconds[b])]
+        print(f"median: {a} {statistics.median(seconds[a]):.2f} s, {b} {statistics.median(seconds[b]):.2f} s; "
+              f"ratio {a} / {b} {statistics.median(ratios):.3f} (each repeat {min(ratios):.3f}-{max(ratios):.3f})")
     return 0
 
 

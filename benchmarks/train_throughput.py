@@ -9,8 +9,9 @@ The peer runs at its best on the hardware: with `train_sampling_strategy="group_
 similar lengths, the least padding it offers) everywhere, with SDPA and with eager attention (on a CPU under
 bf16 autocast eager is the faster one on short rows), and also padding-free (`DataCollatorWithFlattening`)
 where an attention implementation keeps the flattened examples apart: checked first on a tiny model, with
-flash-attn's varlen kernel where it is installed (CUDA), then SDPA and eager (`padding_free_attention`); the headline
-ratio is tunelab against the fastest of them.
+flash-attn's varlen kernel where it is installed (CUDA), then SDPA and eager (`padding_free_attention`), and
+grouped with `torch_compile=True` (its compiling steps untimed: COMPILE_STEPS); the headline ratio is tunelab
+against the fastest of them.
 tunelab runs the same two ways: on its padded batches ("tunelab", or packed rows with --pack) and with
 `train.group_by_length: true` ("tunelab group_by_length", the same megabatch grouping as Trainer's); the
 headline ratio is tunelab's best against the peer's best.
@@ -97,14 +98,14 @@ def make_cfg(args, device_type: str, pack: bool = False, batch: int | None = Non
     })
 
 
-def timed(stamps: dict[int, tuple[float, float]], tokens: list[int]) -> tuple[float, float]:
-    """(tokens per wall second, tokens per CPU second of this process) from the start of the first step
-    (stamps[0]) to the end of the last (stamps[k]: the end of step k). CPU time is the steadier figure on a
-    shared machine; wall time is what a user waits."""
+def timed(stamps: dict[int, tuple[float, float]], tokens: list[int], skip: int = 0) -> tuple[float, float]:
+    """(tokens per wall second, tokens per CPU second of this process) from the end of step `skip` (stamps[0]: the
+    start of the first step) to the end of the last (stamps[k]: the end of step k). CPU time is the steadier figure
+    on a shared machine; wall time is what a user waits."""
     last = max(stamps)
-    n = sum(tokens[:last])
+    n = sum(tokens[skip:last])
     step_profile.STATE["tokens"] = n
-    return n / (stamps[last][0] - stamps[0][0]), n / (stamps[last][1] - stamps[0][1])
+    return n / (stamps[last][0] - stamps[skip][0]), n / (stamps[last][1] - stamps[skip][1])
 
 
 def warm(model, device, precision: str, rows: int, length: int, passes: int) -> None:
@@ -220,12 +221,17 @@ def trainer_use_cache() -> bool:
     return next(f.default for f in dataclasses.fields(TrainingArguments) if f.name == "use_cache")
 
 
+COMPILE_STEPS = 3  # untimed first steps of a compiled Trainer: compiling, and recompiling for other lengths
+
+
 def run_trainer(cfg, device, ds, order, pad_id, warmup, mode: str = "ordered",
-                attn: str = "sdpa") -> tuple[float, float]:
+                attn: str = "sdpa", compiled: bool = False) -> tuple[float, float]:
     """Trainer as a user would run it at its best. mode: `ordered` (tunelab's batches, for a like-for-like
     step), `grouped` (group_by_length: batches of similar lengths, little padding), `flattened`
     (DataCollatorWithFlattening: one padding-free row per batch, with an `attn` that keeps the examples
-    apart, see `padding_free_attention`)."""
+    apart, see `padding_free_attention`). compiled: `torch_compile=True` (the whole model under torch.compile,
+    inductor); its first COMPILE_STEPS steps compile (the first shape, then the recompile with dynamic lengths)
+    and run untimed, before the timed steps."""
     import torch
     from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
 
@@ -234,6 +240,7 @@ def run_trainer(cfg, device, ds, order, pad_id, warmup, mode: str = "ordered",
 
     model, _ = models.load(cfg.model.model_copy(update={"attn": attn}), device)
     warm(model, device, cfg.train.precision, cfg.train.batch_size, cfg.data.max_length, warmup)
+    skip = COMPILE_STEPS if compiled else 0
     stamps: dict[int, tuple[float, float]] = {}
     seen: list[int] = []  # non-padding tokens of each batch Trainer actually trained on
     rows = ds.with_format(None)
@@ -260,17 +267,20 @@ def run_trainer(cfg, device, ds, order, pad_id, warmup, mode: str = "ordered",
 
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(
-            output_dir=tmp, max_steps=cfg.train.steps, per_device_train_batch_size=cfg.train.batch_size,
+            output_dir=tmp, max_steps=cfg.train.steps + skip, per_device_train_batch_size=cfg.train.batch_size,
             learning_rate=cfg.optim.lr, lr_scheduler_type="constant",  # Trainer's default optim: its best
             max_grad_norm=cfg.train.max_grad_norm, logging_steps=1, save_strategy="no", report_to="none",
             use_cpu=device.type == "cpu", bf16=cfg.train.precision == "bf16", dataloader_num_workers=0,
             disable_tqdm=True, remove_unused_columns=False, seed=cfg.train.seed,
-            train_sampling_strategy="group_by_length" if mode == "grouped" else "random",
+            train_sampling_strategy="group_by_length" if mode == "grouped" else "random", torch_compile=compiled,
         )
         data = Rows() if mode == "ordered" else rows.remove_columns([c for c in rows.column_names
                                                                       if c not in ("input_ids", "labels")])
         Trainer(model=model, args=args, train_dataset=data, data_collator=counting, callbacks=[Stamp()]).train()
-    return timed(stamps, seen)
+    if skip:
+        print(f"Trainer compiled: its first {skip} steps (compiling) took {stamps[skip][0] - stamps[0][0]:.1f} s, "
+              f"untimed", file=sys.stderr, flush=True)
+    return timed(stamps, seen, skip)
 
 
 def _sync(device) -> None:
@@ -373,7 +383,7 @@ def prepare(args, data_cache: Path, device) -> SimpleNamespace:
     return d
 
 
-PEERS = ("Trainer", "Trainer group_by_length", "Trainer group_by_length (eager)")
+PEERS = ("Trainer", "Trainer group_by_length", "Trainer group_by_length (eager)", "Trainer group_by_length (compiled)")
 FLAT_ATTENTION = ("flash_attention_2", "sdpa", "eager")  # what padding_free_attention may find, in its order
 
 
@@ -398,6 +408,9 @@ def contenders(args, d: SimpleNamespace, device, flat_attn: str | None) -> tuple
         # (torch's bf16 SDPA kernel is slow there: benchmarks/sdpa_cpu.py), so the sweep includes it.
         "Trainer group_by_length (eager)": (run_trainer, (d.cfg, device, train_rows, d.order, pad, args.warmup,
                                                           "grouped", "eager")),
+        # torch_compile=True: inductor fuses the elementwise work (norms, activations, the loss over the vocabulary).
+        "Trainer group_by_length (compiled)": (run_trainer, (d.cfg, device, train_rows, d.order, pad, args.warmup,
+                                                             "grouped", "sdpa", True)),
     }
     if flat_attn:
         table[f"Trainer padding-free ({flat_attn})"] = (run_trainer, (d.cfg, device, train_rows, d.order, pad,
