@@ -10,8 +10,8 @@ similar lengths, the least padding it offers) everywhere, with SDPA and with eag
 bf16 autocast eager is the faster one on short rows), and also padding-free (`DataCollatorWithFlattening`)
 where an attention implementation keeps the flattened examples apart: checked first on a tiny model, with
 flash-attn's varlen kernel where it is installed (CUDA), then SDPA and eager (`padding_free_attention`), and
-grouped with `torch_compile=True` (its compiling steps untimed: COMPILE_STEPS); the headline ratio is tunelab
-against the fastest of them.
+grouped with `torch_compile=True` (SDPA, and eager too under bf16; its compiling steps untimed: COMPILE_STEPS); the
+headline ratio is tunelab against the fastest of them.
 tunelab runs the same two ways: on its padded batches ("tunelab", or packed rows with --pack) and with
 `train.group_by_length: true` ("tunelab group_by_length", the same megabatch grouping as Trainer's); the
 headline ratio is tunelab's best against the peer's best.
@@ -383,7 +383,8 @@ def prepare(args, data_cache: Path, device) -> SimpleNamespace:
     return d
 
 
-PEERS = ("Trainer", "Trainer group_by_length", "Trainer group_by_length (eager)", "Trainer group_by_length (compiled)")
+PEERS = ("Trainer", "Trainer group_by_length", "Trainer group_by_length (eager)", "Trainer group_by_length (compiled)",
+         "Trainer group_by_length (compiled eager)")
 FLAT_ATTENTION = ("flash_attention_2", "sdpa", "eager")  # what padding_free_attention may find, in its order
 
 
@@ -412,6 +413,9 @@ def contenders(args, d: SimpleNamespace, device, flat_attn: str | None) -> tuple
         "Trainer group_by_length (compiled)": (run_trainer, (d.cfg, device, train_rows, d.order, pad, args.warmup,
                                                              "grouped", "sdpa", True)),
     }
+    if d.cfg.train.precision == "bf16":  # where eager attention can be the faster one, compiled too
+        table["Trainer group_by_length (compiled eager)"] = (run_trainer, (d.cfg, device, train_rows, d.order, pad,
+                                                                            args.warmup, "grouped", "eager", True))
     if flat_attn:
         table[f"Trainer padding-free ({flat_attn})"] = (run_trainer, (d.cfg, device, train_rows, d.order, pad,
                                                                       args.warmup, "flattened", flat_attn))
