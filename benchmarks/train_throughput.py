@@ -124,7 +124,10 @@ def _now() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def run_tunelab(cfg, device, ds, tok, tokens, warmup, plain_loss: bool = False) -> tuple[float, float]:
+def run_tunelab(cfg, device, ds, tok, tokens, warmup, plain_loss: bool = False,
+                compiled: bool = False) -> tuple[float, float]:
+    """tunelab's loop on `cfg`; `compiled`: with `train.compile: true`, its first COMPILE_STEPS steps (compiling)
+    untimed, as the compiled Trainer's."""
     import torch
 
     from tunelab import models, train
@@ -132,6 +135,10 @@ def run_tunelab(cfg, device, ds, tok, tokens, warmup, plain_loss: bool = False) 
     from tunelab.train import loop, loss
     from tunelab.train.parallel import local
 
+    skip = COMPILE_STEPS if compiled else 0
+    if compiled:
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": True,
+                                                                          "steps": cfg.train.steps + skip})})
     model, _ = models.load(cfg.model, device)
     warm(model, device, cfg.train.precision, cfg.train.batch_size, cfg.data.max_length, warmup)
     stamps: dict[int, tuple[float, float]] = {}
@@ -154,7 +161,10 @@ def run_tunelab(cfg, device, ds, tok, tokens, warmup, plain_loss: bool = False) 
     with (tempfile.TemporaryDirectory() as tmp, mock.patch.object(loop, "_step", first_stamped),
           mock.patch.object(local, "causal_lm_loss", plain if plain_loss else loss.causal_lm_loss)):
         train.run(model, tok, ds, cfg, Path(tmp), emit)
-    return timed(stamps, tokens)
+    if skip:
+        print(f"tunelab compiled: its first {skip} steps (compiling) took {stamps[skip][0] - stamps[0][0]:.1f} s, "
+              f"untimed", file=sys.stderr, flush=True)
+    return timed(stamps, tokens, skip)
 
 
 def alpaca_recipe(folder: Path, records: int) -> Path:
@@ -360,26 +370,27 @@ def prepare(args, data_cache: Path, device) -> SimpleNamespace:
     def stream(data, rows: int, grouped: bool = False) -> list[dict]:
         s = BatchStream(loader(data, rows, tok.pad_token_id, shuffle=True, seed=cfg.train.seed,
                                group_by_length=grouped))
-        return [next(s) for _ in range(cfg.train.steps)]
+        return [next(s) for _ in range(cfg.train.steps + COMPILE_STEPS)]  # the compiled contenders' too
 
     # tunelab's row order: the same sampler and generator draws as its loader, over row indices.
     indices = BatchStream(torch.utils.data.DataLoader(range(len(ds["train"])), batch_size=args.batch, shuffle=True,
                                                       generator=torch.Generator().manual_seed(cfg.train.seed)))
     d = SimpleNamespace(cfg=cfg, tok=tok, ds=ds, order=[int(i) for _ in range(cfg.train.steps) for i in next(indices)])
-    batches = stream(ds["train"], args.batch)
-    d.tokens = [int(b["attention_mask"].sum()) for b in batches]
-    d.padding_share = 1 - sum(d.tokens) / sum(b["attention_mask"].numel() for b in batches)
+    every = stream(ds["train"], args.batch)
+    batches = every[:cfg.train.steps]
+    d.tokens = [int(b["attention_mask"].sum()) for b in every]
+    d.padding_share = 1 - sum(d.tokens[:cfg.train.steps]) / sum(b["attention_mask"].numel() for b in batches)
     d.labelled = label_share(batches)
     # tunelab's own length grouping (train.group_by_length), the like of the peer's best padded setting
     d.gr_cfg = make_cfg(args, device.type, grouped=True)
     d.gr_tokens = [batch_tokens(b) for b in stream(ds["train"], args.batch, grouped=True)]
     d.tl_cfg, d.tl_ds, d.tl_tokens, d.tl_labelled = cfg, ds, d.tokens, d.labelled
     if args.pack:  # rows of max_length tokens, as many per step as carry about the padded batch's tokens
-        rows = max(1, round(sum(d.tokens) / len(d.tokens) / args.max_length))
+        rows = max(1, round(sum(d.tokens[:cfg.train.steps]) / cfg.train.steps / args.max_length))
         d.tl_cfg = make_cfg(args, device.type, pack=True, batch=rows)
         d.tl_ds = build(d.tl_cfg.data, tok, data_cache)
         packed = stream(d.tl_ds["train"], rows)
-        d.tl_tokens, d.tl_labelled = [batch_tokens(b) for b in packed], label_share(packed)
+        d.tl_tokens, d.tl_labelled = [batch_tokens(b) for b in packed], label_share(packed[:cfg.train.steps])
     return d
 
 
@@ -391,7 +402,8 @@ FLAT_ATTENTION = ("flash_attention_2", "sdpa", "eager")  # what padding_free_att
 def contender_names(args) -> list[str]:
     """Every name `contenders` can give on any machine: the padding-free peer's depends on its check."""
     ours = ["tunelab packed" if args.pack else "tunelab", "tunelab group_by_length"]
-    return [*PEERS, *(f"Trainer padding-free ({a})" for a in FLAT_ATTENTION), *ours,
+    ours += [f"{n} (compiled)" for n in ours]
+    return [*PEERS, *(f"Trainer padding-free{c} ({a})" for a in FLAT_ATTENTION for c in ("", " compiled")), *ours,
             *(["tunelab-plain-loss"] if args.plain_loss_too else [])]
 
 
@@ -419,10 +431,17 @@ def contenders(args, d: SimpleNamespace, device, flat_attn: str | None) -> tuple
     if flat_attn:
         table[f"Trainer padding-free ({flat_attn})"] = (run_trainer, (d.cfg, device, train_rows, d.order, pad,
                                                                       args.warmup, "flattened", flat_attn))
+        table[f"Trainer padding-free compiled ({flat_attn})"] = (run_trainer, (
+            d.cfg, device, train_rows, d.order, pad, args.warmup, "flattened", flat_attn, True))
     peers = list(table)
     table[ours_name] = (run_tunelab, (d.tl_cfg, device, d.tl_ds, d.tok, d.tl_tokens, args.warmup))
     table["tunelab group_by_length"] = (run_tunelab, (d.gr_cfg, device, d.ds, d.tok, d.gr_tokens, args.warmup))
-    ours = [ours_name, "tunelab group_by_length"]
+    # train.compile: the decoder body under torch.compile, as the compiled Trainer's whole model
+    table[f"{ours_name} (compiled)"] = (run_tunelab, (d.tl_cfg, device, d.tl_ds, d.tok, d.tl_tokens, args.warmup,
+                                                      False, True))
+    table["tunelab group_by_length (compiled)"] = (run_tunelab, (d.gr_cfg, device, d.ds, d.tok, d.gr_tokens,
+                                                                 args.warmup, False, True))
+    ours = list(table)[len(peers):]
     if args.plain_loss_too:
         table["tunelab-plain-loss"] = (run_tunelab, (d.tl_cfg, device, d.tl_ds, d.tok, d.tl_tokens, args.warmup,
                                                      True))

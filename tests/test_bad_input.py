@@ -118,6 +118,10 @@ CASES: dict[str, Case] = {
         "m.yaml": GOOD.replace("save_every: 1}", "save_every: 1, device: cpu}") + "matrix:\n  peft.method: [qlora]\n"}),
     "matrix_cpu_offload_on_one_process": Case(RUN, ("m.yaml", "parallel.cpu_offload", "would be ignored"), {
         "m.yaml": with_base("  parallel: {cpu_offload: true}\n")}),
+    "matrix_compile_under_an_engine": Case(RUN, ("m.yaml", "train.compile", "parallel engine"), {
+        "m.yaml": with_base("  parallel: {dp: 2}\n").replace("save_every: 1}", "save_every: 1, compile: true}")}),
+    "matrix_compile_with_lomo": Case(RUN, ("m.yaml", "train.compile", "optim.name lomo", "inside backward"), {
+        "m.yaml": with_base("  optim: {name: lomo}\n").replace("save_every: 1}", "save_every: 1, compile: true}")}),
     "matrix_group_by_length_with_packing": Case(RUN, ("m.yaml", "train.group_by_length", "data.pack"), {
         "m.yaml": GOOD.replace("max_length: 48}", "max_length: 48, pack: true}").replace(
             "save_every: 1}", "save_every: 1, group_by_length: true}")}),

@@ -60,16 +60,17 @@ base:
 
 
 def test_a_later_key_at_its_default_keeps_earlier_ids():
-    """train.group_by_length, train.loss_chunk, train.select and train.keep_best came after cells were run: at
-    their defaults a cell's id is what it was before."""
+    """train.group_by_length, train.loss_chunk, train.select, train.keep_best and train.compile came after cells
+    were run: at their defaults a cell's id is what it was before."""
     from tunelab.config import CellConfig, content_id
 
     cell = CellConfig.model_validate({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"}})
     before = cell.model_dump(mode="json", exclude={"tracking", "eval"})
     del before["train"]["group_by_length"], before["train"]["loss_chunk"]
     del before["train"]["select"], before["train"]["keep_best"]  # #23's (scores along training)
+    del before["train"]["compile"]  # #25's
     assert cell.id() == content_id(before)
-    for key, value in (("group_by_length", True), ("loss_chunk", 64)):
+    for key, value in (("group_by_length", True), ("loss_chunk", 64), ("compile", True)):
         changed = cell.model_copy(update={"train": cell.train.model_copy(update={key: value})})
         assert changed.id() != cell.id()
 

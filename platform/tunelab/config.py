@@ -138,6 +138,9 @@ class TrainCfg(Section):
                                 "(the logits and their gradient are never whole); null = "
                                 "chosen from the vocabulary (a chunk's fp32 logits about 32 MiB). Changes memory "
                                 "and speed, not results (float summation order only)")
+    compile: bool = Field(
+        False, description="the decoder body of a one-process step under torch.compile (fused elementwise work; "
+                           "compiling takes seconds to minutes first); not with LOMO/AdaLomo or parallel engines")
     eval_every: int | None = Field(
         None, gt=0, description="validation loss every N steps (eval.batch_size, eval.val_batches); null = off")
     save_every: int | None = Field(
@@ -272,7 +275,7 @@ class TrackingCfg(Section):
 # Training keys added after cells were first run, left out of a cell's identity while at their default (which
 # trains as before the key existed), so that run folders made earlier keep their ids and are not trained again.
 LATER_KEYS = {("train", "group_by_length"): False, ("train", "loss_chunk"): None, ("train", "select"): None,
-              ("train", "keep_best"): None}
+              ("train", "keep_best"): None, ("train", "compile"): False}
 
 
 class CellConfig(Section):

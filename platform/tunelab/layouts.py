@@ -50,6 +50,14 @@ def across(cfg: CellConfig) -> list[str]:
         errs.append("parallel.cpu_offload moves the state a parallel engine shards into CPU memory, and this cell "
                     "runs on one process without one, so it would be ignored; drop it, or use backend: deepspeed "
                     "(ZeRO offload works on one process) or dp > 1")
+    if t.compile and uses_engine(p):
+        errs.append("train.compile compiles the decoder body of a one-process step, and this cell runs under a "
+                    "parallel engine (parallel dp x tp x pp > 1, or backend: deepspeed); set train.compile: false "
+                    "or run on one process")
+    if t.compile and opt.fused:
+        errs.append(f"train.compile: optim.name {cfg.optim.name} updates each parameter inside backward as its "
+                    "gradient arrives, which a compiled backward (every gradient at its end) would undo; set "
+                    "train.compile: false or use another optimizer")
     engine = ENGINES[p.backend]
     if opt.fused and p.cpu_offload and p.zero < engine.offloads_weights_from_zero:
         errs.append(f"parallel.cpu_offload at zero {p.zero} offloads optimizer state, which optim.name "

@@ -13,12 +13,18 @@ example and layer is not measured to pay), and on a short two-example input the 
 give the model's own logits for each example run alone (so its attention goes through transformers'
 attention interface and sees nothing else: no sliding window, no soft-capping, no prompt-learning prefix).
 Otherwise the batch keeps its mask.
+
+Under torch.compile (`train.compile`) the split into examples, which reads positions into Python, would break the
+compiled graph in every layer; there the examples are attended inside one custom operator (`by_example_sdpa`),
+opaque to the compiler: the same SDPA calls, its backward recomputing them (attention is a few percent of a
+step's FLOPs on rows this short).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,14 +45,102 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     if attention_mask is not None or position_ids is None or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
         raise RuntimeError(f"{NAME} attention takes one flattened packed row with its position_ids, no mask and no "
                            "cached keys")
+    if torch.compiler.is_compiling():
+        return _compiled_attention(query, key, value, position_ids, scaling, dropout), None
+    outs = [sdpa(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
+                 dropout=dropout, scaling=scaling, is_causal=True)[0]
+            for a, b in _examples(position_ids, query.shape[2])]
+    return torch.cat(outs, dim=1), None  # (1, tokens, heads, dim), as attention modules expect
+
+
+def _examples(position_ids: torch.Tensor, length: int) -> list[tuple[int, int]]:
+    """(start, end) of each example of a flattened packed row."""
     starts = (position_ids[0] == 0).nonzero().squeeze(1).tolist()
     if not starts or starts[0] != 0:
         raise RuntimeError(f"{NAME} attention: a packed row starts at position 0")
-    ends = [*starts[1:], query.shape[2]]
-    outs = [sdpa(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
-                 dropout=dropout, scaling=scaling, is_causal=True)[0]
-            for a, b in zip(starts, ends)]
-    return torch.cat(outs, dim=1), None  # (1, tokens, heads, dim), as attention modules expect
+    return list(zip(starts, [*starts[1:], length]))
+
+
+def _compiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position_ids: torch.Tensor,
+                        scaling: float | None, dropout: float) -> torch.Tensor:
+    """`_attention` as the compiler sees it: the examples' SDPA calls in one opaque operator."""
+    from tunelab.train.cpu_attention import SHORT_KEYS
+
+    if dropout:
+        raise RuntimeError(f"{NAME} attention under torch.compile takes no attention dropout")
+    device = query.device.type
+    fp32_below = 0
+    if torch.is_autocast_enabled(device):  # as autocast runs SDPA: in its dtype, short examples in fp32 on a CPU
+        half = torch.get_autocast_dtype(device)
+        query, key, value = query.to(half), key.to(half), value.to(half)
+        fp32_below = SHORT_KEYS if device == "cpu" else 0
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return by_example_sdpa(query, key, value, position_ids, scale, fp32_below).transpose(1, 2).contiguous()
+
+
+def _pieces(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position_ids: torch.Tensor,
+            fp32_below: int) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each example's (start, end, q, k, v), in fp32 when it is shorter than `fp32_below`."""
+    for a, b in _examples(position_ids, query.shape[2]):
+        q, k, v = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]
+        if b - a < fp32_below:
+            q, k, v = q.float(), k.float(), v.float()
+        yield a, b, q, k, v
+
+
+# torch's CPU SDPA kernel and its backward, as autograd calls them for F.scaled_dot_product_attention on a CPU
+# (the same numbers, key and value heads shared by query heads as enable_gqa does).
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+@torch.library.custom_op("tunelab::by_example_sdpa", mutates_args=(), device_types="cpu")
+def by_example_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position_ids: torch.Tensor,
+                    scale: float, fp32_below: int) -> torch.Tensor:
+    """(1, heads, tokens, dim): causal SDPA over each example; an example shorter than `fp32_below` in fp32,
+    its output in the inputs' dtype."""
+    return torch.cat([_FLASH(q, k, v, 0.0, True, scale=scale)[0].to(query.dtype)
+                      for _, _, q, k, v in _pieces(query, key, value, position_ids, fp32_below)], dim=2)
+
+
+@torch.library.custom_op("tunelab::by_example_sdpa_backward", mutates_args=(), device_types="cpu")
+def by_example_sdpa_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             position_ids: torch.Tensor, scale: float,
+                             fp32_below: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of `by_example_sdpa`: each example's forward run again for its output and log-sum-exp,
+    then the kernel's backward."""
+    grads = [t.new_zeros(t.shape) for t in (query, key, value)]  # contiguous, as the fake ones
+    for a, b, q, k, v in _pieces(query, key, value, position_ids, fp32_below):
+        out, lse = _FLASH(q, k, v, 0.0, True, scale=scale)
+        parts = _FLASH_BACKWARD(grad[:, :, a:b].to(q.dtype), q, k, v, out, lse, 0.0, True, scale=scale)
+        for whole, part in zip(grads, parts):
+            whole[:, :, a:b] = part
+    return grads[0], grads[1], grads[2]
+
+
+@by_example_sdpa.register_fake
+def _(query, key, value, position_ids, scale, fp32_below):
+    return query.new_empty(query.shape)  # contiguous, as the examples' outputs are concatenated
+
+
+@by_example_sdpa_backward.register_fake
+def _(grad, query, key, value, position_ids, scale, fp32_below):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    query, key, value, position_ids, ctx.scale, ctx.fp32_below = inputs
+    ctx.save_for_backward(query, key, value, position_ids)
+
+
+def _backward(ctx, grad: torch.Tensor) -> tuple:
+    query, key, value, position_ids = ctx.saved_tensors
+    gq, gk, gv = by_example_sdpa_backward(grad.contiguous(), query, key, value, position_ids, ctx.scale,
+                                          ctx.fp32_below)
+    return gq, gk, gv, None, None, None
+
+
+by_example_sdpa.register_autograd(_backward, setup_context=_setup_context)
 
 
 @functools.cache

@@ -21,6 +21,7 @@ from torch import nn
 from tunelab.registries import optimizer_spec as optim_spec
 from tunelab.runtime import Layout
 from tunelab.train.checkpoint import copy_trainable
+from tunelab.train.compiled import CompiledBody
 from tunelab.train.data import label_tokens
 from tunelab.train.loss import causal_lm_loss, sampled_label_loss
 from tunelab.train.optimizers.tied import prepare_for_fused
@@ -70,6 +71,10 @@ class LocalStepper(Stepper):
         self.optimizer = optim_builder(named if optim_spec(cell.optim.name).named else self.params)
         if hasattr(self.optimizer, "fused_step"):  # one gradient buffer for a tied embedding
             prepare_for_fused(model, self.optimizer)
+        self.compiled = CompiledBody(model) if cell.train.compile else None
+
+    def _compiling(self) -> contextlib.AbstractContextManager:
+        return self.compiled() if self.compiled is not None else contextlib.nullcontext()
 
     def train_step(self, micro_batches, n_items, step: int = 0):
         model, device, opt = self._model, self.layout.device, self.optimizer
@@ -81,7 +86,8 @@ class LocalStepper(Stepper):
             return float(loss), None if norm is None else float(norm)
         loss = torch.zeros((), device=device)
         for b in micro_batches:
-            step_loss = forward_loss(model, b, n_items, device, self.precision)
+            with self._compiling():
+                step_loss = forward_loss(model, b, n_items, device, self.precision)
             step_loss.backward()
             loss += step_loss.detach()
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or float("inf"))
@@ -94,7 +100,8 @@ class LocalStepper(Stepper):
         return loss_f, norm_f
 
     def eval_loss(self, batch):
-        return eval_loss(self._model, batch, self.precision)
+        with self._compiling():
+            return eval_loss(self._model, batch, self.precision)
 
     def save(self, path) -> None:
         path = Path(path)
