@@ -16,8 +16,9 @@ in the machine's speed hits both alike:
   embedding's one gradient buffer, the same clip and fused AdamW), stepped by `LocalStepper.train_step`.
 `--chunk N` adds a contender: tunelab's step with `train.loss_chunk: N` (positions per chunk of the head; the
 default is automatic, 64 MiB of fp32 logits and a temporary: 170 positions at SmolLM2's 49,152 words).
-`--compile` adds both steps with each decoder layer compiled (torch.compile, dynamic shapes), warmed up on every
-batch so that compiling stays outside the timing.
+`--compile` adds both steps compiled (torch.compile, dynamic shapes): the plain step's whole model (its loss
+included) as Trainer's `torch_compile=True` compiles it, tunelab's with `train.compile: true` (its decoder body);
+both warmed up on every batch so that compiling stays outside the timing.
 The untimed steps' losses are printed and must agree (relative 1e-4 in fp32, 2e-2 in bf16; else exit 1).
 Prints each repeat's seconds per side and the median ratio (plain / tunelab: above 1, tunelab is faster). This is
 a diagnostic of the step alone; the headline peer is Trainer as its own entry point runs it (train_throughput.py).
@@ -61,7 +62,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--chunk", type=int, nargs="*", default=[], help="also time tunelab at these loss_chunk values")
-    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer on both sides")
+    p.add_argument("--compile", action="store_true",
+                   help="also both steps compiled: the plain one's whole model, tunelab's train.compile")
     args = p.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     import torch
@@ -81,26 +83,20 @@ def main() -> int:
                                        precision=args.precision), "cpu")
     device = torch.device("cpu")
 
-    def fresh(compiled: bool):  # compiled after the copy: a copy of a compiled layer would run the original's code
-        model = copy.deepcopy(base).train()
-        if compiled:
-            import torch._dynamo
-
-            # The layers differ in their index and cache slot: one compiled graph each, past the default limit of 8.
-            torch._dynamo.config.recompile_limit = 16 * len(model.model.layers)
-            for layer in model.model.layers:
-                layer.compile(dynamic=True)
-        return model
+    def fresh():
+        return copy.deepcopy(base).train()
 
     def tunelab_step(chunk: int | None, compiled: bool = False):
-        c = cell.model_copy(update={"train": cell.train.model_copy(update={"loss_chunk": chunk})})
-        stepper = parallel.prepare(fresh(compiled),
-                                   lambda ps: optim.build(ps, c.optim, max_grad_norm=1.0, fused_kernel=True),
+        train = cell.train.model_copy(update={"loss_chunk": chunk, "compile": compiled})
+        c = cell.model_copy(update={"train": train})
+        stepper = parallel.prepare(fresh(), lambda ps: optim.build(ps, c.optim, max_grad_norm=1.0, fused_kernel=True),
                                    c, Layout(device=device), args.precision)
         return lambda b: stepper.train_step([b], label_tokens(b))[0]
 
     def plain_step(compiled: bool = False):
-        model = fresh(compiled)
+        model = fresh()
+        if compiled:  # the whole model, its loss included, as Trainer's torch_compile=True compiles it
+            model.compile(dynamic=True)
         opt = torch.optim.AdamW(model.parameters(), lr=cell.optim.lr, fused=True)
 
         def step(batch):
