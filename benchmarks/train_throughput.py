@@ -146,8 +146,9 @@ def run_tunelab(cfg, device, ds, tok, tokens, warmup, plain_loss: bool = False,
 
     def first_stamped(lp, step, peak):
         if step == 1:
-            step_profile.start()
             stamps[0] = _now()
+        if step == skip + 1:  # the first timed step: compiling steps stay out of a profile
+            step_profile.start()
         return step_fn(lp, step, peak)
 
     def emit(ev):
@@ -264,8 +265,9 @@ def run_trainer(cfg, device, ds, order, pad_id, warmup, mode: str = "ordered",
     class Stamp(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             if state.global_step == 0:
-                step_profile.start()
                 stamps[0] = _now()
+            if state.global_step == skip:  # the first timed step: compiling steps stay out of a profile
+                step_profile.start()
 
         def on_step_end(self, args, state, control, **kw):
             _sync(device)

@@ -69,11 +69,12 @@ def test_the_by_example_operator_is_sdpa_over_each_example(dtype, fp32_below):
     torch.library.opcheck(segments.by_example_sdpa, args)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     refs = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = segments.by_example_sdpa(*leaves, pos, 0.35, fp32_below)
+    out, lse = segments.by_example_sdpa(*leaves, pos, 0.35, fp32_below)
     ref = _examples_apart(*refs, lengths, 0.35, fp32_below)
     grad = torch.randn_like(ref)
     out.backward(grad)
     ref.backward(grad)
     assert out.dtype == dtype and torch.equal(out, ref)
+    assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32 and not lse.requires_grad
     for got, want in zip(leaves, refs):
         torch.testing.assert_close(got.grad, want.grad, atol=0, rtol=0)

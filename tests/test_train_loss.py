@@ -244,6 +244,39 @@ def test_early_gradients_equal_the_plain_head_within_1e_6(tied, chunk):
         loss.backward()
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_early_head_reuses_its_buffers_only_when_nothing_holds_them(tied):
+    """The early path's workspace (train/chunked.py `Workspace`): once zero_grad has dropped a step's gradient,
+    the next step's head weight gradient is written into the same memory (no fresh allocation); a gradient
+    still held (micro-batches accumulating, or kept by the caller) is never written over: the accumulated
+    gradients equal the plain head's and the kept one is unchanged."""
+    from tunelab.train.optimizers.tied import prepare_for_fused
+
+    model, batch = tiny_llama(tied), padded_batch()
+    prepare_for_fused(model)
+    head = model.get_output_embeddings()
+    set_chunk(head, 4, early=True)
+    causal_lm_loss(model, batch, 1).backward()
+    first = head.weight.grad.data_ptr()
+    model.zero_grad(set_to_none=True)
+    causal_lm_loss(model, batch, 1).backward()
+    assert head.weight.grad.data_ptr() == first  # the dropped buffer, reused
+    kept, before = head.weight.grad, head.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    causal_lm_loss(model, batch, 1).backward()
+    assert torch.equal(kept, before) and head.weight.grad.data_ptr() != kept.data_ptr()
+    del kept
+    model.zero_grad(set_to_none=True)
+    for _ in range(2):  # two micro-batches into one gradient
+        causal_lm_loss(model, batch, 1).backward()
+    fast = {n: p.grad.clone() for n, p in model.named_parameters()}
+    plain = tiny_llama(tied)
+    for _ in range(2):
+        plain_loss(plain, batch, torch.tensor(1)).backward()
+    for n, p in plain.named_parameters():
+        torch.testing.assert_close(fast[n], p.grad, rtol=1e-6, atol=1e-6, msg=n)
+
+
 @pytest.mark.parametrize("early", [False, True])
 def test_chunked_loss_function_direct(early):
     """`chunked_loss` against `F.cross_entropy(hidden @ W.T)` on random rows, gradients of both inputs, with

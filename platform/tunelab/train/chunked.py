@@ -20,6 +20,14 @@ builds it after the activations are freed; measured: AdamW at 4 x 512 1.02-1.03x
 and AdaLomo keep the recomputing path: their two backward passes over one graph and their point, no whole
 gradient, rule out a buffer built in forward.
 
+The early path keeps its two large buffers from step to step (`Workspace`): a chunk's fp32 logits and the
+weight's fp32 gradient, which the optimizer step reads and the next step's first chunk overwrites. Allocated
+afresh they are 33 MB and 113 MB for SmolLM2 (170 positions x 49,152 words), above glibc's largest mmap
+threshold, so each was mapped anew and faulted in page by page every step: those head products ran at 50-100
+GFLOP/s in the loop against 130-200 into memory already touched (benchmarks/README.md). A buffer is reused only
+when nothing else holds it (a gradient kept by an optimizer, or still the parameter's `.grad` while micro-batches
+accumulate, gets a fresh one). Neither adds to the peak: both are alive there anyway.
+
 The chunk (positions per chunk) is `train.loss_chunk`, or chosen from the vocabulary so that a chunk's fp32
 logits and its one temporary stay within CHUNK_BYTES (`auto_chunk`). The stepper writes it on the head
 module (`set_chunk`), where every layout's head call reads it.
@@ -56,6 +64,7 @@ from tunelab.train.parallel.memory import CHUNK_BYTES, auto_chunk
 
 CHUNK_ATTR = "tunelab_loss_chunk"  # the head module's attribute holding train.loss_chunk
 EARLY_ATTR = "tunelab_head_grads_early"  # whether the head's gradients are built in its forward (`_EarlyLoss`)
+WORKSPACE_ATTR = "tunelab_head_workspace"  # the early path's buffers kept from step to step (`Workspace`)
 __all__ = ["CHUNK_ATTR", "CHUNK_BYTES", "auto_chunk", "chunked_loss", "computing_loss", "head_loss", "set_chunk"]
 
 
@@ -65,6 +74,34 @@ def set_chunk(head: nn.Module, chunk: int | None, early: bool = False) -> None:
     an optimizer that runs one backward per forward and keeps a whole gradient anyway (not LOMO/AdaLomo)."""
     setattr(head, CHUNK_ATTR, chunk)
     setattr(head, EARLY_ATTR, early)
+    setattr(head, WORKSPACE_ATTR, Workspace() if early else None)
+
+
+def _unshared(buf: torch.Tensor) -> bool:
+    """Whether nothing but the holder's one reference holds `buf` or a view of its memory (torch's use counts:
+    the storage's counts this call's Python storage object too). Where torch lacks them, never."""
+    try:
+        return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2 and buf._use_count() == 1
+    except AttributeError:
+        return False
+
+
+class Workspace:
+    """Buffers of the early head reused from step to step (see the module docstring): `get` hands back the first
+    rows of the one kept under a name when it has at least as many, the same other sizes, dtype and device, and
+    nothing else holds it; else a new one, kept from then on."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self._kept.get(name)
+        if (buf is None or buf.shape[0] < shape[0] or buf.shape[1:] != shape[1:] or buf.dtype != dtype
+                or buf.device != device or not _unshared(buf)):
+            buf = self._kept[name] = torch.empty(shape, dtype=dtype, device=device)
+        # A new tensor on the kept memory: autograd takes a gradient as `.grad` without a copy only when nothing
+        # else holds that tensor; the kept one holds only the memory.
+        return (buf if buf.shape[0] == shape[0] else buf[:shape[0]]).detach()
 
 
 def _compute_dtype(device: torch.device) -> torch.dtype | None:
@@ -102,11 +139,25 @@ def _logsumexp_inplace(logits: torch.Tensor) -> torch.Tensor:
     return logits.sub_(top[:, None]).exp_().sum(dim=1).log_().add_(top)
 
 
-def _weight_grad_buffer(weight: torch.Tensor, positions: int) -> torch.Tensor:
-    """The head weight's fp32 gradient: uninitialized, as the first chunk writes it whole (`_add_chunk_grads`);
-    zeros when there is no chunk."""
-    make = torch.empty if positions else torch.zeros
-    return make(weight.shape, dtype=torch.float32, device=weight.device)
+def _weight_grad_buffer(weight: torch.Tensor, positions: int, workspace: Workspace | None = None) -> torch.Tensor:
+    """The head weight's fp32 gradient: uninitialized (or the workspace's, from an earlier step), as the first
+    chunk writes it whole (`_add_chunk_grads`); zeros when there is no chunk."""
+    if not positions:
+        return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    if workspace is not None:
+        return workspace.get("weight_grad", tuple(weight.shape), torch.float32, weight.device)
+    return torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, workspace: Workspace | None) -> torch.Tensor:
+    """fp32 logits of the chunk `h` (compute dtype) against `w`, into the workspace's chunk buffer when there is
+    one."""
+    if workspace is None:
+        return F.linear(h, w).float()
+    out = workspace.get("logits", (h.shape[0], w.shape[0]), torch.float32, h.device)
+    if h.dtype == torch.float32:
+        return torch.mm(h, w.t(), out=out)
+    return out.copy_(F.linear(h, w))
 
 
 PRODUCT_BLOCK_BYTES = 8 * 2**20  # a block of the head weight's gradient, as fp32, in _add_product
@@ -133,7 +184,8 @@ def _add_chunk_grads(gd: torch.Tensor, h: torch.Tensor, w: torch.Tensor, grad_h:
     (`a == 0`) writes the weight's gradient instead, so its buffer needs no zero fill (a weight-sized pass over
     fresh memory: 135 ms a step for SmolLM2's 113 MB on a CPU that faults its pages in at first touch)."""
     if grad_h is not None:
-        grad_h[a:a + gd.shape[0]] = torch.mm(gd, w)
+        rows = grad_h[a:a + gd.shape[0]]
+        torch.mm(gd, w, out=rows) if rows.dtype == gd.dtype else rows.copy_(torch.mm(gd, w))
     if grad_w is not None:
         if gd.dtype == torch.float32:
             torch.mm(gd.t(), h, out=grad_w) if a == 0 else grad_w.addmm_(gd.t(), h)
@@ -234,16 +286,17 @@ class _EarlyLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                dtype: torch.dtype | None, link: object, need_h: bool, need_w: bool) -> torch.Tensor:
+                dtype: torch.dtype | None, link: object, need_h: bool, need_w: bool,
+                workspace: Workspace | None) -> torch.Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
             dt = dtype or hidden.dtype
             w = weight.to(dt)
             rows = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
             grad_h = torch.empty_like(hidden) if need_h else None
-            grad_w = _weight_grad_buffer(weight, hidden.shape[0]) if need_w else None
+            grad_w = _weight_grad_buffer(weight, hidden.shape[0], workspace) if need_w else None
             for a in range(0, hidden.shape[0], chunk):
                 h, t = hidden[a:a + chunk].to(dt), targets[a:a + chunk]
-                logits = F.linear(h, w).float()
+                logits = _logits(h, w, workspace)
                 rows[a:a + chunk] = _log_probs_inplace(logits, t)
                 gd = logits.to(dt)
                 del logits
@@ -268,7 +321,7 @@ class _EarlyLoss(torch.autograd.Function):
                 grad_w = None
             else:
                 grad_w = grad_w.to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 @functools.cache
@@ -281,10 +334,11 @@ def _cce() -> Callable | None:
 
 
 def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int | None = None,
-                 link: object = None, early: bool = False) -> torch.Tensor:
+                 link: object = None, early: bool = False, workspace: Workspace | None = None) -> torch.Tensor:
     """Summed fp32 cross-entropy of `hidden @ weight.T` (rows x vocabulary, never whole) against `targets`.
     `link`: the tied lookup's (optimizers/tied.py) that the weight's gradient is deferred to. `early`: the
-    gradients are built in forward (`_EarlyLoss`); backward may then run once."""
+    gradients are built in forward (`_EarlyLoss`); backward may then run once. `workspace`: the early path's
+    buffers, kept from step to step."""
     dtype = _compute_dtype(hidden.device)
     half = (dtype or weight.dtype) in (torch.bfloat16, torch.float16)
     cce = _cce() if hidden.is_cuda and half and link is None else None
@@ -294,7 +348,7 @@ def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
     chunk = chunk or auto_chunk(weight.shape[0])
     need_h, need_w = hidden.requires_grad, weight.requires_grad
     if early and torch.is_grad_enabled() and (need_h or need_w):
-        return _EarlyLoss.apply(hidden, weight, targets, chunk, dtype, link, need_h, need_w)
+        return _EarlyLoss.apply(hidden, weight, targets, chunk, dtype, link, need_h, need_w, workspace)
     return _ChunkedLoss.apply(hidden, weight, targets, chunk, dtype, link)
 
 
@@ -328,7 +382,8 @@ def _head_loss(head: nn.Module, forward: Callable, hidden: torch.Tensor, targets
         return _checkpointed(forward, h, targets, chunk or auto_chunk(getattr(head, "out_features", 65536)))
     tied_link = getattr(head, "tied_link", None)  # set by optimizers/tied.py prepare_for_fused
     link = tied_link(hidden) if callable(tied_link) else None
-    return chunked_loss(h, weight, targets, chunk, link, getattr(head, EARLY_ATTR, False))
+    return chunked_loss(h, weight, targets, chunk, link, getattr(head, EARLY_ATTR, False),
+                        getattr(head, WORKSPACE_ATTR, None))
 
 
 @contextlib.contextmanager

@@ -16,8 +16,9 @@ Otherwise the batch keeps its mask.
 
 Under torch.compile (`train.compile`) the split into examples, which reads positions into Python, would break the
 compiled graph in every layer; there the examples are attended inside one custom operator (`by_example_sdpa`),
-opaque to the compiler: the same SDPA calls, its backward recomputing them (attention is a few percent of a
-step's FLOPs on rows this short).
+opaque to the compiler: the same SDPA calls, each example's output and log-sum-exp kept for the kernel's backward
+as autograd keeps them for SDPA (recomputing them cost about 1% of a compiled SmolLM2 step); an example run in fp32
+under bf16 autocast is recomputed instead, as its output is kept in bf16.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def _compiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         query, key, value = query.to(half), key.to(half), value.to(half)
         fp32_below = SHORT_KEYS if device == "cpu" else 0
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return by_example_sdpa(query, key, value, position_ids, scale, fp32_below).transpose(1, 2).contiguous()
+    out, _ = by_example_sdpa(query, key, value, position_ids, scale, fp32_below)
+    return out.transpose(1, 2).contiguous()
 
 
 def _pieces(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position_ids: torch.Tensor,
@@ -96,23 +98,30 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 @torch.library.custom_op("tunelab::by_example_sdpa", mutates_args=(), device_types="cpu")
 def by_example_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position_ids: torch.Tensor,
-                    scale: float, fp32_below: int) -> torch.Tensor:
-    """(1, heads, tokens, dim): causal SDPA over each example; an example shorter than `fp32_below` in fp32,
-    its output in the inputs' dtype."""
-    return torch.cat([_FLASH(q, k, v, 0.0, True, scale=scale)[0].to(query.dtype)
-                      for _, _, q, k, v in _pieces(query, key, value, position_ids, fp32_below)], dim=2)
+                    scale: float, fp32_below: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """((1, heads, tokens, dim), (1, heads, tokens)): causal SDPA over each example, and each position's fp32
+    log-sum-exp of its scores; an example shorter than `fp32_below` in fp32, its output in the inputs' dtype."""
+    outs, lses = [], []
+    for _, _, q, k, v in _pieces(query, key, value, position_ids, fp32_below):
+        out, lse = _FLASH(q, k, v, 0.0, True, scale=scale)
+        outs.append(out.to(query.dtype))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 @torch.library.custom_op("tunelab::by_example_sdpa_backward", mutates_args=(), device_types="cpu")
 def by_example_sdpa_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             position_ids: torch.Tensor, scale: float,
+                             position_ids: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
                              fp32_below: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of `by_example_sdpa`: each example's forward run again for its output and log-sum-exp,
-    then the kernel's backward."""
+    """The gradients of `by_example_sdpa` from its kept output and log-sum-exp (an example it ran in another dtype
+    than `out`'s is run again for them), through the kernel's backward."""
     grads = [t.new_zeros(t.shape) for t in (query, key, value)]  # contiguous, as the fake ones
     for a, b, q, k, v in _pieces(query, key, value, position_ids, fp32_below):
-        out, lse = _FLASH(q, k, v, 0.0, True, scale=scale)
-        parts = _FLASH_BACKWARD(grad[:, :, a:b].to(q.dtype), q, k, v, out, lse, 0.0, True, scale=scale)
+        if q.dtype == out.dtype:
+            o, m = out[:, :, a:b], lse[:, :, a:b]
+        else:
+            o, m = _FLASH(q, k, v, 0.0, True, scale=scale)
+        parts = _FLASH_BACKWARD(grad[:, :, a:b].to(q.dtype), q, k, v, o, m, 0.0, True, scale=scale)
         for whole, part in zip(grads, parts):
             whole[:, :, a:b] = part
     return grads[0], grads[1], grads[2]
@@ -120,22 +129,25 @@ def by_example_sdpa_backward(grad: torch.Tensor, query: torch.Tensor, key: torch
 
 @by_example_sdpa.register_fake
 def _(query, key, value, position_ids, scale, fp32_below):
-    return query.new_empty(query.shape)  # contiguous, as the examples' outputs are concatenated
+    # contiguous, as the examples' outputs are concatenated
+    return query.new_empty(query.shape), query.new_empty(query.shape[:-1], dtype=torch.float32)
 
 
 @by_example_sdpa_backward.register_fake
-def _(grad, query, key, value, position_ids, scale, fp32_below):
+def _(grad, query, key, value, position_ids, out, lse, scale, fp32_below):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     query, key, value, position_ids, ctx.scale, ctx.fp32_below = inputs
-    ctx.save_for_backward(query, key, value, position_ids)
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(query, key, value, position_ids, out, lse)
 
 
-def _backward(ctx, grad: torch.Tensor) -> tuple:
-    query, key, value, position_ids = ctx.saved_tensors
-    gq, gk, gv = by_example_sdpa_backward(grad.contiguous(), query, key, value, position_ids, ctx.scale,
+def _backward(ctx, grad: torch.Tensor, _grad_lse: torch.Tensor | None) -> tuple:
+    query, key, value, position_ids, out, lse = ctx.saved_tensors
+    gq, gk, gv = by_example_sdpa_backward(grad.contiguous(), query, key, value, position_ids, out, lse, ctx.scale,
                                           ctx.fp32_below)
     return gq, gk, gv, None, None, None
 
