@@ -81,7 +81,8 @@ def _unshared(buf: torch.Tensor) -> bool:
     """Whether nothing but the holder's one reference holds `buf` or a view of its memory (torch's use counts:
     the storage's counts this call's Python storage object too). Where torch lacks them, never."""
     try:
-        return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2 and buf._use_count() == 1
+        storage = torch._C._storage_Use_Count(buf.untyped_storage()._cdata)
+        return storage == 2 and buf._use_count() == 1  # type: ignore[attr-defined]  # torch's stubs omit it
     except AttributeError:
         return False
 
