@@ -26,7 +26,8 @@ afresh they are 33 MB and 113 MB for SmolLM2 (170 positions x 49,152 words), abo
 threshold, so each was mapped anew and faulted in page by page every step: those head products ran at 50-100
 GFLOP/s in the loop against 130-200 into memory already touched (benchmarks/README.md). A buffer is reused only
 when nothing else holds it (a gradient kept by an optimizer, or still the parameter's `.grad` while micro-batches
-accumulate, gets a fresh one). Neither adds to the peak: both are alive there anyway.
+accumulate, gets a fresh one). The weight's gradient is alive at the peak anyway; the chunk's logits now are
+too (33 MB for SmolLM2: AdamW's 4 x 512 peak 1.01x), which the memory model counted already.
 
 The chunk (positions per chunk) is `train.loss_chunk`, or chosen from the vocabulary so that a chunk's fp32
 logits and its one temporary stay within CHUNK_BYTES (`auto_chunk`). The stepper writes it on the head
