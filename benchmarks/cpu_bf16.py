@@ -31,10 +31,11 @@ def train(precision: str, args) -> tuple[list[float], list[int], dict[int, float
     """(loss per step, tokens per step, the time each step ended)."""
     from transformers import set_seed
 
-    from tunelab import models, train
+    from tunelab import train
+    from tunelab.core.events import Step
+    from tunelab.core.paths import cache_dir
     from tunelab.data.build import build
-    from tunelab.events import Step
-    from tunelab.paths import cache_dir
+    from tunelab.models import loading
     from tunelab.plan import cell_config
 
     cfg = cell_config({"model": {"name": args.model, "dtype": "float32"},
@@ -44,7 +45,7 @@ def train(precision: str, args) -> tuple[list[float], list[int], dict[int, float
                                  "save_final": False, "device": "cpu"},
                        "eval": {"tasks": []}, "tracking": {"wandb": False}})
     set_seed(0)
-    model, tok = models.load(cfg.model, "cpu")
+    model, tok = loading.load(cfg.model, "cpu")
     ds = build(cfg.data, tok, cache_dir())
     stamps: dict[int, float] = {}
     with tempfile.TemporaryDirectory() as tmp:

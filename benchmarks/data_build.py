@@ -70,9 +70,9 @@ def alpaca_like(n: int, seed: int = 0) -> list[dict]:
 
 
 def default_model() -> str:
-    from tunelab import models
+    from tunelab.models import loading
 
-    cached = models.cache_dir() / "models" / "smollm2-135m-instruct"
+    cached = loading.cache_dir() / "models" / "smollm2-135m-instruct"
     return "smollm2-135m-instruct" if cached.is_dir() else "tiny-random-llama"
 
 
@@ -140,7 +140,7 @@ def best(path: Path, tokenizer, max_length: int, num_proc: int, work: Path) -> f
 
 def tunelab_build(recipe: Path, tokenizer, max_length: int, num_proc: int, cache: Path) -> tuple[float, float]:
     """(seconds of a fresh build, seconds of the cached rebuild)."""
-    from tunelab.config import DataCfg
+    from tunelab.core.config import DataCfg
     from tunelab.data.build import build_info
 
     cfg = DataCfg(recipe=str(recipe), max_length=max_length)

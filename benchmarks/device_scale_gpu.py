@@ -4,7 +4,7 @@
 
 NCCL refuses two processes on one GPU, so this runs one process in a process group of one: the layout is
 "distributed" (a DeviceMesh of size 1), so a cell would build its model the sharded way. For each way the
-model is built (whole with models.load, on the meta device then filled per shard on CUDA, under DeepSpeed's
+model is built (whole with loading.load, on the meta device then filled per shard on CUDA, under DeepSpeed's
 zero.Init on CUDA), it trains 3 fp32 AdamW steps on fixed batches and prints the losses (they must agree),
 the peak CUDA memory allocated during load and training, and exp memory's prediction for one process.
 """
@@ -25,8 +25,9 @@ def batches(n: int = 3):
 
 
 def run(folder: str, how: str) -> tuple[list[float], float]:
-    from tunelab import models, runtime
-    from tunelab.config import CellConfig
+    from tunelab.core.config import CellConfig
+    from tunelab.machine import runtime
+    from tunelab.models import loading
     from tunelab.train import optim
     from tunelab.train import parallel as par
 
@@ -41,10 +42,10 @@ def run(folder: str, how: str) -> tuple[list[float], float]:
     torch.cuda.reset_peak_memory_stats()
     weights = None
     if how == "whole":
-        model, _ = models.load(cell.model, rt)
+        model, _ = loading.load(cell.model, rt)
     elif how == "meta":
-        model, weights = par.with_adapters(models.empty(cell.model, rt.dtype, rt.attn), lambda m: m,
-                                           models.Weights(models.folder(cell.model)))
+        model, weights = par.with_adapters(loading.empty(cell.model, rt.dtype, rt.attn), lambda m: m,
+                                           loading.Weights(loading.folder(cell.model)))
     else:
         model = par.load_partitioned(cell.model, rt, cell)
     stepper = par.prepare(model, lambda ps: optim.build(ps, cell.optim, max_grad_norm=1.0), cell, layout,

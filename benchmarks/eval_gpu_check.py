@@ -44,7 +44,7 @@ class NoText:
 
 
 def requests(vocab: int, n: int, prefix: int, own: int, new: int, sampled: bool):
-    from tunelab.evals.generate import Request
+    from tunelab.evals.engine.generate import Request
 
     g = torch.Generator().manual_seed(1)
     shared = torch.randint(3, vocab, (prefix,), generator=g).tolist()
@@ -57,7 +57,7 @@ def requests(vocab: int, n: int, prefix: int, own: int, new: int, sampled: bool)
 
 
 def invariance(model, tok, reqs) -> dict:
-    from tunelab.evals.generate import Decoder
+    from tunelab.evals.engine.generate import Decoder
 
     outs = {bs: [o.tokens for o in Decoder(model, tok, batch_size=bs, stop_eos=set()).generate(reqs)]
             for bs in (1, 4, 16)}
@@ -72,7 +72,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tunelab.evals.generate import Decoder, Request, first_divergence
+    from tunelab.evals.engine.generate import Decoder, Request, first_divergence
 
     report: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                     "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}

@@ -46,10 +46,10 @@ BENCHMARKS = ("mmlu", "gsm8k", "bbh", "humaneval")  # tunelab's, with their own 
 
 
 def load_model(name: str):
-    from tunelab import models
-    from tunelab.config import ModelCfg
+    from tunelab.core.config import ModelCfg
+    from tunelab.models import loading
 
-    return models.load(ModelCfg(name=name, dtype="float32", attn="sdpa"))
+    return loading.load(ModelCfg(name=name, dtype="float32", attn="sdpa"))
 
 
 # -- tunelab ------------------------------------------------------------------------------------------
@@ -69,7 +69,7 @@ def tunelab_run(args, subsets: list[str]) -> dict:
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         return {"seconds": seconds, "cpu": cpu, "n": len(problems), "score": pass_at_1(problems, [o[0] for o in outs]),
                 "raw": {("humaneval", i): o[0] for i, o in enumerate(outs)}, "model": (model, tok)}
-    from tunelab.config import EvalCfg
+    from tunelab.core.config import EvalCfg
 
     cfg = EvalCfg(tasks=[args.task], limit=args.limit, data_dir=str(args.data_dir) if args.data_dir else None,
                   batch_size=args.batch_size, subtasks={args.task: subsets} if subsets else {},
@@ -103,8 +103,8 @@ def pass_at_1(problems: list[dict], completions: list[str]) -> float:
 def peer_tasks(args, subsets: list[str]):
     from lm_eval.tasks import TaskManager
 
-    from tunelab.evals import exemplars
-    from tunelab.evals.sources import read_jsonl
+    from tunelab.evals.testsets import exemplars
+    from tunelab.evals.testsets.sources import read_jsonl
 
     data, lm_tasks = args.data_dir, exemplars.lm_eval_tasks_dir()
 
@@ -156,9 +156,9 @@ def generic_peer_tasks(args):
 def peer_run(args, subsets: list[str], batch_size: int) -> dict:
     import lm_eval
 
-    from tunelab import models
+    from tunelab.models import loading
 
-    model_args = {"pretrained": models.resolve(args.model), "dtype": "float32", "device": "cpu"}
+    model_args = {"pretrained": loading.resolve(args.model), "dtype": "float32", "device": "cpu"}
     if args.task == "humaneval":
         return peer_humaneval(args, model_args, batch_size)
     tasks, tm, names = peer_tasks(args, subsets)
@@ -212,7 +212,7 @@ def peer_humaneval(args, model_args: dict, batch_size: int) -> dict:
 def explain(model, tok, context: str, gen_kwargs: dict, max_new_tokens: int):
     """Regenerate one item with tunelab's engine and lm-eval's way (model.generate, batch size 1) and
     return the first divergence between the two token streams."""
-    from tunelab.evals.generate import Decoder, Request, first_divergence
+    from tunelab.evals.engine.generate import Decoder, Request, first_divergence
 
     ids = tuple(tok(context)["input_ids"])
     n = gen_kwargs.get("max_gen_toks", max_new_tokens)
@@ -246,7 +246,7 @@ def parity(ours: dict, ref: dict, args) -> list[str]:
 # -- main ---------------------------------------------------------------------------------------------
 
 def subsets_for(args) -> list[str]:
-    from tunelab.evals import exemplars
+    from tunelab.evals.testsets import exemplars
 
     if args.task == "mmlu":
         return exemplars.mmlu_subjects()[: args.subsets]
@@ -294,8 +294,8 @@ def parse_args() -> argparse.Namespace:
     if args.task == "humaneval":
         args.max_new_tokens = args.max_new_tokens or 256
     if args.task == "mmlu" and args.data_dir is None:
-        from tunelab.evals.pull import pull_mmlu
-        from tunelab.evals.sources import cache_root
+        from tunelab.evals.testsets.pull import pull_mmlu
+        from tunelab.evals.testsets.sources import cache_root
 
         args.data_dir = cache_root()
         if not (args.data_dir / "mmlu" / "anatomy" / "test.jsonl").is_file():
@@ -312,7 +312,7 @@ def warm_imports() -> None:
     import lm_eval.models.huggingface  # noqa: F401
     import lm_eval.tasks  # noqa: F401
 
-    from tunelab.evals import harness, lm  # noqa: F401
+    from tunelab.evals.lmeval import harness, lm  # noqa: F401
 
 
 def run_all(args, subsets: list[str], peers: list[int]) -> dict:
@@ -381,7 +381,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from tunelab.evals import packed
+    from tunelab.evals.engine import packed
 
     packed.ROW_QUANTUM = args.row_quantum or packed.ROW_QUANTUM
     subsets = subsets_for(args)

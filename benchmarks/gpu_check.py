@@ -29,15 +29,15 @@ SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=
 
 def model_source(tmp: Path) -> tuple[str, str]:
     """(model name for the cell, what it is)."""
-    from tunelab import models
+    from tunelab.models import loading
 
-    cached = models.cache_dir() / "models" / "smollm2-135m-instruct"
+    cached = loading.cache_dir() / "models" / "smollm2-135m-instruct"
     if cached.is_dir():
         return "smollm2-135m-instruct", "SmolLM2-135M-Instruct weights (tunelab cache)"
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(models.resolve("tiny-random-llama"))
+    tok = AutoTokenizer.from_pretrained(loading.resolve("tiny-random-llama"))
     config = LlamaConfig(**SMOLLM2_SHAPE, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                          bos_token_id=None)
     torch.manual_seed(0)
@@ -48,12 +48,13 @@ def model_source(tmp: Path) -> tuple[str, str]:
 
 
 def train_cell(name: str, run_dir: Path, steps: int, batch: int, max_length: int, attn: str, device: str) -> dict:
-    """The cell's stages, in process: models.load -> data.build -> peft.apply -> train.run."""
+    """The cell's stages, in process: loading.load -> data.build -> peft.apply -> train.run."""
     from transformers import set_seed
 
-    from tunelab import models, train
-    from tunelab.config import CellConfig
+    from tunelab import train
+    from tunelab.core.config import CellConfig
     from tunelab.data.build import build
+    from tunelab.models import loading
     from tunelab.train import peft
 
     cfg = CellConfig.model_validate({
@@ -64,8 +65,8 @@ def train_cell(name: str, run_dir: Path, steps: int, batch: int, max_length: int
         "eval": {"tasks": []}, "tracking": {"wandb": False},
     })
     set_seed(0)
-    model, tok = models.load(cfg.model, device)
-    ds = build(cfg.data, tok, models.cache_dir())
+    model, tok = loading.load(cfg.model, device)
+    ds = build(cfg.data, tok, loading.cache_dir())
     model = peft.apply(model, cfg.peft)
     result = train.run(model, tok, ds, cfg, run_dir)
     rows = [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]

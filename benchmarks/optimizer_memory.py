@@ -80,7 +80,7 @@ def model_config(name: str):
 
     if name == "llama-100m":
         return LlamaConfig(**LLAMA_100M)
-    from tunelab.models import resolve
+    from tunelab.models.loading import resolve
 
     return AutoConfig.from_pretrained(resolve(name))
 
@@ -127,7 +127,7 @@ def _stepper(method: str, model, params, forward_loss, batch):
     """One training step of `method` (step number -> loss), as tunelab's loop runs it."""
     import torch
 
-    from tunelab.config import OptimCfg
+    from tunelab.core.config import OptimCfg
     from tunelab.train import optim
 
     if method == "lomo-optim":
@@ -187,7 +187,7 @@ def _as_the_loop_prepares(model, opt) -> None:
     """What the loop and its one-process stepper do to the model for `opt`: the tied weight's one gradient
     buffer (optimizers/tied.py) and, for an optimizer that runs one backward per forward, the chunked head's
     gradients built in forward (train/chunked.py). A --before revision without the latter is left as it was."""
-    from tunelab.train.optimizers.tied import prepare_for_fused
+    from tunelab.optimizers.tied import prepare_for_fused
 
     fused = hasattr(opt, "fused_step")
     prepare_for_fused(model, opt if fused else None)

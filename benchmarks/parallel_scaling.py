@@ -36,7 +36,7 @@ def worker(args) -> None:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tunelab.config import CellConfig
+    from tunelab.core.config import CellConfig
     from tunelab.train import parallel as par
 
     cell = CellConfig.model_validate({

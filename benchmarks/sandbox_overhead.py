@@ -5,7 +5,7 @@
 Each canonical HumanEval solution (prompt + solution + tests + check) runs, one at a time and
 interleaved so that machine load hits all sides alike, as:
   bare:    `python -S -s -c PROGRAM` (no containment at all: the floor);
-  former:  `run_program` of tunelab's sandbox.py at commit --former (rlimits and an audit hook inside
+  former:  `run_program` of tunelab's evals/sandbox.py at commit --former (rlimits and an audit hook inside
            the program's interpreter, as root a throwaway uid), read from git;
   sandbox: what HumanEval scoring runs now, `humaneval.run_completion` (prompt + solution under
            bubblewrap, seccomp, rlimits and, where one can be made, a memory cgroup; the tests in the
@@ -34,7 +34,7 @@ import types
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "platform"))
 
-from tunelab.evals import sandbox  # noqa: E402
+from tunelab.evals.sandbox import contain  # noqa: E402
 
 
 def problems(n: int) -> list[dict]:
@@ -67,9 +67,9 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=164)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--former", default="a8c25d0")
-    ap.add_argument("--former-file", help="the former sandbox.py as a file (instead of --former)")
+    ap.add_argument("--former-file", help="the former evals/sandbox.py as a file (instead of --former)")
     args = ap.parse_args()
-    reason = sandbox.check_available()
+    reason = contain.check_available()
     if reason:
         sys.exit(f"no kernel containment here: {reason}")
     former = former_sandbox(args.former, args.former_file)
@@ -112,7 +112,7 @@ def main() -> None:
         loads.append(os.getloadavg()[0])
     load = f"{min(loads):.1f}-{max(loads):.1f}"
     print(f"uid {os.getuid()}, {exe}, {len(programs)} programs x {args.repeats}, load average {load}, "
-          f"sandbox {sandbox.describe()}")  # fmt: skip
+          f"sandbox {contain.describe()}")  # fmt: skip
     for side, xs in times.items():
         print(f"{side:8s} median {1000 * statistics.median(xs):6.1f} ms  mean {1000 * statistics.fmean(xs):6.1f} ms"
               f"  not passed: {failed[side] or 'none'}")  # fmt: skip

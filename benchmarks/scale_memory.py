@@ -81,8 +81,9 @@ def report(mdir: Path, device: str) -> None:
 TENSORS = r'''
 import sys, torch, torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
-from tunelab import models, runtime
-from tunelab.config import CellConfig
+from tunelab.models import loading
+from tunelab.machine import runtime
+from tunelab.core.config import CellConfig
 from tunelab.train import optim, parallel as par
 backend, folder = sys.argv[1], sys.argv[2]
 cell = CellConfig.model_validate({"model": {"name": folder}, "data": {"recipe": "arithmetic"},
@@ -95,8 +96,8 @@ with tracker:
     if backend == "deepspeed":
         model, weights = par.load_partitioned(cell.model, rt, cell), None
     else:
-        model, weights = par.with_adapters(models.empty(cell.model, rt.dtype, rt.attn), lambda m: m,
-                                           models.Weights(models.folder(cell.model)))
+        model, weights = par.with_adapters(loading.empty(cell.model, rt.dtype, rt.attn), lambda m: m,
+                                           loading.Weights(loading.folder(cell.model)))
     stepper = par.prepare(model, lambda ps: optim.build(ps, cell.optim, max_grad_norm=1.0), cell, layout,
                           weights=weights)
     ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(0))

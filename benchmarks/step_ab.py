@@ -69,15 +69,15 @@ def main() -> int:
     import torch
     import train_throughput as tt
 
-    from tunelab import models
-    from tunelab.config import ModelCfg
-    from tunelab.runtime import Layout
+    from tunelab.core.config import ModelCfg
+    from tunelab.machine.runtime import Layout
+    from tunelab.models import loading
     from tunelab.train import optim, parallel
     from tunelab.train.data import label_tokens
     from tunelab.train.parallel.local import autocast
 
     args.model = args.model or tt.default_model()
-    base, tok = models.load(ModelCfg.model_validate({"name": args.model, "dtype": "float32", "attn": "sdpa"}), "cpu")
+    base, tok = loading.load(ModelCfg.model_validate({"name": args.model, "dtype": "float32", "attn": "sdpa"}), "cpu")
     data = batches(args, tok)
     cell = tt.make_cfg(SimpleNamespace(model=args.model, recipe="arithmetic", max_length=256, steps=1, batch=4,
                                        precision=args.precision), "cpu")

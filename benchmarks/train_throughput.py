@@ -75,14 +75,14 @@ KEPT_HEAP = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": s
 
 
 def default_model() -> str:
-    from tunelab import models
+    from tunelab.models import loading
 
-    cached = models.cache_dir() / "models" / "smollm2-135m-instruct"
+    cached = loading.cache_dir() / "models" / "smollm2-135m-instruct"
     return "smollm2-135m-instruct" if cached.is_dir() else "tiny-random-llama"
 
 
 def make_cfg(args, device_type: str, pack: bool = False, batch: int | None = None, grouped: bool = False):
-    from tunelab.config import CellConfig
+    from tunelab.core.config import CellConfig
 
     return CellConfig.model_validate({
         "model": {"name": args.model, "dtype": "float32", "attn": "sdpa"},
@@ -130,8 +130,9 @@ def run_tunelab(cfg, device, ds, tok, tokens, warmup, plain_loss: bool = False,
     untimed, as the compiled Trainer's."""
     import torch
 
-    from tunelab import models, train
-    from tunelab.events import Step
+    from tunelab import train
+    from tunelab.core.events import Step
+    from tunelab.models import loading
     from tunelab.train import loop, loss
     from tunelab.train.parallel import local
 
@@ -139,7 +140,7 @@ def run_tunelab(cfg, device, ds, tok, tokens, warmup, plain_loss: bool = False,
     if compiled:
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": True,
                                                                           "steps": cfg.train.steps + skip})})
-    model, _ = models.load(cfg.model, device)
+    model, _ = loading.load(cfg.model, device)
     warm(model, device, cfg.train.precision, cfg.train.batch_size, cfg.data.max_length, warmup)
     stamps: dict[int, tuple[float, float]] = {}
     step_fn = loop._step
@@ -246,10 +247,10 @@ def run_trainer(cfg, device, ds, order, pad_id, warmup, mode: str = "ordered",
     import torch
     from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
 
-    from tunelab import models
+    from tunelab.models import loading
     from tunelab.train.data import collate
 
-    model, _ = models.load(cfg.model.model_copy(update={"attn": attn}), device)
+    model, _ = loading.load(cfg.model.model_copy(update={"attn": attn}), device)
     warm(model, device, cfg.train.precision, cfg.train.batch_size, cfg.data.max_length, warmup)
     skip = COMPILE_STEPS if compiled else 0
     stamps: dict[int, tuple[float, float]] = {}
@@ -357,13 +358,13 @@ def prepare(args, data_cache: Path, device) -> SimpleNamespace:
     order (`order`: row indices), tunelab's length-grouped batches and, with --pack, its packed rows."""
     import torch
 
-    from tunelab import models
     from tunelab.data.build import build
+    from tunelab.models import loading
     from tunelab.train.data import batch_tokens, loader
     from tunelab.train.loop import BatchStream
 
     cfg = make_cfg(args, device.type)
-    _, tok = models.load(cfg.model, "cpu")
+    _, tok = loading.load(cfg.model, "cpu")
     ds = build(cfg.data, tok, data_cache)
     if args.steps is None:
         args.steps = whole_megabatches(len(ds["train"]), args.batch)
@@ -464,12 +465,12 @@ def in_fresh_process(fn, *fn_args):
 def measure(args, data_cache: Path | None) -> int:
     import torch
 
-    from tunelab import models
+    from tunelab.models import loading
 
     args.model = args.model or default_model()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           args.device if args.device != "auto" else "cpu")
-    d = prepare(args, data_cache or models.cache_dir(), device)
+    d = prepare(args, data_cache or loading.cache_dir(), device)
     flat_attn, flat_gaps = padding_free_attention(device)
     print(f"Trainer padding-free (DataCollatorWithFlattening): largest logit difference from the examples run "
           f"apart, {', '.join(f'{k} {v:.1e}' for k, v in flat_gaps.items())}: "

@@ -6,7 +6,7 @@ then answers one JSON line per request line on stdin:
 
   {"op": "run", "code": ..., "limits": {...}}  -> the SandboxResult's fields (run_program)
   {"op": "run", "code": ..., "tests": ..., "calls": [...], "limits": {...}}  -> the same, of run_tests
-  {"op": "describe"}                            -> sandbox.describe() and check_available()
+  {"op": "describe"}                            -> contain.describe() and check_available()
 
 Every answer also says how many SIGUSR1 the evaluator received and whether its
 environment is still as it started: the hostile programs aim at both; and which processes
@@ -43,7 +43,7 @@ def main() -> None:
     os.setgid(uid)
     os.setuid(uid)  # drops every capability
     sys.path[:0] = paths
-    from tunelab.evals import sandbox
+    from tunelab.evals.sandbox import contain
 
     signals = []
     signal.signal(signal.SIGUSR1, lambda *_: signals.append(1))
@@ -56,15 +56,15 @@ def main() -> None:
             if request["op"] == "run":
                 limits = request.get("limits", {})
                 if request.get("tests") is None:
-                    r = sandbox.run_program(request["code"], **limits)
+                    r = contain.run_program(request["code"], **limits)
                 else:
-                    r = sandbox.run_tests(request["code"], request["tests"], calls=request["calls"], **limits)
+                    r = contain.run_tests(request["code"], request["tests"], calls=request["calls"], **limits)
                 leftovers = sorted(sandboxed_tasks(r.host_uid) - elsewhere)
                 answer = {"status": r.status, "returncode": r.returncode, "stderr_tail": r.stderr_tail,
                           "host_uid": r.host_uid, "leftovers": leftovers, "memory_peak": r.memory_peak,
                           "judge_peak_kb": r.judge_peak_kb}  # fmt: skip
             else:
-                answer = {"describe": sandbox.describe(), "available": sandbox.check_available()}
+                answer = {"describe": contain.describe(), "available": contain.check_available()}
         except Exception as e:
             answer = {"error": f"{type(e).__name__}: {e}"}
         answer.update(signals=len(signals), environ_same=dict(os.environ) == environ)

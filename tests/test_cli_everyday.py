@@ -18,10 +18,11 @@ import pytest
 import torch
 from conftest import write
 
-from tunelab.cellfolder import CellFolder
 from tunelab.cli.common import human_bytes
-from tunelab.matrixfolder import MatrixFolder
-from tunelab.store import lock, read_json, write_json
+from tunelab.core.files import read_json, write_json
+from tunelab.core.locks import lock
+from tunelab.folders.cell import CellFolder
+from tunelab.folders.matrix import MatrixFolder
 
 MATRIX = """name: ev
 base:
@@ -39,11 +40,12 @@ IDS = torch.tensor([[5, 17, 99, 300, 2, 8, 41, 7]])
 
 @pytest.fixture(scope="module")
 def cells(tmp_path_factory):
-    from tunelab import matrix, runner
-    from tunelab.cell import run_cell
+    from tunelab.cell.stages import run_cell
+    from tunelab.matrix import expansion
+    from tunelab.run import runner
 
     tmp = tmp_path_factory.mktemp("everyday")
-    spec, cs = matrix.load(write(tmp / "ev.yaml", MATRIX))
+    spec, cs = expansion.load(write(tmp / "ev.yaml", MATRIX))
     dirs = {}
     for c in cs:
         d = MatrixFolder(tmp / "runs" / spec.name).folder(c)
@@ -72,7 +74,7 @@ def logits(folder_or_model) -> torch.Tensor:
 
 
 def base_folder() -> str:
-    from tunelab.models import resolve
+    from tunelab.models.loading import resolve
 
     return resolve("tiny-random-llama")
 
@@ -202,7 +204,7 @@ def test_export_refusals(cells, cli, tmp_path, case):
 def test_export_failing_midway_leaves_nothing(cells, tmp_path):
     from safetensors import SafetensorError
 
-    from tunelab.export import export_cell
+    from tunelab.tools.export import export_cell
 
     _, dirs = cells
     cell = tmp_path / "cell"
@@ -260,7 +262,7 @@ def test_chat_session_reads_turns_until_exit(cells, cli, monkeypatch):
 def test_chat_template_rendering():
     from transformers import AutoTokenizer
 
-    from tunelab.chat import choose_template, render
+    from tunelab.tools.chat import choose_template, render
 
     tok = AutoTokenizer.from_pretrained(base_folder())
     conv = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"},

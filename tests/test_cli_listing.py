@@ -17,7 +17,7 @@ def exp(*args: str, cwd=None) -> subprocess.CompletedProcess:
 
 
 def test_ls_lists_every_kind_with_a_line_each():
-    from tunelab import registries
+    from tunelab.core import registries
 
     p = exp("ls", "--json")
     assert p.returncode == 0, p.stderr

@@ -9,11 +9,11 @@ import pytest
 import yaml
 from test_data_util import alpaca_rows, tiny_tokenizer, write_recipe, write_rows
 
-from tunelab.config import DataCfg
+from tunelab.core.config import DataCfg
+from tunelab.core.paths import REPO_ROOT
 from tunelab.data.build import build, build_info
 from tunelab.data.templates import ALPACA_INPUT, ALPACA_NO_INPUT, TEMPLATES
 from tunelab.data.tokenize import IGNORE
-from tunelab.paths import REPO_ROOT
 
 TOK = tiny_tokenizer()
 EOS = TOK.eos_token_id

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from test_data_util import alpaca_rows, tiny_tokenizer, write_recipe, write_rows
 
-from tunelab.config import DataCfg
+from tunelab.core.config import DataCfg
+from tunelab.core.errors import UserError
 from tunelab.data.build import build
 from tunelab.data.recipe import load_recipe
-from tunelab.errors import UserError
 
 
 def _fails(tmp_path, rows=None, suffix=".jsonl", cfg=None, **recipe) -> str:

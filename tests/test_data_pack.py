@@ -10,7 +10,7 @@ import torch
 from test_data_util import alpaca_rows, tiny_tokenizer, write_recipe, write_rows
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tunelab.config import CellConfig, DataCfg
+from tunelab.core.config import CellConfig, DataCfg
 from tunelab.data.build import build
 from tunelab.data.pack import best_fit_decreasing
 from tunelab.train.data import IGNORE, batch_tokens, block_causal_mask, label_tokens, loader

@@ -7,10 +7,10 @@ import zipfile
 
 import pytest
 
-from tunelab.evals import exemplars
-from tunelab.evals.lm import groups_by_prefix
-from tunelab.evals.pull import mmlu_rows_from_wheel
-from tunelab.evals.sources import choose
+from tunelab.evals.lmeval.lm import groups_by_prefix
+from tunelab.evals.testsets import exemplars
+from tunelab.evals.testsets.pull import mmlu_rows_from_wheel
+from tunelab.evals.testsets.sources import choose
 from tunelab.plan import Invalid, eval_config
 
 
@@ -54,17 +54,17 @@ def test_cli_bad_input_exits_2(cli):
 
 
 def test_an_unknown_subtask_is_a_user_error():
-    from tunelab.errors import UserError
-    from tunelab.evals.harness import select, task_manager
-    from tunelab.registries import TASKS
+    from tunelab.core.errors import UserError
+    from tunelab.core.registries import TASKS
+    from tunelab.evals.lmeval.harness import select, task_manager
 
     with pytest.raises(UserError, match="eval.subtasks.mmlu: unknown mmlu subtask"):
         select(TASKS["mmlu"].harness, "mmlu", task_manager(), ["anatomy", "astrology"], None)
 
 
 def test_task_definitions_cover_the_benchmarks():
-    from tunelab.evals.harness import leaves, task_manager
-    from tunelab.registries import TASKS
+    from tunelab.core.registries import TASKS
+    from tunelab.evals.lmeval.harness import leaves, task_manager
 
     tm = task_manager()
     assert len(leaves(TASKS["mmlu"].harness, tm)) == 57

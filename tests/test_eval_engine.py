@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tunelab import evals, models
-from tunelab.config import EvalCfg, ModelCfg
+from tunelab import evals
+from tunelab.core.config import EvalCfg, ModelCfg
+from tunelab.models import loading
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
 SUBJECTS = ["abstract_algebra", "anatomy"]
@@ -18,7 +19,7 @@ GEN_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def tiny():
-    return models.load(ModelCfg(name="tiny-random-llama"))
+    return loading.load(ModelCfg(name="tiny-random-llama"))
 
 
 def tunelab_run(tiny, out: Path, batch_size: int, tasks=("mmlu", "gsm8k")) -> dict:
@@ -38,7 +39,7 @@ def lm_eval_builtin_run() -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from tunelab.evals.exemplars import lm_eval_tasks_dir
+    from tunelab.evals.testsets.exemplars import lm_eval_tasks_dir
 
     def files(local, name, splits):
         return {"dataset_path": "json", "dataset_name": None,
@@ -50,7 +51,7 @@ def lm_eval_builtin_run() -> dict:
     tasks = [{"group": "parity", "task": tasks}]
     lm_tasks = lm_eval_tasks_dir()
     tm = TaskManager(include_defaults=False, include_path=[str(lm_tasks / "mmlu" / "default"), str(lm_tasks / "gsm8k")])
-    folder = models.resolve("tiny-random-llama")
+    folder = loading.resolve("tiny-random-llama")
     return lm_eval.simple_evaluate(model="hf", model_args={"pretrained": folder, "device": "cpu", "dtype": "float32"},
                                    tasks=tasks, task_manager=tm, batch_size=4, log_samples=True,
                                    gen_kwargs={"max_gen_toks": GEN_TOKENS})
@@ -142,7 +143,7 @@ def test_bbh_and_smoke_variants_run_and_say_what_they_are(tiny, tmp_path):
 
 def test_each_task_reports_its_progress_to_the_end(tiny, tmp_path):
     """The runner's eval bar: EvalProgress events per task, counts that only grow, a last one at the total."""
-    from tunelab.events import EvalProgress, EvalTask
+    from tunelab.core.events import EvalProgress, EvalTask
 
     seen = []
     cfg = EvalCfg(tasks=["mmlu", "gsm8k"], data_dir=str(FIXTURES), subtasks={"mmlu": SUBJECTS},
@@ -161,7 +162,7 @@ def test_each_task_reports_its_progress_to_the_end(tiny, tmp_path):
 def test_a_group_with_one_item_per_subtask_still_has_a_stderr(tiny, tmp_path):
     """lm-eval pools its subtasks' stderrs for a group, and a one-item subtask has none (MMLU at one question
     per subject, as the quickstart scores it); the group's stderr is then the item mean's."""
-    from tunelab.evals.harness import item_stderr
+    from tunelab.evals.lmeval.harness import item_stderr
 
     cfg = EvalCfg(tasks=["mmlu"], data_dir=str(FIXTURES), subtasks={"mmlu": SUBJECTS}, limit=1)
     out = evals.run(*tiny, cfg, evals.Context(out_dir=tmp_path))["tasks"]["mmlu"]

@@ -1,4 +1,4 @@
-"""The decoding engine (tunelab.evals.generate) on the tiny random Llama: greedy parity with lm-eval's hf
+"""The decoding engine (tunelab.evals.engine.generate) on the tiny random Llama: greedy parity with lm-eval's hf
 model at batch size 1 on GSM8K and BBH prompts, outputs that do not depend on the batch size, every row
 stopping at its own stop string, seeded sampling."""
 
@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tunelab import evals, models
-from tunelab.config import EvalCfg, ModelCfg
-from tunelab.evals.generate import Decoder, Request, cut_at_stop, first_divergence
+from tunelab import evals
+from tunelab.core.config import EvalCfg, ModelCfg
+from tunelab.evals.engine.generate import Decoder, Request, cut_at_stop, first_divergence
+from tunelab.models import loading
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
 BBH = ["navigate", "boolean_expressions"]
@@ -20,7 +21,7 @@ NEAR_TIE = 1e-4
 
 @pytest.fixture(scope="module")
 def tiny():
-    return models.load(ModelCfg(name="tiny-random-llama"))
+    return loading.load(ModelCfg(name="tiny-random-llama"))
 
 
 def lm_eval_hf_bs1() -> dict:
@@ -29,7 +30,7 @@ def lm_eval_hf_bs1() -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from tunelab.evals.exemplars import lm_eval_tasks_dir
+    from tunelab.evals.testsets.exemplars import lm_eval_tasks_dir
 
     def files(local, name):
         return {"dataset_path": "json", "dataset_name": None,
@@ -40,7 +41,7 @@ def lm_eval_hf_bs1() -> dict:
     lm_tasks = lm_eval_tasks_dir()
     tm = TaskManager(include_defaults=False,
                      include_path=[str(lm_tasks / "gsm8k"), str(lm_tasks / "bbh" / "cot_fewshot")])
-    return lm_eval.simple_evaluate(model="hf", model_args={"pretrained": models.resolve("tiny-random-llama"),
+    return lm_eval.simple_evaluate(model="hf", model_args={"pretrained": loading.resolve("tiny-random-llama"),
                                                            "device": "cpu", "dtype": "float32"},
                                    tasks=[{"group": "parity", "task": tasks}], task_manager=tm, batch_size=1,
                                    log_samples=True, gen_kwargs={"max_gen_toks": GEN_TOKENS})
@@ -98,7 +99,7 @@ def test_outputs_do_not_depend_on_the_batch_size(tiny):
     assert [len(o.tokens) for o in outs[1]] == [r.max_new_tokens for r in reqs]
     # the shared prefixes were found: two groups of nine and six requests run their prefix once
     engine = Decoder(model, tokenizer, batch_size=4)
-    from tunelab.evals.generate import groups_by_prefix
+    from tunelab.evals.engine.generate import groups_by_prefix
 
     sizes = sorted(len(m) for p, m in groups_by_prefix(ids[:19], engine.min_shared) if p >= engine.min_shared)
     assert sizes[-2:] == [6, 9]

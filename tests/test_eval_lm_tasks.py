@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from lm_tasks import GEN, MC, build, ifeval_data
 
-from tunelab import evals, models
-from tunelab.config import EvalCfg, ModelCfg
+from tunelab import evals
+from tunelab.core.config import EvalCfg, ModelCfg
+from tunelab.models import loading
 
 MAX_LENGTH = 128  # the documents of tl_ppl are about 60, 360 and 950 tokens: several rolling windows each
 TASKS = ["tl_mc", "tl_gen", "tl_ppl", "tl_group", "tl_sample"]
@@ -19,7 +20,7 @@ TASKS = ["tl_mc", "tl_gen", "tl_ppl", "tl_group", "tl_sample"]
 
 @pytest.fixture(scope="module")
 def tiny():
-    return models.load(ModelCfg(name="tiny-random-llama"))
+    return loading.load(ModelCfg(name="tiny-random-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def folder(tmp_path_factory):
 
 def ours(tiny, cfg: EvalCfg, out: Path) -> tuple[dict, list[dict]]:
     """tunelab's run: one SharedPrefixLM for every task (at the reference's max_length), results and samples."""
-    from tunelab.evals.lm import SharedPrefixLM
+    from tunelab.evals.lmeval.lm import SharedPrefixLM
 
     ctx = evals.Context(out_dir=out)
     ctx._lm = SharedPrefixLM(*tiny, batch_size=cfg.batch_size, max_length=MAX_LENGTH)
@@ -41,7 +42,7 @@ def lm_eval_hf(tasks: list, task_manager, model: str = "tiny-random-llama", **kw
     """lm-eval as its CLI runs it: a fresh `hf` model from the folder, batch size 1."""
     import lm_eval
 
-    model_args = {"pretrained": models.resolve(model), "device": "cpu", "dtype": "float32",
+    model_args = {"pretrained": loading.resolve(model), "device": "cpu", "dtype": "float32",
                   "max_length": MAX_LENGTH}
     return lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=tasks, task_manager=task_manager,
                                    batch_size=1, log_samples=True, **kw)
@@ -83,7 +84,7 @@ def test_a_real_model_matches_lm_eval_item_by_item(folder, tmp_path):
     tiny model's near-uniform choices would hide a wrong token more easily than a real model's."""
     from lm_eval.tasks import TaskManager
 
-    real = models.load(ModelCfg(name="smollm2-135m-instruct"))
+    real = loading.load(ModelCfg(name="smollm2-135m-instruct"))
     res, samples = ours(real, EvalCfg(tasks=["tl_mc", "tl_gen"], include_path=str(folder), batch_size=4), tmp_path)
     tm = TaskManager(include_path=str(folder), include_defaults=False)
     theirs = lm_eval_hf(["tl_mc", "tl_gen"], tm, model="smollm2-135m-instruct")
@@ -148,7 +149,7 @@ def test_results_say_which_code_served_each_request(runs):
 def test_ifeval_runs_on_the_engine_with_its_rule_checker_offline(tiny, tmp_path):
     from lm_eval.tasks import TaskManager
 
-    from tunelab.evals.exemplars import lm_eval_tasks_dir
+    from tunelab.evals.testsets.exemplars import lm_eval_tasks_dir
 
     root = ifeval_data(tmp_path / "data")
     cfg = EvalCfg(tasks=["ifeval"], data_dir=str(root), max_new_tokens=24, batch_size=4)
@@ -183,14 +184,14 @@ def test_ifeval_without_its_test_set_is_unavailable(tiny, tmp_path):
 def test_adding_a_benchmark_is_one_task_yaml_and_one_registry_entry(tiny, folder, tmp_path, monkeypatch):
     """docs/ARCHITECTURE.md's recipe, followed: the task YAML (here in an include_path folder, standing in for
     tasks/<name>/) and one TaskSpec in the TASKS registry; plan, results, the marks and the leaderboard follow."""
+    from tunelab.core.registries import TASKS, Harness, TaskSpec
+    from tunelab.core.registry import Lazy
     from tunelab.plan import eval_config
-    from tunelab.registries import TASKS, Harness, TaskSpec
-    from tunelab.registry import Lazy
     from tunelab.report.scores import Score
 
     monkeypatch.setattr(TASKS, "_entries", dict(TASKS._entries))  # the entry below lives for this test only
     TASKS.add("tiny_bench", TaskSpec(
-        Lazy("tunelab.evals.engine:harness_task"), "a five-question multiple-choice benchmark", official_n=10,
+        Lazy("tunelab.evals.suite:harness_task"), "a five-question multiple-choice benchmark", official_n=10,
         harness=Harness("tl_mc", "acc", "none", "acc", "accuracy over the questions", also=(("acc_norm", "none"),),
                         made_from="tests/lm_tasks.py")))
     cfg = eval_config({"tasks": ["tiny_bench"], "include_path": str(folder), "batch_size": 4})

@@ -9,7 +9,7 @@ import shutil
 
 from conftest import write
 
-from tunelab.store import read_json
+from tunelab.core.files import read_json
 
 MATRIX = """name: again
 base:

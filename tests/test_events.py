@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tunelab import events
+from tunelab.core import events
 
 
 @pytest.mark.parametrize("event", [events.Stage("load"), events.Step(3, 20, 1.5, {"lr": 1e-3}),
@@ -28,11 +28,11 @@ def test_other_lines_are_not_events(line):
 
 
 def test_data_build_reports_progress(tmp_path):
-    from tunelab import models
-    from tunelab.config import DataCfg, ModelCfg
+    from tunelab.core.config import DataCfg, ModelCfg
     from tunelab.data.build import build
+    from tunelab.models import loading
 
-    _, tok = models.load(ModelCfg(name="tiny-random-llama"))
+    _, tok = loading.load(ModelCfg(name="tiny-random-llama"))
     seen = []
     build(DataCfg(recipe="arithmetic", max_length=64), tok, tmp_path, num_proc=1,
           progress=lambda done, total: seen.append((done, total)))
@@ -41,7 +41,7 @@ def test_data_build_reports_progress(tmp_path):
 
 
 def test_the_runner_shows_eval_and_data_progress_on_the_cells_line():
-    from tunelab.runview import shown as _shown
+    from tunelab.run.progress import shown as _shown
 
     assert _shown(events.EvalProgress("gsm8k", 3, 8)) == {"total": 8, "completed": 3, "info": "eval gsm8k 3/8"}
     assert _shown(events.DataProgress(200, 500)) == {"info": "tokenizing 200/500"}

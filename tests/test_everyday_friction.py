@@ -184,7 +184,7 @@ def test_ctrl_c_checkpoints_each_running_cell_and_a_rerun_resumes(tmp_path):
 def test_a_second_ctrl_c_stops_the_cell_at_once(tmp_path):
     """The runner's side, with a real child standing in for a cell that is slow to reach its step boundary:
     the first signal asks it to checkpoint (SIGTERM), the second to stop now (SIGINT)."""
-    from tunelab.runner import Interrupts
+    from tunelab.run.runner import Interrupts
 
     log = tmp_path / "got"
     child = subprocess.Popen([sys.executable, "-c", (

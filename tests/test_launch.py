@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import write
 
-from tunelab.errors import UserError
-from tunelab.launch import Launch, cell_command, sbatch_script
-from tunelab.matrix import SlurmCfg
+from tunelab.core.errors import UserError
+from tunelab.matrix.launcher import SlurmCfg
+from tunelab.run.launch import Launch, cell_command, sbatch_script
 
 RUN = Path("/runs/m/cell-abc")
 
@@ -76,7 +76,7 @@ matrix:
     assert code == 0, err
     scripts = sorted((tmp_path / "runs" / "m").glob("*/slurm.sbatch"))
     assert len(scripts) == 2
-    assert all("tunelab.cell" in s.read_text() for s in scripts)
+    assert all("-m tunelab.cell" in s.read_text() for s in scripts)
     assert not list((tmp_path / "runs" / "m").glob("*/train"))  # nothing ran
 
 

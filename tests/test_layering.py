@@ -1,9 +1,12 @@
-"""The stage order of docs/ARCHITECTURE.md, as a rule. Every tunelab module has a place in LAYERS (a module
-the table does not place fails the test), and every import points to its own layer or a lower one:
+"""The layers of docs/ARCHITECTURE.md, as a rule read from the package itself: each folder of
+platform/tunelab/ is a layer, and its `__init__` docstring says which folders it may import ("May import: core,
+folders, ..."). Those lists must stack (each folder may import exactly the folders below it), no module may lie
+loose at the package's root (the face `tunelab/__init__.py` aside), and every import points to its own folder or a
+lower one:
 
     imports at module level or inside functions, absolute or relative (`from . import x`);
     every deferred import, which is always a `Lazy("module:attr")` literal (registry.Lazy): a registry's
-    implementations sit at or below the stage that uses that registry (REGISTRY_STAGE), any other Lazy
+    implementations sit at or below the folder that uses that registry (REGISTRY_STAGE), any other Lazy
     counts as an import of the module that writes it;
 
 no import circle exists between modules, deferred imports included; and planning a matrix imports no
@@ -13,8 +16,8 @@ module above the planner, checked at run time in a fresh interpreter.
 from __future__ import annotations
 
 import ast
-import fnmatch
 import json
+import re
 import subprocess
 import sys
 from functools import cache
@@ -24,41 +27,45 @@ import pytest
 from conftest import REPO
 
 PACKAGE = REPO / "platform" / "tunelab"
-
-# Lowest first. "pkg*" places a package and everything in it.
-LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"tunelab", "tunelab.errors", "tunelab.config", "tunelab.registry", "tunelab.registries",
-              "tunelab.store", "tunelab.paths", "tunelab.events", "tunelab.services", "tunelab.cellfolder",
-              "tunelab.matrixfolder", "tunelab.layouts", "tunelab.stepscores"}),
-    # Optimizer classes import torch and each other only: the planner reads their constructors' signatures.
-    ("optimizers", {"tunelab.train.optimizers*"}),
-    ("plan", {"tunelab.plan*"}),
-    ("runtime", {"tunelab.runtime"}),
-    ("data", {"tunelab.data*"}),
-    ("models", {"tunelab.models", "tunelab.catalog", "tunelab.env"}),
-    ("train", {"tunelab.train*"}),
-    ("evals", {"tunelab.evals*"}),
-    ("report", {"tunelab.report*", "tunelab.tracking", "tunelab.listing"}),
-    ("tools", {"tunelab.export", "tunelab.modelcard", "tunelab.chat", "tunelab.clean"}),
-    ("orchestrate", {"tunelab.matrix", "tunelab.launch", "tunelab.outcome", "tunelab.slurm", "tunelab.runview",
-                     "tunelab.runner", "tunelab.experiment", "tunelab.cell", "tunelab.inputs", "tunelab.tune*",
-                     "tunelab.ckpteval", "tunelab.beside", "tunelab.along"}),
-    ("cli", {"tunelab.cli*"}),
-]
-NAMES = [name for name, _ in LAYERS]
-# Which stage loads a registry's implementations (they may live there or lower).
+# Which folder loads a registry's implementations (they may live there or lower).
 REGISTRY_STAGE = {"MODELS": "models", "TEMPLATES": "data", "FORMATS": "data", "GENERATORS": "data",
                   "OPTIMIZERS": "train", "PEFT": "train", "ENGINES": "train", "TASKS": "evals",
                   # a tune: section's samplers and rung values (tunelab.tune); PRUNERS names no implementation
-                  "SAMPLERS": "orchestrate", "PRUNERS": "orchestrate", "INTERMEDIATES": "orchestrate"}
+                  "SAMPLERS": "tune", "PRUNERS": "tune", "INTERMEDIATES": "tune"}
+
+
+def may_import(init: Path) -> list[str]:
+    """The folders a layer's `__init__` docstring says it may import."""
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    m = re.search(r"^May import: (.*?)\.?$", doc.replace("\n", " ").replace(" May import:", "\nMay import:"), re.M)
+    assert m, f"{init.relative_to(REPO)}: its docstring says what it may import ('May import: core, folders.')"
+    text = m.group(1).strip()
+    return [] if text.startswith("nothing") else [w.strip() for w in text.split(",")]
+
+
+def stack(found: dict[str, list[str]]) -> list[str]:
+    """Folder -> what it may import, as a stack of layers lowest first; AssertionError where they do not stack."""
+    order = sorted(found, key=lambda f: len(found[f]))
+    for i, f in enumerate(order):
+        assert found[f] == order[:i], (f"{f}/__init__.py may import {found[f]}; the folders below it are "
+                                       f"{order[:i]}: each layer may import exactly the layers below it")
+    return order
+
+
+@cache
+def folders() -> list[str]:
+    """The layer folders, lowest first, as their `__init__` docstrings stack them."""
+    return stack({p.parent.name: may_import(p) for p in sorted(PACKAGE.glob("*/__init__.py"))})
 
 
 def layer(module: str) -> int | None:
-    for i, (_, patterns) in enumerate(LAYERS):
-        for p in patterns:
-            if module == p or (p.endswith("*") and (module == p[:-1] or module.startswith(p[:-1] + "."))):
-                return i
-    return None
+    """A module's layer: its folder's place in the stack (the package's face, `tunelab`, is the lowest)."""
+    parts = module.split(".")
+    if parts[0] != "tunelab":
+        return None
+    if len(parts) == 1:
+        return -1
+    return folders().index(parts[1]) if parts[1] in folders() else None
 
 
 @cache
@@ -99,15 +106,15 @@ def imports(path: Path, module: str, known: dict[str, Path], lazy: bool = True) 
         else:
             continue
         found |= {n for n in names if n in known}
-    if lazy and module != "tunelab.registries":  # a registry's targets are its stage's imports (graph())
+    if lazy and module != "tunelab.core.registries":  # a registry's targets are its stage's imports (graph())
         found |= {t for t in lazy_targets(tree) if t in known}
     return found - {module}
 
 
 def registry_targets() -> dict[str, list[str]]:
     """Registry name -> the modules its entries' Lazy implementations live in."""
-    from tunelab import registries
-    from tunelab.registry import Lazy, Registry
+    from tunelab.core import registries
+    from tunelab.core.registry import Lazy, Registry
 
     out = {}
     for name, reg in vars(registries).items():
@@ -126,19 +133,31 @@ def graph() -> dict[str, set[str]]:
     known = modules()
     g = {name: imports(path, name, known) for name, path in known.items()}
     for reg, targets in registry_targets().items():
-        stage = {"models": "tunelab.models", "data": "tunelab.data", "train": "tunelab.train",
-                 "evals": "tunelab.evals", "orchestrate": "tunelab.tune"}[REGISTRY_STAGE[reg]]
+        stage = f"tunelab.{REGISTRY_STAGE[reg]}"  # the package of the folder that loads them
         g[stage] |= {t for t in targets if t in known and t != stage}
     return g
 
 
 def test_every_module_has_a_layer():
     unplaced = sorted(m for m in modules() if layer(m) is None)
-    assert not unplaced, f"place these modules in LAYERS (and docs/ARCHITECTURE.md): {unplaced}"
+    assert not unplaced, f"put these modules in a layer's folder (and docs/ARCHITECTURE.md): {unplaced}"
+
+
+def test_the_root_holds_only_the_face():
+    """Nothing lies loose at platform/tunelab/ but the package's face; the CLI's entry is the cli/ folder."""
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert not loose, loose
+
+
+def test_the_layers_stack_in_the_order_the_architecture_draws():
+    """docs/ARCHITECTURE.md draws the tree one line per folder, lowest layer last; the docstrings' stack agrees."""
+    doc = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    drawn = re.findall(r"^([a-z_]+)/ ", doc.split("## Layers", 1)[1].split("```")[1], re.M)
+    assert drawn[::-1] == folders(), (drawn, folders())
 
 
 def test_imports_point_down_the_layers():
-    wrong = [f"{a} ({NAMES[layer(a)]}) imports {b} ({NAMES[layer(b)]})"
+    wrong = [f"{a} ({_name(a)}) imports {b} ({_name(b)})"
              for a, deps in graph().items() for b in sorted(deps) if layer(b) > layer(a)]
     assert not wrong, "\n".join(wrong)
 
@@ -146,16 +165,21 @@ def test_imports_point_down_the_layers():
 def test_every_registry_has_a_stage_and_its_implementations_sit_at_or_below_it():
     targets = registry_targets()
     assert set(targets) == set(REGISTRY_STAGE), "give a new registry its stage in REGISTRY_STAGE"
-    wrong = [f"{reg}: {t} ({NAMES[layer(t)] if layer(t) is not None else 'no tunelab module'}) is above "
+    wrong = [f"{reg}: {t} ({_name(t) if layer(t) is not None else 'no tunelab module'}) is above "
              f"{REGISTRY_STAGE[reg]}" for reg, ts in targets.items() for t in ts
-             if t.startswith("tunelab") and (layer(t) is None or layer(t) > NAMES.index(REGISTRY_STAGE[reg]))]
+             if t.startswith("tunelab") and (layer(t) is None or layer(t) > folders().index(REGISTRY_STAGE[reg]))]
     assert not wrong, "\n".join(wrong)
+
+
+def _name(module: str) -> str:
+    i = layer(module)
+    return "the face" if i == -1 else folders()[i]
 
 
 def test_config_is_pure_data():
     """config reads the registries' names and facts for its defaults and help texts, no implementation."""
-    assert graph()["tunelab.config"] <= {"tunelab.errors", "tunelab.registry", "tunelab.registries"}
-    assert graph()["tunelab.registries"] <= {"tunelab.registry", "tunelab.errors"}
+    assert graph()["tunelab.core.config"] <= {"tunelab.core.errors", "tunelab.core.registry", "tunelab.core.registries"}
+    assert graph()["tunelab.core.registries"] <= {"tunelab.core.registry", "tunelab.core.errors"}
 
 
 def test_no_import_circles():
@@ -196,7 +220,7 @@ def test_no_import_circles():
 PLAN_EVERY_OPTIMIZER = """
 import json, sys
 from tunelab import plan
-from tunelab.registries import OPTIMIZERS
+from tunelab.core.registries import OPTIMIZERS
 for name in OPTIMIZERS:
     plan.cell_config({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"},
                       "optim": {"name": name}, "eval": {"suite": "quick"}})
@@ -212,13 +236,13 @@ def test_planning_imports_nothing_above_the_planner():
     loaded = json.loads(out.stdout)
     # A placed module's parent packages are imported with it (their __init__ obeys the static rules above).
     parents = {".".join(m.split(".")[:i]) for m in loaded for i in range(1, m.count(".") + 1)}
-    above = [m for m in loaded if m not in parents and (layer(m) is None or layer(m) > NAMES.index("plan"))]
+    above = [m for m in loaded if m not in parents and (layer(m) is None or layer(m) > folders().index("plan"))]
     assert "tunelab.plan" in loaded and not above, above
 
 
 @pytest.mark.parametrize(("source", "where", "expected"), [
-    ("def f():\n    from tunelab.runner import Runner\n", "tunelab.train.bad", {"tunelab.runner"}),
-    ("from ..runner import Runner\n", "tunelab.train.bad", {"tunelab.runner"}),
+    ("def f():\n    from tunelab.run.runner import Runner\n", "tunelab.train.bad", {"tunelab.run.runner"}),
+    ("from ..run.runner import Runner\n", "tunelab.train.bad", {"tunelab.run.runner"}),
     ("from . import loop\n", "tunelab.train.bad", {"tunelab.train.loop"}),
     ("X = Lazy('tunelab.report.table:build')\n", "tunelab.train.bad", {"tunelab.report.table"}),
 ])
@@ -235,5 +259,23 @@ def test_the_rule_catches_a_bad_import(tmp_path, source, where, expected):
 
 
 def test_an_unplaced_module_is_named():
-    assert layer("tunelab.newthing") is None and layer("tunelab.train.anything") == NAMES.index("train")
-    assert fnmatch.fnmatch("tunelab.cli.run", "tunelab.cli*")
+    assert layer("tunelab.newthing") is None and layer("tunelab.train.anything") == folders().index("train")
+    assert layer("tunelab") == -1 and layer("tunelab.cli.run") == len(folders()) - 1
+
+
+def test_a_docstring_that_does_not_stack_is_refused(tmp_path):
+    """The stack can fail: a folder that skips a layer below it, or may import one above it, is named."""
+    init = tmp_path / "__init__.py"
+    init.write_text('"""A folder.\n\nMay import: core,\nplan.\n"""\n')
+    assert may_import(init) == ["core", "plan"]
+    assert stack({"core": [], "plan": ["core"], "train": ["core", "plan"]}) == ["core", "plan", "train"]
+    with pytest.raises(AssertionError, match="train/__init__.py may import"):
+        stack({"core": [], "plan": ["core"], "train": ["plan"]})
+    with pytest.raises(AssertionError, match="may import"):
+        stack({"core": ["plan"], "plan": ["core"]})
+
+
+def test_a_cell_reads_in_one_screen():
+    """The cell's stages lean on an assembly (cell/assembly.py) that lists the parts of a run top to bottom, so
+    the stages themselves import few tunelab modules."""
+    assert len(graph()["tunelab.cell.stages"]) <= 10, sorted(graph()["tunelab.cell.stages"])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import write
 
-from tunelab import matrix
-from tunelab.errors import UserError
+from tunelab.core.errors import UserError
+from tunelab.matrix import expansion
 
 BASE = """
 name: m
@@ -17,7 +17,7 @@ base:
 
 
 def cells(tmp_path, body: str):
-    return matrix.load(write(tmp_path / "m.yaml", BASE + body))[1]
+    return expansion.load(write(tmp_path / "m.yaml", BASE + body))[1]
 
 
 def test_product_exclude_include_seeds(tmp_path):
@@ -44,7 +44,7 @@ def test_nested_include_equals_dotted(tmp_path):
 
 def test_id_is_content_hash(tmp_path):
     one = cells(tmp_path, "matrix:\n  optim.lr: [1.0e-4]\n")[0]
-    reordered = matrix.load(write(tmp_path / "r.yaml", """
+    reordered = expansion.load(write(tmp_path / "r.yaml", """
 name: other-name
 matrix:
   optim.lr: [0.0001]
@@ -62,7 +62,7 @@ base:
 def test_a_later_key_at_its_default_keeps_earlier_ids():
     """train.group_by_length, train.loss_chunk, train.select, train.keep_best and train.compile came after cells
     were run: at their defaults a cell's id is what it was before."""
-    from tunelab.config import CellConfig, content_id
+    from tunelab.core.config import CellConfig, content_id
 
     cell = CellConfig.model_validate({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"}})
     before = cell.model_dump(mode="json", exclude={"tracking", "eval"})

@@ -15,7 +15,7 @@ import sys
 import pytest
 import yaml
 
-from tunelab.store import read_jsonl
+from tunelab.core.files import read_jsonl
 
 BASE = {"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic", "max_length": 96},
         "optim": {"lr": 1.0e-3}, "train": {"steps": 3, "batch_size": 4}, "eval": {"tasks": ["val_loss"],
@@ -35,7 +35,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     """(matrix folder, exit codes, outputs) of the two `exp run` processes."""
-    from tunelab.models import resolve
+    from tunelab.models.loading import resolve
 
     resolve("tiny-random-llama")  # the model cache, built once before eight processes look for it
     tmp = tmp_path_factory.mktemp("multinode")
@@ -61,7 +61,7 @@ def two_nodes(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """The same training on one process (in this process): per-step losses."""
-    from tunelab.cell import run_cell
+    from tunelab.cell.stages import run_cell
 
     run_dir = tmp_path_factory.mktemp("one") / "cell"
     run_dir.mkdir()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tunelab.train.optimizers import AdaLomo, Lomo
+from tunelab.optimizers import AdaLomo, Lomo
 
 STEPS = 3
 

@@ -10,8 +10,8 @@ import torch
 from test_optim_lomo import fixed_batch, max_param_diff
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tunelab.train.optimizers import Adan, Lion, MuonAdamW, SophiaG
-from tunelab.train.optimizers.muon import split_hidden
+from tunelab.optimizers import Adan, Lion, MuonAdamW, SophiaG
+from tunelab.optimizers.muon import split_hidden
 
 P0 = [0.5, -1.0, 2.0]
 A = [1.0, 3.0, 0.5]  # loss = sum(a * p^2 / 2 + b * p): gradient a * p + b, different per coordinate

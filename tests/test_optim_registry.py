@@ -10,10 +10,10 @@ import torch
 from conftest import write
 from test_optim_lomo import fixed_batch, max_param_diff, tiny_llama
 
-from tunelab.config import CellConfig, OptimCfg
+from tunelab.core.config import CellConfig, OptimCfg
 from tunelab.train import optim
 
-EVERY_NAME = sorted(optim.OPTIMIZERS) + ["torch.optim.RMSprop", "tunelab.train.optimizers:Lion"]
+EVERY_NAME = sorted(optim.OPTIMIZERS) + ["torch.optim.RMSprop", "tunelab.optimizers:Lion"]
 
 
 @pytest.mark.parametrize("name", EVERY_NAME)
@@ -104,7 +104,7 @@ def test_update_in_backward_refuses_accumulation_and_fp16(name):
 def test_the_optimizers_x_peft_matrix_plans_every_sensible_cell():
     from conftest import REPO
 
-    from tunelab.matrix import load
+    from tunelab.matrix.expansion import load
 
     _, cells = load(REPO / "experiments" / "optimizers_x_peft.yaml")
     pairs = {(c.config.optim.name, c.config.peft.method) for c in cells}

@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tunelab.optimizers import AdaLomo, Lomo
+from tunelab.optimizers.tied import prepare_for_fused
 from tunelab.train.data import label_tokens
 from tunelab.train.loss import causal_lm_loss
-from tunelab.train.optimizers import AdaLomo, Lomo
-from tunelab.train.optimizers.tied import prepare_for_fused
 
 STEPS = 3
 
@@ -101,7 +101,7 @@ def test_untied_model_is_left_alone():
 def test_clipping_pass_measures_the_tied_gradient_in_blocks(cls, monkeypatch):
     """With the optimizer, the norm pass never builds the shared weight's gradient: it adds its squared norm,
     block by block (10 rows, not a divisor of the 64-row vocabulary), and the updates stay the same."""
-    from tunelab.train.optimizers import tied
+    from tunelab.optimizers import tied
 
     monkeypatch.setattr(tied, "CHUNK_ROWS", 10)
     measured = []

@@ -7,8 +7,8 @@ import torch
 from conftest import write
 from pydantic import ValidationError
 
-from tunelab.config import ParallelCfg, world_size
-from tunelab.errors import UserError
+from tunelab.core.config import ParallelCfg, world_size
+from tunelab.core.errors import UserError
 
 MATRIX = """name: par
 base:
@@ -46,7 +46,7 @@ def test_plan_accepts_3d_layout(cli, tmp_path):
 
 
 def _cell(parallel: dict, **sections):
-    from tunelab.config import CellConfig
+    from tunelab.core.config import CellConfig
 
     return CellConfig.model_validate({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"},
                                       "parallel": parallel, **sections})
@@ -60,7 +60,7 @@ def _cell(parallel: dict, **sections):
     ({"cpu_offload": True}, {}, "would be ignored"),
 ])
 def test_cross_section_checks(parallel, sections, reason):
-    from tunelab.layouts import check_layout as check_cell
+    from tunelab.core.layouts import check_layout as check_cell
     from tunelab.plan import check
 
     with pytest.raises(ValueError, match=reason):
@@ -82,7 +82,7 @@ def test_grouping_by_length_has_nothing_to_group_in_packed_rows():
                                       {"dp": 2, "backend": "deepspeed", "zero": 3, "cpu_offload": True}])
 @pytest.mark.parametrize("name", ["lomo", "adalomo"])
 def test_in_backward_optimizers_run_under_every_engine(parallel, name):
-    from tunelab.layouts import check_layout as check_cell
+    from tunelab.core.layouts import check_layout as check_cell
 
     check_cell(_cell(parallel, optim={"name": name}))  # tests/parallel runs them against one process
 
@@ -184,8 +184,8 @@ def test_parallel_section_unknown_key_is_refused():
 ])
 def test_init_mode_builds_sharded_wherever_it_can(parallel, peft, safetensors, mode):
     """Every multi-process native layout and ZeRO-3 build the model sharded; the rest say why not."""
-    from tunelab.config import CellConfig
-    from tunelab.runtime import Layout
+    from tunelab.core.config import CellConfig
+    from tunelab.machine.runtime import Layout
     from tunelab.train.parallel import init_mode
 
     cell = CellConfig.model_validate({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"},

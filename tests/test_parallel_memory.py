@@ -57,7 +57,7 @@ def _measure(optim: str, lora: tuple | str, seq: int, chunk: int | None) -> floa
                                                  target_modules=[MODULES[t] for t in lora]))
     params = [p for p in model.parameters() if p.requires_grad]
     if optim == "adalomo":
-        from tunelab.train.optimizers import AdaLomo
+        from tunelab.optimizers import AdaLomo
 
         opt = AdaLomo(params, lr=1e-3)
     else:

@@ -8,8 +8,8 @@ import shutil
 
 from conftest import write
 
-from tunelab.cellfolder import CellFolder
-from tunelab.store import read_jsonl
+from tunelab.core.files import read_jsonl
+from tunelab.folders.cell import CellFolder
 
 MATRIX = """name: par
 base:

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from tunelab.store import read_jsonl
+from tunelab.core.files import read_jsonl
 
 SHAPE = {"vocab_size": 8192, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 14,
          "num_attention_heads": 12, "num_key_value_heads": 4}
@@ -53,7 +53,7 @@ def build_model(folder) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from tunelab.models import resolve
+    from tunelab.models.loading import resolve
 
     tok = AutoTokenizer.from_pretrained(resolve("tiny-random-llama"))  # its 1,024 ids are a subset of 8,192
     config = LlamaConfig(**SHAPE, max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=None,

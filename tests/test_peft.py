@@ -10,8 +10,8 @@ import torch
 from test_train_loop import cell_cfg, setup
 
 from tunelab import train
-from tunelab.config import CellConfig, PeftMethod
-from tunelab.errors import UserError
+from tunelab.core.config import CellConfig, PeftMethod
+from tunelab.core.errors import UserError
 from tunelab.train import peft
 
 ADAPTERS = ["lora", "dora", "ia3", "prefix", "prompt", "p_tuning"]

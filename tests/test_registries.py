@@ -8,12 +8,12 @@ import typing
 import pytest
 from conftest import REPO
 
-from tunelab import config, registries
-from tunelab.registry import Registry, UnknownName
+from tunelab.core import config, registries
+from tunelab.core.registry import Registry, UnknownName
 
 
 def test_registry_errors_list_the_known_names_and_lazy_entries_load_on_use():
-    from tunelab.registry import Lazy
+    from tunelab.core.registry import Lazy
 
     reg: Registry[object] = Registry("widget", hint=", or a path")
     reg.add("json", Lazy("json:dumps"))  # lazy: nothing imported until its user loads it
@@ -33,7 +33,7 @@ def test_registry_errors_list_the_known_names_and_lazy_entries_load_on_use():
 @pytest.mark.parametrize("reg", [registries.MODELS, registries.TEMPLATES, registries.FORMATS, registries.GENERATORS,
                                  registries.OPTIMIZERS, registries.PEFT, registries.ENGINES, registries.TASKS])
 def test_every_lazy_entry_imports(reg):
-    from tunelab.registry import Lazy
+    from tunelab.core.registry import Lazy
 
     for name, entry in reg.items():
         if isinstance(entry, Lazy):
@@ -51,7 +51,7 @@ def test_every_lazy_entry_imports(reg):
 def test_the_schema_and_the_registries_agree():
     assert set(typing.get_args(config.PeftMethod)) == set(registries.PEFT)
     # Engines have no Literal in the schema: the registry is the one list, checked at plan time.
-    from tunelab.layouts import section
+    from tunelab.core.layouts import section
 
     assert all(section(config.ParallelCfg(backend=n, zero=registries.ENGINES[n].zero[-1])) == []
                for n in registries.ENGINES)
@@ -62,7 +62,7 @@ def test_the_schema_and_the_registries_agree():
 
 
 def test_the_docs_table_is_the_registry():
-    from tunelab.listing import optimizer_table
+    from tunelab.tools.listing import optimizer_table
 
     text = (REPO / "docs" / "optimizers.md").read_text()
     start = text.index("\n", text.index("<!-- registry:optimizers")) + 1

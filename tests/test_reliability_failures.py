@@ -16,10 +16,10 @@ import pytest
 from conftest import write
 from processes import attempts, run_exp, wait_for
 
-from tunelab import matrix
-from tunelab.cellfolder import CellFolder
-from tunelab.outcome import exit_cause
-from tunelab.store import read_json, read_jsonl
+from tunelab.core.files import read_json, read_jsonl
+from tunelab.folders.cell import CellFolder
+from tunelab.matrix import expansion
+from tunelab.run.outcome import exit_cause
 
 MATRIX = """name: dies
 base:
@@ -45,7 +45,7 @@ def no_core_dumps():
 def test_dead_cells_are_marked_failed_with_their_cause_and_rerun_on_request(tmp_path, no_core_dumps):
     path = write(tmp_path / "dies.yaml", MATRIX)
     runs = tmp_path / "runs"
-    killed, crashed, fine = (runs / "dies" / c.dirname for c in matrix.load(path)[1])
+    killed, crashed, fine = (runs / "dies" / c.dirname for c in expansion.load(path)[1])
     log = tmp_path / "run.log"
     proc = subprocess.Popen([sys.executable, "-m", "tunelab.cli", "run", str(path), "--runs-dir", str(runs)],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

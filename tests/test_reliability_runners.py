@@ -10,9 +10,10 @@ import signal
 from conftest import write
 from processes import attempts, pid_alive, run_exp, start_exp, wait_for
 
-from tunelab import matrix
-from tunelab.cellfolder import CellFolder
-from tunelab.store import CellLock, is_locked, read_json, read_jsonl
+from tunelab.core.files import read_json, read_jsonl
+from tunelab.core.locks import CellLock, is_locked
+from tunelab.folders.cell import CellFolder
+from tunelab.matrix import expansion
 
 MATRIX = """name: NAME
 base:
@@ -29,7 +30,7 @@ matrix:
 def matrix_file(tmp_path, name: str, axis: str = "none, lora", steps: int = 2):
     path = write(tmp_path / f"{name}.yaml", MATRIX.replace("NAME", name).replace("AXIS", axis)
                  .replace("STEPS", str(steps)))
-    return path, [tmp_path / "runs" / name / c.dirname for c in matrix.load(path)[1]]
+    return path, [tmp_path / "runs" / name / c.dirname for c in expansion.load(path)[1]]
 
 
 def assert_done_once(cell_dir, steps: int = 2):

@@ -13,8 +13,9 @@ import pytest
 from conftest import write
 from processes import children, closed_port, run_exp, silent_server, start_exp, wait_for
 
-from tunelab import matrix, services
-from tunelab.store import read_json, read_jsonl
+from tunelab.core import hub_access
+from tunelab.core.files import read_json, read_jsonl
+from tunelab.matrix import expansion
 
 CELL = """name: NAME
 base:
@@ -30,7 +31,7 @@ def matrix_file(tmp_path, name, steps=2, wandb="false", extra=""):
     text = CELL.replace("NAME", name).replace("STEPS", str(steps)).replace("WANDB", wandb) + extra
     path = write(tmp_path / f"{name}.yaml", text)
     return path, {(c.config.model.name, Path(c.config.data.recipe).stem): tmp_path / "runs" / name / c.dirname
-                  for c in matrix.load(path)[1]}
+                  for c in expansion.load(path)[1]}
 
 
 def test_wandb_down_then_dying_never_fails_the_cell(tmp_path):
@@ -88,9 +89,9 @@ def test_an_unreachable_hub_fails_the_cells_that_need_it_at_once_and_says_why(tm
 
 
 def test_the_probe_tells_a_closed_port_from_a_silent_one():
-    assert "refused" in services.unreachable(closed_port(), 2.0)
+    assert "refused" in hub_access.unreachable(closed_port(), 2.0)
     with silent_server() as url:
-        assert services.unreachable(url, 1.0) == "no answer within 1 s"
+        assert hub_access.unreachable(url, 1.0) == "no answer within 1 s"
 
 
 def test_hub_requests_sent_without_a_timeout_end_at_the_bound(monkeypatch):
@@ -99,7 +100,7 @@ def test_hub_requests_sent_without_a_timeout_end_at_the_bound(monkeypatch):
     from huggingface_hub.utils._http import default_client_factory
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the session would refuse at once
-    services._bound_requests(1.0)
+    hub_access._bound_requests(1.0)
     outcome: list = []
     try:
         with silent_server() as url:
@@ -119,8 +120,8 @@ def test_hub_requests_sent_without_a_timeout_end_at_the_bound(monkeypatch):
 
 
 def test_env_values_are_checked(monkeypatch):
-    monkeypatch.setenv(services.TIMEOUT_ENV, "0")
-    with pytest.raises(services.UserError, match="TUNELAB_HUB_TIMEOUT='0'"):
-        services.check_env()
-    monkeypatch.setenv(services.TIMEOUT_ENV, "2.5")
-    assert services.hub_timeout() == 2.5
+    monkeypatch.setenv(hub_access.TIMEOUT_ENV, "0")
+    with pytest.raises(hub_access.UserError, match="TUNELAB_HUB_TIMEOUT='0'"):
+        hub_access.check_env()
+    monkeypatch.setenv(hub_access.TIMEOUT_ENV, "2.5")
+    assert hub_access.hub_timeout() == 2.5

@@ -15,22 +15,13 @@ import time
 
 from processes import pid_alive, wait_for
 
-from tunelab.store import (
-    CellLock,
-    Locked,
-    append_jsonl,
-    is_locked,
-    lock,
-    lock_holder,
-    read_json,
-    read_jsonl,
-    write_json,
-)
+from tunelab.core.files import append_jsonl, read_json, read_jsonl, write_json
+from tunelab.core.locks import CellLock, Locked, is_locked, lock, lock_holder
 
 WRITER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from tunelab.store import append_jsonl, write_json
+    from tunelab.core.files import append_jsonl, write_json
     path, kind = Path(sys.argv[1]), sys.argv[2]
     n = 0
     while True:
@@ -95,7 +86,7 @@ def test_a_torn_record_is_dropped_on_read_and_cut_off_before_the_next_append(tmp
 HOLDER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from tunelab.store import CellLock
+    from tunelab.core.locks import CellLock
     held = CellLock(Path(sys.argv[1]))
     assert held.acquire()
     print("held", flush=True)
@@ -126,7 +117,7 @@ def test_a_lock_handed_to_a_child_outlives_its_parent(tmp_path):
     parent = textwrap.dedent("""
         import subprocess, sys
         from pathlib import Path
-        from tunelab.store import CellLock
+        from tunelab.core.locks import CellLock
         held = CellLock(Path(sys.argv[1]))
         assert held.acquire()
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], pass_fds=(held.fileno(),))

@@ -18,10 +18,10 @@ from browser import chromium, open_page
 from conftest import write
 
 from tunelab import __version__
-from tunelab.cellfolder import CellFolder
+from tunelab.core.files import read_json
+from tunelab.folders.cell import CellFolder
 from tunelab.report.plots import _steps, bar_rows
 from tunelab.report.records import collect
-from tunelab.store import read_json
 
 # Four cells: lora with two seeds (error bars), none with seed 0; none-s1 is never started (pending).
 MATRIX = """name: reptest

@@ -14,8 +14,8 @@ import sys
 import pytest
 import yaml
 
-from tunelab.cellfolder import CellFolder
-from tunelab.store import read_json, read_jsonl
+from tunelab.core.files import read_json, read_jsonl
+from tunelab.folders.cell import CellFolder
 
 STEPS, SAVE_EVERY, EVAL_EVERY = 60, 10, 15
 CONFIG = {
@@ -53,7 +53,7 @@ def run_to_end(run_dir):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
     whole = prepare(tmp / "whole")
-    from tunelab.cell import run_cell
+    from tunelab.cell.stages import run_cell
 
     run_cell(whole)  # the uninterrupted reference, in this process: same stages, same seeds
 
@@ -139,12 +139,13 @@ def killed_matrix(tmp_path_factory):
     from conftest import write
     from processes import kill_group, run_exp, start_exp, wait_for
 
-    from tunelab import matrix, runner
-    from tunelab.cell import run_cell
+    from tunelab.cell.stages import run_cell
+    from tunelab.matrix import expansion
+    from tunelab.run import runner
 
     tmp = tmp_path_factory.mktemp("killme")
     path = write(tmp / "killme.yaml", MATRIX)
-    spec, cells = matrix.load(path)
+    spec, cells = expansion.load(path)
     first, second = (c.dirname for c in cells)
     ref = tmp / "ref" / second  # the second cell uninterrupted, in this process, as the runner prepares it
     runs = tmp / "runs"

@@ -9,7 +9,7 @@ import re
 import pytest
 from conftest import write
 
-from tunelab.store import read_jsonl
+from tunelab.core.files import read_jsonl
 
 TINY = """name: tiny
 base:

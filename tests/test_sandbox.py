@@ -17,9 +17,9 @@ import pytest
 from sandbox_evaluator import sandboxed_tasks
 from sandbox_hostile import ENV_SECRET, FILE_SECRET, FORGERIES, HOSTILE, NOBODY, PREAMBLE
 
-from tunelab.errors import UserError
-from tunelab.evals import sandbox, sandbox_wire
-from tunelab.evals.sandbox import check_available, run_program
+from tunelab.core.errors import UserError
+from tunelab.evals.sandbox import contain, wire
+from tunelab.evals.sandbox.contain import check_available, run_program
 
 pytest_plugins = ("sandbox_fixtures",)  # the fixtures `arena` and `evaluator`
 ROOT = os.geteuid() == 0
@@ -248,7 +248,7 @@ def test_the_judge_does_not_amplify_a_forged_answer(bomb, evaluator):
     honest = evaluator.run("def triple(x):\n    return 3 * x\n", tests, calls=("triple",))
     answer = evaluator.run(PREAMBLE + _PUSH + FRAME_BOMBS[bomb], tests, calls=("triple",), timeout_s=10.0)
     assert honest["status"] == "passed" and answer["status"] == "failed", answer["stderr_tail"]
-    bound_kb = (sandbox_wire.COST_FACTOR * _LISTS + sandbox_wire.COST_SLACK + 3 * _LISTS) // 1024
+    bound_kb = (wire.COST_FACTOR * _LISTS + wire.COST_SLACK + 3 * _LISTS) // 1024
     assert answer["judge_peak_kb"] - honest["judge_peak_kb"] <= bound_kb, (answer["judge_peak_kb"], honest)
 
 
@@ -276,7 +276,7 @@ def test_files_a_program_reads_hold_no_cache_state(evaluator):
 
 @needs_sandbox
 def test_without_a_usable_tmpfs_the_hosts_files_are_shown_without_site_packages(monkeypatch):
-    from tunelab.evals.sandbox_view import python_view
+    from tunelab.evals.sandbox.view import python_view
 
     monkeypatch.setenv("TUNELAB_SANDBOX_VIEW_DIR", "/nonexistent")
     python_view.cache_clear()
@@ -325,8 +325,8 @@ def test_without_containment_it_refuses_unless_allowed(no_bwrap):
     assert reason is not None and "/nonexistent/bwrap" in reason
     with pytest.raises(UserError, match=r"eval\.allow_unsandboxed"):
         run_program("assert True")
-    assert sandbox.describe() == {"kind": "none", "version": None, "unsandboxed": False, "reason": reason}
-    assert sandbox.describe(allow_unsandboxed=True)["unsandboxed"] is True
+    assert contain.describe() == {"kind": "none", "version": None, "unsandboxed": False, "reason": reason}
+    assert contain.describe(allow_unsandboxed=True)["unsandboxed"] is True
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert run_program("assert True", allow_unsandboxed=True).status == "passed"

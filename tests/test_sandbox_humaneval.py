@@ -5,7 +5,7 @@ and no test is cut short by the planning's None answers."""
 import pytest
 
 from tunelab.evals.humaneval import HUMANEVAL_PROBLEMS, load_problems, score
-from tunelab.evals.sandbox import check_available
+from tunelab.evals.sandbox.contain import check_available
 
 
 @pytest.mark.skipif(check_available() is not None, reason=f"no kernel containment: {check_available()}")

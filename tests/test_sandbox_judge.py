@@ -15,7 +15,7 @@ from string import Template
 import pytest
 from sandbox_hostile import ORACLE
 
-from tunelab.evals.sandbox import run_tests
+from tunelab.evals.sandbox.contain import run_tests
 
 pytest_plugins = ("sandbox_fixtures",)  # the fixtures `arena` and `evaluator`
 

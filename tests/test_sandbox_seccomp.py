@@ -1,4 +1,4 @@
-"""The seccomp filter's decisions (sandbox_seccomp.py), read by a small interpreter of classic
+"""The seccomp filter's decisions (seccomp.py), read by a small interpreter of classic
 BPF, for both architectures it has tables for: every refused call, and the calls refused for
 some arguments only. The kernel's reading of the same filter is tried by the hostile programs
 of tests/test_sandbox.py."""
@@ -8,15 +8,15 @@ import struct
 
 import pytest
 
-from tunelab.evals import sandbox_seccomp
+from tunelab.evals.sandbox import seccomp
 
 ARCHES = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 
 
 def decide(machine: str, name: str, *args: int) -> str:
     """What the filter returns for the call `name` with `args`: ALLOW, KILL or an errno name."""
-    arch, table = sandbox_seccomp._TABLES[machine]
-    prog = sandbox_seccomp.program(machine)
+    arch, table = seccomp._TABLES[machine]
+    prog = seccomp.program(machine)
     ops = [struct.unpack("<HBBI", prog[i : i + 8]) for i in range(0, len(prog), 8)]
     nr = table[name] if isinstance(name, str) else name
     data = struct.pack("<iIQ", nr, arch, 0) + b"".join(struct.pack("<Q", a) for a in [*args, 0, 0, 0, 0, 0, 0][:6])
@@ -35,8 +35,8 @@ def decide(machine: str, name: str, *args: int) -> str:
 
 @pytest.mark.parametrize("machine", ARCHES)
 def test_every_refused_call_is_refused(machine):
-    table = sandbox_seccomp._TABLES[machine][1]
-    refused = [n for n in sandbox_seccomp._DENIED if n in table]
+    table = seccomp._TABLES[machine][1]
+    refused = [n for n in seccomp._DENIED if n in table]
     assert {n: decide(machine, n) for n in refused} == {n: "EPERM" for n in refused}
     assert decide(machine, "clone3") == "ENOSYS"  # glibc falls back to clone, whose flags are checked
     assert {"memfd_create", "shmget", "msgget", "semget", "mq_open", "preadv2", "cachestat", "mincore"} <= set(refused)
@@ -62,7 +62,7 @@ def test_calls_refused_for_some_arguments_only(machine):
 def test_other_calls_are_allowed_and_other_abis_refused():
     assert decide("x86_64", 0) == decide("x86_64", 1) == "ALLOW"  # read, write
     assert decide("x86_64", 0x40000000) == "EPERM"  # the x32 ABI
-    arch, _ = sandbox_seccomp._TABLES["x86_64"]
-    prog = sandbox_seccomp.program("x86_64")
+    arch, _ = seccomp._TABLES["x86_64"]
+    prog = seccomp.program("x86_64")
     assert struct.unpack_from("<HBBI", prog, 8)[3] == arch  # the first check is the architecture's
-    assert sandbox_seccomp.program("riscv64") is None
+    assert seccomp.program("riscv64") is None

@@ -11,7 +11,7 @@ import threading
 import pytest
 from sandbox_wire_worst import WORST
 
-from tunelab.evals.sandbox_wire import (
+from tunelab.evals.sandbox.wire import (
     COST_FACTOR,
     COST_SLACK,
     MAX_DEPTH,
@@ -174,7 +174,7 @@ REFUSED = ("empty lists", "empty dicts", "empty sets", "iterators", "a set of in
 _DECODE_ONE = """
 import json, sys
 from sandbox_wire_worst import WORST
-from tunelab.evals.sandbox_wire import WireError, decode
+from tunelab.evals.sandbox.wire import WireError, decode
 
 def kb(field):
     with open("/proc/self/status") as f:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import write
 
-from tunelab.store import read_json, read_jsonl
+from tunelab.core.files import read_json, read_jsonl
 
 STEPS, ASKED = 40, [2, 4, 6]
 MATRIX = f"""name: along
@@ -66,7 +66,8 @@ def _until(what: str, check, proc: subprocess.Popen):
 
 
 def _evaluator(cell: Path) -> int | None:
-    return next((pid for pid, cmd in _procs().items() if "tunelab.ckpteval" in cmd and str(cell) in cmd), None)
+    return next((pid for pid, cmd in _procs().items()
+                 if "tunelab.checkpoint_scores.evaluate" in cmd and str(cell) in cmd), None)
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +144,8 @@ def test_final_weights_are_the_checkpoint_best_on_the_validation_metric(along):
 
 def test_curve_data_equals_each_checkpoint_evaluated_alone(along, cli, tmp_path):
     cell = along["cell"]
+    from tunelab.checkpoint_scores.steps import score_at
     from tunelab.report.records import collect
-    from tunelab.stepscores import score_at
 
     (record,) = collect(along["mdir"])
     for step in ASKED:
@@ -256,9 +257,9 @@ def test_checkpoint_scores_added_to_a_finished_matrix_train_nothing(cli, tmp_pat
 
 def test_keep_best_keeps_the_best_k_scored_checkpoints_and_those_not_yet_scored(tmp_path):
     from tunelab import plan
-    from tunelab.cellfolder import CellFolder
-    from tunelab.stepscores import StepScores
-    from tunelab.store import write_yaml
+    from tunelab.checkpoint_scores.steps import StepScores
+    from tunelab.core.files import write_yaml
+    from tunelab.folders.cell import CellFolder
     from tunelab.train.checkpoint import prune
 
     raw = {"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"},
@@ -305,9 +306,9 @@ def _history(wandb_file: Path) -> list[dict]:
 
 
 def test_wandb_gets_each_checkpoint_score_against_its_step(tmp_path, monkeypatch):
-    from tunelab.config import CellConfig
-    from tunelab.events import CheckpointScores
-    from tunelab.tracking import Tracker
+    from tunelab.core.config import CellConfig
+    from tunelab.core.events import CheckpointScores
+    from tunelab.report.tracking import Tracker
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = CellConfig.model_validate({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"}})

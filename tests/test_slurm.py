@@ -17,7 +17,7 @@ import pytest
 import yaml
 from conftest import REPO, write
 
-from tunelab.store import read_json, read_jsonl
+from tunelab.core.files import read_json, read_jsonl
 
 STANDIN = REPO / "tests" / "slurm"
 BASE = {"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic", "max_length": 96},
@@ -31,7 +31,7 @@ TIMEOUT = 300
 @pytest.fixture
 def slurm(monkeypatch, tmp_path):
     """The stand-in on PATH; its state folder."""
-    from tunelab.models import resolve
+    from tunelab.models.loading import resolve
 
     resolve("tiny-random-llama")  # built once, before the job's processes look for it
     state = tmp_path / "slurm-state"
@@ -143,7 +143,7 @@ def test_preempted_cell_checkpoints_requeues_and_resumes_with_the_same_losses(cl
     records = read_jsonl(metrics)
     assert [r["step"] for r in records] == list(range(1, 61))  # each step once
 
-    from tunelab.cell import run_cell  # the uninterrupted run, on one process (layouts reproduce it)
+    from tunelab.cell.stages import run_cell  # the uninterrupted run, on one process (layouts reproduce it)
 
     ref = tmp_path / "ref"
     write(ref / "config.yaml", yaml.safe_dump(BASE))
@@ -163,7 +163,7 @@ def test_stop_signal_waits_for_the_step_boundary_inside_training_and_stops_at_on
 
     import torch
 
-    from tunelab import runtime
+    from tunelab.machine import runtime
 
     saved = {s: signal.getsignal(s) for s in runtime.STOP_SIGNALS}
     try:

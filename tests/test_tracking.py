@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tunelab.config import CellConfig
-from tunelab.tracking import RUN_ID_FILE, Tracker
+from tunelab.core.config import CellConfig
+from tunelab.report.tracking import RUN_ID_FILE, Tracker
 
 
 @pytest.fixture

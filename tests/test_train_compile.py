@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from test_data_pack import data, tiny_llama  # noqa: F401 - the module-scoped packed dataset fixture
 
-from tunelab.config import CellConfig
+from tunelab.core.config import CellConfig
 from tunelab.train import segments
 from tunelab.train.loop import run
 

@@ -40,7 +40,7 @@ def test_attention_by_example_equals_the_block_mask(data):  # noqa: F811
 
 def test_the_loop_attends_packed_rows_by_example(data, tmp_path, monkeypatch):  # noqa: F811
     """tests/test_data_pack.py checks the loop's packed losses against unpacked ones; here: that it took this path."""
-    from tunelab.config import CellConfig
+    from tunelab.core.config import CellConfig
     from tunelab.train.loop import run
 
     recipe, tok, built = data
@@ -80,8 +80,8 @@ def test_models_it_cannot_serve_keep_the_mask():
 
 
 def _tied_run(built_data, tmp_path, name: str) -> tuple[list[dict], object]:
-    from tunelab.config import CellConfig
-    from tunelab.store import read_jsonl
+    from tunelab.core.config import CellConfig
+    from tunelab.core.files import read_jsonl
     from tunelab.train.loop import run
 
     recipe, tok, built = built_data
@@ -108,7 +108,7 @@ def test_adamw_with_a_tied_embedding_in_one_buffer(data, tmp_path, monkeypatch):
 
 
 def test_adam_and_adamw_take_the_fused_kernel_unless_told_otherwise():
-    from tunelab.config import OptimCfg
+    from tunelab.core.config import OptimCfg
 
     params = list(tiny_llama(64).parameters())
     assert optim.build(params, OptimCfg(name="adamw"), fused_kernel=True).defaults["fused"] is True
@@ -147,8 +147,8 @@ def test_short_attention_runs_in_fp32_under_cpu_autocast():
 def test_the_loop_attends_in_fp32_in_a_cpu_bf16_step(data, tmp_path, monkeypatch):  # noqa: F811
     from transformers.integrations import sdpa_attention
 
-    from tunelab.config import CellConfig
-    from tunelab.store import read_jsonl
+    from tunelab.core.config import CellConfig
+    from tunelab.core.files import read_jsonl
     from tunelab.train.loop import run
 
     recipe, tok, built = data

@@ -11,7 +11,7 @@ import torch
 from test_train_loss import padded_batch  # noqa: E402 - the shared tiny batch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from tunelab.config import PeftCfg
+from tunelab.core.config import PeftCfg
 from tunelab.train import lean, peft
 from tunelab.train.data import label_tokens
 from tunelab.train.loss import causal_lm_loss

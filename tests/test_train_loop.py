@@ -8,10 +8,11 @@ import shutil
 import pytest
 import torch
 
-from tunelab import models, train
-from tunelab.config import CellConfig
-from tunelab.errors import UserError
-from tunelab.store import read_json, read_jsonl
+from tunelab import train
+from tunelab.core.config import CellConfig
+from tunelab.core.errors import UserError
+from tunelab.core.files import read_json, read_jsonl
+from tunelab.models import loading
 from tunelab.train import peft
 from tunelab.train.loop import lr_lambda
 from tunelab.train.metrics import mfu, peak_flops, peak_flops_of
@@ -34,8 +35,8 @@ def setup(cfg: CellConfig, n_train: int | None = None):
     from tunelab.data.build import build
 
     set_seed(cfg.train.seed)
-    model, tok = models.load(cfg.model, "cpu", **peft.load_kwargs(cfg.peft, "cpu"))
-    ds = build(cfg.data, tok, models.cache_dir())
+    model, tok = loading.load(cfg.model, "cpu", **peft.load_kwargs(cfg.peft, "cpu"))
+    ds = build(cfg.data, tok, loading.cache_dir())
     if n_train:
         ds["train"] = ds["train"].select(range(n_train))
     return peft.apply(model, cfg.peft), tok, ds
@@ -165,10 +166,10 @@ def test_group_by_length_batches_alike_rows_in_a_random_order():
     the same batches from the same seed (the loop's data position depends on it)."""
     from tunelab.train.data import LengthGrouped, lengths_of, loader
 
-    model_tok = models.load(cell_cfg().model, "cpu")[1]
+    model_tok = loading.load(cell_cfg().model, "cpu")[1]
     from tunelab.data.build import build
 
-    ds = build(cell_cfg().data, model_tok, models.cache_dir())["train"]
+    ds = build(cell_cfg().data, model_tok, loading.cache_dir())["train"]
     lengths = lengths_of(ds)
     assert lengths == [len(x) for x in ds["input_ids"]]
     sampler = LengthGrouped(lengths, 4, torch.Generator().manual_seed(0))
@@ -194,11 +195,11 @@ def test_resume_can_be_turned_off(tmp_path):
 def test_flash_attention_on_cpu_is_a_user_error():
     cfg = cell_cfg(model={"attn": "flash_attention_2"})
     with pytest.raises(UserError, match=r"model\.attn.*flash_attention_2 needs a CUDA device"):
-        models.load(cfg.model, "cpu")
+        loading.load(cfg.model, "cpu")
 
 
 def test_auto_dtype_and_attention_on_cpu():
-    model, _ = models.load(cell_cfg().model, "cpu")
+    model, _ = loading.load(cell_cfg().model, "cpu")
     assert next(model.parameters()).dtype == torch.float32
     assert model.config._attn_implementation == "sdpa"
 

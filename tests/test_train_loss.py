@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tunelab.config import CellConfig, PeftCfg
+from tunelab.core.config import CellConfig, PeftCfg
 from tunelab.train import loss as loss_module
 from tunelab.train import peft
 from tunelab.train.chunked import auto_chunk, chunked_loss, set_chunk
@@ -218,8 +218,8 @@ def test_early_gradients_equal_the_plain_head_within_1e_6(tied, chunk):
     runs), with a tied weight through the one-buffer lookup the loop prepares (optimizers/tied.py), which adds
     its rows into the head's buffer: loss and every gradient within 1e-6 of a fresh model's plain loss in fp32;
     forward makes no logits wider than a chunk and backward none at all."""
+    from tunelab.optimizers.tied import prepare_for_fused
     from tunelab.train import chunked
-    from tunelab.train.optimizers.tied import prepare_for_fused
 
     model, batch = tiny_llama(tied), padded_batch()
     assert prepare_for_fused(model) == tied
@@ -250,7 +250,7 @@ def test_early_head_reuses_its_buffers_only_when_nothing_holds_them(tied):
     the next step's head weight gradient is written into the same memory (no fresh allocation); a gradient
     still held (micro-batches accumulating, or kept by the caller) is never written over: the accumulated
     gradients equal the plain head's and the kept one is unchanged."""
-    from tunelab.train.optimizers.tied import prepare_for_fused
+    from tunelab.optimizers.tied import prepare_for_fused
 
     model, batch = tiny_llama(tied), padded_batch()
     prepare_for_fused(model)

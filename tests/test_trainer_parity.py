@@ -14,7 +14,7 @@ import torch
 from test_train_loop import cell_cfg, setup
 
 from tunelab import train
-from tunelab.store import read_jsonl
+from tunelab.core.files import read_jsonl
 from tunelab.train.data import loader
 from tunelab.train.loop import BatchStream
 

@@ -1,7 +1,7 @@
 """A search that ranks its rungs by a checkpoint score (`tune.intermediate: checkpoint`), end to end on the tiny
-model: each trial stops at its rung, scores its rung checkpoint on the objective's task before it stops, and the
-rung promotes the trial whose checkpoint `stepscores.score_at` ranks first. Plus the plan-time refusal of a tuned
-cell that sets its own checkpoint evaluation (the other bad `tune.intermediate` values are in
+model: each trial stops at its rung, scores its rung checkpoint on the objective's task before it stops, and the rung
+promotes the trial whose checkpoint `checkpoint_scores.steps.score_at` ranks first. Plus the plan-time refusal of a
+tuned cell that sets its own checkpoint evaluation (the other bad `tune.intermediate` values are in
 test_tune_plan.py's table)."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from conftest import write
 from processes import run_exp
 
 from tunelab import plan
-from tunelab.cellfolder import CellFolder
-from tunelab.launch import STOP_AT_ENV
-from tunelab.stepscores import score_at
-from tunelab.store import read_json, read_jsonl
+from tunelab.checkpoint_scores.steps import score_at
+from tunelab.core.files import read_json, read_jsonl
+from tunelab.folders.cell import CellFolder
+from tunelab.run.launch import STOP_AT_ENV
 
 MATRIX = """name: tc
 base:

@@ -10,10 +10,10 @@ import math
 import pytest
 from conftest import write
 
-from tunelab import matrix
+from tunelab.matrix import expansion
+from tunelab.matrix.tune_section import TuneSpec
 from tunelab.tune import plan as tune_plan
 from tunelab.tune import sampling, schedule, trials
-from tunelab.tune.spec import TuneSpec
 
 MATRIX = """name: tp
 base:
@@ -225,7 +225,7 @@ def test_qmc_trial_zero_is_a_sobol_point_not_a_random_draw():
 
 def test_the_winner_is_retrained_once_per_seed_and_its_first_seed_is_the_trial_itself(tmp_path):
     path = write(tmp_path / "tp.yaml", MATRIX)
-    spec_, _ = matrix.load(path)
+    spec_, _ = expansion.load(path)
     group = tune_plan.groups(spec_, path)[0]
     trial = trials.trial_cell(group, 4, {"optim.lr": 3e-4})
     finals = trials.final_cells(group, {"optim.lr": 3e-4}, {"group": group.slug})
@@ -247,7 +247,7 @@ tune:
   intermediate: checkpoint
 """
     path = write(tmp_path / "hb.yaml", text.replace("steps: 60", "steps: 63"))
-    spec_, _ = matrix.load(path)
+    spec_, _ = expansion.load(path)
     group = tune_plan.groups(spec_, path)[0]
     assert [b.rungs for b in group.schedule.brackets] == [(7, 21, 63), (21, 63), (63,)]
     first = [group.schedule.first_trial(b) for b in range(3)]
@@ -275,7 +275,7 @@ def test_the_tuned_optimizers_study_plans_as_written_and_as_its_stand_in(cli):
 def test_the_study_record_is_idempotent_follows_the_cells_and_survives_a_torn_journal_line(tmp_path):
     from optuna.distributions import FloatDistribution
 
-    from tunelab.errors import UserError
+    from tunelab.core.errors import UserError
     from tunelab.tune import record
 
     space = {"optim.lr": FloatDistribution(1e-6, 1e-3, log=True)}

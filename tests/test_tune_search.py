@@ -24,8 +24,9 @@ from conftest import write
 from postgres_server import server
 from processes import attempts, kill_group, run_exp, start_exp, wait_for
 
-from tunelab.cellfolder import CellFolder
-from tunelab.store import is_locked, lock_holder, read_json, read_jsonl
+from tunelab.core.files import read_json, read_jsonl
+from tunelab.core.locks import is_locked, lock_holder
+from tunelab.folders.cell import CellFolder
 
 MATRIX = """name: ts
 base:

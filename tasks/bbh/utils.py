@@ -1,3 +1,3 @@
-"""BBH loaders for the task YAMLs (the logic lives in tunelab.evals.sources)."""
+"""BBH loaders for the task YAMLs (the logic lives in tunelab.evals.testsets.sources)."""
 
-from tunelab.evals.sources import load, load_exemplars  # noqa: F401 - named by `custom_dataset`
+from tunelab.evals.testsets.sources import load, load_exemplars  # noqa: F401 - named by `custom_dataset`

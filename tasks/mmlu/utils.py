@@ -2,7 +2,7 @@
 
 from lm_eval.api.samplers import FirstNSampler
 
-from tunelab.evals.sources import load  # noqa: F401 - named by `custom_dataset: !function utils.load`
+from tunelab.evals.testsets.sources import load  # noqa: F401 - named by `custom_dataset: !function utils.load`
 
 
 class FirstAvailable(FirstNSampler):

@@ -75,13 +75,13 @@ def adamw(params):
 
 
 def adalomo(params):
-    from tunelab.train.optimizers import AdaLomo
+    from tunelab.optimizers import AdaLomo
 
     return AdaLomo(params, lr=LR, clip_grad_norm=MAX_NORM)
 
 
 def lomo(params):
-    from tunelab.train.optimizers import Lomo
+    from tunelab.optimizers import Lomo
 
     return Lomo(params, lr=LR, clip_grad_norm=MAX_NORM)
 
@@ -120,7 +120,7 @@ def reference(method: str, steps: int = STEPS) -> dict:
 
 
 def cell(parallel: dict, method: str):
-    from tunelab.config import CellConfig
+    from tunelab.core.config import CellConfig
 
     return CellConfig.model_validate({
         "model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"},

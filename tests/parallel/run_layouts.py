@@ -81,14 +81,15 @@ def bases(folder: Path) -> None:
 
 def build(name: str, cell, layout, method: str, folder: Path):
     """(model, deferred weights or None), built the way a cell builds it on this layout."""
-    from tunelab import models, runtime
+    from tunelab.machine import runtime
+    from tunelab.models import loading
     from tunelab.train import parallel as par
 
     mode = "whole" if name.endswith("-whole") else par.init_mode(cell, layout)[0]
     src = folder / method
     if mode == "meta":
-        model = models.empty(cell.model.model_copy(update={"name": str(src)}), torch.float32, "sdpa")
-        return par.with_adapters(model, lambda m: common.with_peft(m, method), models.Weights(src))
+        model = loading.empty(cell.model.model_copy(update={"name": str(src)}), torch.float32, "sdpa")
+        return par.with_adapters(model, lambda m: common.with_peft(m, method), loading.Weights(src))
     if mode == "zero3":
         cell = cell.model_copy(update={"model": cell.model.model_copy(update={"name": str(src), "attn": "sdpa"})})
         model = par.load_partitioned(cell.model, runtime.resolve(cell, layout), cell)

@@ -10,6 +10,9 @@ over to the code that does the work:
     tune.py      tune status                       the searches of a matrix's tune: section
 
 Bad input ends in one paragraph on stderr and exit code 2 (`main`).
+
+May import: core, folders, optimizers, plan, machine, data, models, train, evals, report, checkpoint_scores, tools,
+matrix, run, cell, tune, experiment.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from tunelab.cli import run  # noqa: F401  # isort: skip
 from tunelab.cli import results, lookup, data  # noqa: F401  # isort: skip
 from tunelab.cli import evaluate, export, tune  # noqa: F401  # isort: skip
 from tunelab.cli.common import app, err  # isort: skip
-from tunelab.errors import UserError
+from tunelab.core.errors import UserError
 
 SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
 

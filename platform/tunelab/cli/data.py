@@ -12,9 +12,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from tunelab import plan
 from tunelab.cli.common import INSPECT, app, out
-from tunelab.config import DataCfg
-from tunelab.errors import UserError, explain
-from tunelab.paths import cache_dir as default_cache
+from tunelab.core.config import DataCfg
+from tunelab.core.errors import UserError, explain
+from tunelab.core.paths import cache_dir as default_cache
 
 data_app = typer.Typer(no_args_is_help=True)
 app.add_typer(data_app, name="data", help="Build, inspect and preview data recipes.", rich_help_panel=INSPECT)
@@ -40,7 +40,7 @@ def data_cfg(**values):
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    from tunelab.models import resolve  # torch: imported when a command needs it, so `exp --help` stays quick
+    from tunelab.models.loading import resolve  # torch: imported when a command needs it, so `exp --help` stays quick
 
     try:
         plan.section_config("model", {"name": name})

@@ -14,7 +14,7 @@ import typer
 from rich.markup import escape
 
 from tunelab.cli.common import EVALUATE, RunsDir, app, err, interruptible, quiet_libraries
-from tunelab.errors import UserError
+from tunelab.core.errors import UserError
 
 eval_app = typer.Typer(no_args_is_help=True)
 app.add_typer(eval_app, name="eval", help="Evaluate any model on a suite; fetch offline eval data.",
@@ -41,9 +41,9 @@ def run_cmd(
     from rich.console import Console
 
     from tunelab import plan
-    from tunelab.ckpteval import checkpoint_of
-    from tunelab.config import EvalCfg
-    from tunelab.errors import UserError, explain
+    from tunelab.checkpoint_scores.evaluate import checkpoint_of
+    from tunelab.core.config import EvalCfg
+    from tunelab.core.errors import UserError, explain
 
     given = {"limit": limit, "data_dir": data_dir, "batch_size": batch_size, "include_path": include_path}
     ckpt = checkpoint_of(Path(model))
@@ -65,34 +65,36 @@ def run_cmd(
 
 
 def _evaluate(ckpt: tuple[Any, int] | None, model_cfg: Any, cfg: Any, out: Path, device: str, console: Any) -> dict:
-    """A cell's checkpoint as its cell scores one (ckpteval), or any model by its name."""
-    from tunelab import evals, models
-    from tunelab.runtime import device_of
+    """A cell's checkpoint as its cell scores one (checkpoint_scores.evaluate), or any model by its name."""
+    from tunelab import evals
+    from tunelab.machine.runtime import device_of
+    from tunelab.models import loading
 
     if ckpt is not None:
-        from tunelab.ckpteval import evaluate_checkpoint
+        from tunelab.checkpoint_scores.evaluate import evaluate_checkpoint
 
         with _bars(console) as emit:
             return evaluate_checkpoint(ckpt[0], ckpt[1], cfg, out, device, emit)
-    lm, tok = models.load(model_cfg, device_of(device))
+    lm, tok = loading.load(model_cfg, device_of(device))
     with _bars(console) as emit:
-        return evals.run(lm, tok, cfg, evals.Context(out_dir=out, model_note=models.source_note(model_cfg.name)), emit)
+        return evals.run(lm, tok, cfg, evals.Context(out_dir=out, model_note=loading.source_note(model_cfg.name)), emit)
 
 
 def _show(result: dict, out: Path, console: Any) -> None:
-    from tunelab.errors import UserError
+    from tunelab.core.errors import UserError
+    from tunelab.folders.cell import EvalFolder
     from tunelab.report.scores import fmt
 
     for name, r in result["tasks"].items():
         shown = fmt(r.get("value")) if r.get("status", "ok") == "ok" else f"unavailable: {r.get('reason')}"
         console.print(f"{name:12s} {r.get('metric', ''):28s} {shown}", highlight=False, soft_wrap=True)
-    console.print(f"wrote {out / 'results.json'}")
+    console.print(f"wrote {EvalFolder(out).results_file}")
     if result.get("model_note"):
         console.print(f"note: the model's weights are {result['model_note']}", highlight=False, soft_wrap=True)
     if all(r.get("status", "ok") != "ok" for r in result["tasks"].values()):
         # Nothing was scored: a script must not read this as a result.
         raise UserError(f"every requested task was unavailable ({', '.join(result['tasks'])}); see the reasons "
-                        f"above and in {out / 'results.json'}")
+                        f"above and in {EvalFolder(out).results_file}")
 
 
 def _settings_of(ckpt, suite: str | None) -> dict:
@@ -109,7 +111,7 @@ def _bars(console):
     """One progress bar per task, fed by the engine's events (requests done / total, with the time left)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from tunelab.events import EvalProgress, EvalTask
+    from tunelab.core.events import EvalProgress, EvalTask
 
     bars: list = []
 
@@ -141,7 +143,7 @@ def pull_cmd(
     dest: Annotated[Path | None, typer.Option(help="target folder; default: $TUNELAB_CACHE/eval-data")] = None,
 ) -> None:
     """Put the benchmark data that needs no hub into the offline cache (HumanEval, MMLU, exemplars)."""
-    from tunelab.evals.pull import pull
+    from tunelab.evals.testsets.pull import pull
 
     pull(dest)
 
@@ -160,8 +162,8 @@ def chat_cmd(
     runs_dir: RunsDir = Path("runs"),
 ) -> None:
     """Talk to a model, its answers streamed token by token."""
-    from tunelab import chat
-    from tunelab.matrixfolder import find_cells, resolve_cell
+    from tunelab.folders.matrix import find_cells, resolve_cell
+    from tunelab.tools import chat
 
     if not Path(target).expanduser().exists() and runs_dir.is_dir() and find_cells(target, runs_dir):
         target = str(resolve_cell(target, "chat", runs_dir))  # a cell's name, as the leaderboard prints it
@@ -170,7 +172,7 @@ def chat_cmd(
         raise UserError(f"--device {device!r}: allowed are auto, cpu, cuda")
     if template not in chat.TEMPLATE_CHOICES:  # before the model loads, which takes a while
         raise UserError(f"--template {template!r}: allowed are {', '.join(chat.TEMPLATE_CHOICES)}")
-    from tunelab.runtime import device_of as device_for
+    from tunelab.machine.runtime import device_of as device_for
 
     quiet_libraries()
     with interruptible("chat ended"):

@@ -23,8 +23,8 @@ def export_cmd(
     runs_dir: RunsDir = Path("runs"),
 ) -> None:
     """Write a finished cell as a Hugging Face folder: weights (or adapter), tokenizer, model card."""
-    from tunelab.export import export_cell
-    from tunelab.matrixfolder import resolve_cell
+    from tunelab.folders.matrix import resolve_cell
+    from tunelab.tools.export import export_cell
 
     cell_dir = resolve_cell(cell, "export", runs_dir)
 

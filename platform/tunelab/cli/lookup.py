@@ -10,8 +10,8 @@ import typer
 from rich.table import Table
 
 from tunelab.cli.common import INSPECT, Json, app, out, print_json, print_wide
-from tunelab.errors import UserError
-from tunelab.registries import ENGINES, OPTIMIZERS
+from tunelab.core.errors import UserError
+from tunelab.core.registries import ENGINES, OPTIMIZERS
 from tunelab.train.parallel.memory import DTYPE_BYTES, GB, SHAPES, Estimate, Setup, devices_needed, estimate
 
 
@@ -22,7 +22,7 @@ def ls(kind: Annotated[str | None, typer.Argument(help="models, recipes, suites,
        everything: Annotated[bool, typer.Option("--all", help="tasks: also every task and group of lm-eval, with "
                                                 "its output type")] = False) -> None:
     """List what a matrix can name, one line each: registered names and the content folders' files."""
-    from tunelab.listing import KINDS, rows
+    from tunelab.tools.listing import KINDS, rows
 
     if kind is not None and kind not in KINDS:
         raise UserError(f"exp ls {kind!r}: allowed are {', '.join(KINDS)}")

@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from tunelab.cli.common import INSPECT, Json, MatrixDir, RunsDir, app, out, print_json, print_wide
-from tunelab.errors import UserError
+from tunelab.core.errors import UserError
 from tunelab.report.compare import Comparison
 from tunelab.report.scores import fmt
 
@@ -45,7 +45,7 @@ def leaderboard_cmd(
                                        "cell without a selection: its last step's)")] = False,
     as_json: Json = False,
 ) -> None:
-    from tunelab.matrixfolder import open_matrix
+    from tunelab.folders.matrix import open_matrix
     from tunelab.report import leaderboard
     from tunelab.report.records import collect
     from tunelab.report.table import build
@@ -118,7 +118,7 @@ def _as_json(c: Comparison) -> dict:
 def _named(arg: Path, runs_dir: Path) -> Path:
     """A folder as given; else a matrix of the runs folder, a leaderboard row (runs/<matrix>/<label>, e.g. a tuned
     group), or the cell the leaderboard names so."""
-    from tunelab.matrixfolder import MatrixFolder, resolve_cell
+    from tunelab.folders.matrix import MatrixFolder, resolve_cell
 
     if arg.exists() or (runs_dir / arg).is_dir():
         return arg if arg.exists() else runs_dir / arg
@@ -174,10 +174,10 @@ def report_cmd(
 ) -> None:
     """Write one self-contained HTML page of a matrix's results: leaderboard, loss curves, memory and speed
     bars, and the provenance of every score."""
-    from tunelab.matrixfolder import open_matrix
+    from tunelab.core.files import write_text
+    from tunelab.folders.matrix import open_matrix
     from tunelab.report.html import page
     from tunelab.report.records import collect
-    from tunelab.store import write_text
 
     folder = open_matrix(matrix_dir, "report")
     target = out_file if out_file is not None else folder.report_file

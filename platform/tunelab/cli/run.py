@@ -40,12 +40,13 @@ def _along(cfg) -> str:
 @app.command(rich_help_panel=RUN)
 def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets = None, as_json: Json = False) -> None:
     """Expand a matrix file and print its cells; runs nothing."""
-    from tunelab import matrix
+    from tunelab.matrix import expansion
+    from tunelab.matrix.sets import parse_sets
     from tunelab.tune import plan as tune_plan
     from tunelab.tune import show
 
-    overrides = matrix.parse_sets(sets or [])
-    spec, cells = matrix.load(file, overrides)
+    overrides = parse_sets(sets or [])
+    spec, cells = expansion.load(file, overrides)
     groups = tune_plan.groups(spec, file, overrides)
     rows = [{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
              "checkpoints": c.checkpoints and {**c.checkpoints, "mode": _along(c.config)},
@@ -56,7 +57,7 @@ def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets =
         print_wide(_plan_table(spec.name, cells))
     if groups:
         print_wide(show.plan_table(spec.name, groups))
-    from tunelab.inputs import offline_problems
+    from tunelab.matrix.input_checks import offline_problems
     from tunelab.plan.later import run_time_checks
 
     configs = [c.config for c in cells] + [g.config for g in groups]  # a search's trials are its group's cell
@@ -88,25 +89,26 @@ def run(
     dry_run: Annotated[bool, typer.Option(help="slurm: write the sbatch scripts, do not submit")] = False,
     sets: Sets = None,
 ) -> None:
-    from tunelab import experiment, matrix
-    from tunelab.launch import Launch
+    from tunelab.experiment import session
+    from tunelab.matrix.sets import parse_sets
+    from tunelab.run.launch import Launch
 
     flags = {"partition": partition, "time": time, "account": account, "qos": qos, "gpus_per_node": gpus_per_node}
-    req = experiment.Request(
-        file, matrix.parse_sets(sets or []), only, rerun_failed, fail_fast, runs_dir,
+    req = session.Request(
+        file, parse_sets(sets or []), only, rerun_failed, fail_fast, runs_dir,
         Launch(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, launcher=launcher, dry_run=dry_run),
         {k: v for k, v in flags.items() if v is not None})
-    planned = experiment.plan(req)
-    outcomes = experiment.run(req, planned, err)
+    planned = session.plan(req)
+    outcomes = session.run(req, planned, err)
     if planned.how.launcher == "slurm":
         raise typer.Exit(1 if any(o.state == "failed" for o in outcomes) else 0)
     if planned.how.node_rank == 0:
         from tunelab.report import leaderboard
 
-        board = experiment.write_results(planned.folder)
+        board = session.write_results(planned.folder)
         print_wide(leaderboard.to_rich(board, f"{planned.spec.name} leaderboard"))
-        mdir = planned.folder.path
-        out.print(f"wrote {mdir / 'leaderboard.md'} (and .csv, .tex, .json) and the report {mdir / 'report.html'}")
+        mf = planned.folder
+        out.print(f"wrote {mf.leaderboard_file('md')} (and .csv, .tex, .json) and the report {mf.report_file}")
     raise typer.Exit(_say_outcomes(planned, outcomes))
 
 
@@ -139,7 +141,8 @@ def _say_outcomes(planned, outcomes: list) -> int:
 @app.command(rich_help_panel=RUN)
 def status(matrix_dir: MatrixDir, as_json: Json = False) -> None:
     """Print the state of every cell of a matrix's run folder; why failed cells failed."""
-    from tunelab.matrixfolder import open_matrix
+    from tunelab.folders.cell import CellFolder
+    from tunelab.folders.matrix import open_matrix
     from tunelab.report.status import STATE_NOTES, rows
 
     found = rows(open_matrix(matrix_dir, "status"))
@@ -147,7 +150,8 @@ def status(matrix_dir: MatrixDir, as_json: Json = False) -> None:
         return print_json(found)
     print_wide(_status_table(matrix_dir, found))
     for r in (r for r in found if r["state"] == "failed" and r["log_tail"]):
-        out.print(f"[red]{escape(r['cell'])}[/]: last lines of {escape(r['dir'])}/cell.log", highlight=False)
+        out.print(f"[red]{escape(r['cell'])}[/]: last lines of {escape(str(CellFolder(Path(r['dir'])).log_file))}",
+                  highlight=False)
         for line in r["log_tail"][-8:]:
             out.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
     for state in dict.fromkeys(r["state"] for r in found):
@@ -182,7 +186,7 @@ def clean(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask for confirmation")] = False,
 ) -> None:
     """Free disk: show what would go and how much, ask, then delete. Locked (running) cells are left alone."""
-    from tunelab import clean as cleaning
+    from tunelab.tools import clean as cleaning
 
     items = cleaning.plan(root, checkpoints=checkpoints or not failed, failed=failed)
     if not items:

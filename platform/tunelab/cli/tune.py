@@ -52,7 +52,7 @@ def status_cmd(
 ) -> None:
     """Each search of a matrix: trials done, pruned, running and waiting, the best so far, steps spent of the
     schedule's plan (read from its Optuna study; `optuna-dashboard runs/<matrix>/tune/optuna.journal` shows it live)."""
-    from tunelab.matrixfolder import open_matrix
+    from tunelab.folders.matrix import open_matrix
     from tunelab.tune.status import collect
 
     rows = collect(open_matrix(matrix_dir, "tune status").path)

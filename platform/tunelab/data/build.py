@@ -21,15 +21,15 @@ import numpy as np
 import pyarrow as pa
 from datasets import Dataset, DatasetDict, load_from_disk
 
-from tunelab.config import DataCfg
+from tunelab.core.config import DataCfg
+from tunelab.core.errors import UserError
+from tunelab.core.files import atomic_dir
 from tunelab.data.collect import Collected, collect
 from tunelab.data.pack import pack
 from tunelab.data.recipe import Recipe, load_recipe
 from tunelab.data.sources import source_fingerprint
 from tunelab.data.templates import TEMPLATES
 from tunelab.data.tokenize import IGNORE, ExampleError, Settings, Tokenized, tokenize
-from tunelab.errors import UserError
-from tunelab.store import atomic_dir
 
 Progress = Callable[[int, int], None]  # (examples done, total)
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tunelab.core.errors import UserError
 from tunelab.data.dedup import conversation_text, exact_keep, near_keep
 from tunelab.data.formats import FORMATS, RowError, has_response, trim
 from tunelab.data.recipe import Recipe
 from tunelab.data.sources import read_rows
-from tunelab.errors import UserError
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tunelab import registries
+from tunelab.core import registries
 
 
 class RowError(ValueError):

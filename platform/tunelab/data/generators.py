@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from tunelab import registries
+from tunelab.core import registries
 
 NAMES = ["Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jo", "Kai", "Lena"]
 ITEMS = ["apples", "marbles", "stickers", "pencils", "books", "cards", "shells", "stamps"]

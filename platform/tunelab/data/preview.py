@@ -9,12 +9,12 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from tunelab.config import DataCfg
+from tunelab.core.config import DataCfg
+from tunelab.core.errors import UserError
 from tunelab.data.collect import collect
 from tunelab.data.recipe import load_recipe
 from tunelab.data.templates import TEMPLATES, TemplateError
 from tunelab.data.tokenize import IGNORE, Settings, tokenize_chunk
-from tunelab.errors import UserError
 
 # Neighbouring tokens alternate between two shades, so token boundaries stay visible.
 TRAINED = ("black on green", "black on bright_green")

@@ -10,11 +10,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tunelab.core.errors import UserError, explain, load_yaml
 from tunelab.data.formats import FORMATS
 from tunelab.data.generators import GENERATORS
 from tunelab.data.sources import KINDS
 from tunelab.data.templates import TEMPLATES
-from tunelab.errors import UserError, explain, load_yaml
 from tunelab.plan.sections import find_recipe
 
 

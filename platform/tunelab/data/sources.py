@@ -14,9 +14,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from tunelab.core.errors import UserError
+from tunelab.core.files import read_jsonl
 from tunelab.data.generators import GENERATORS
-from tunelab.errors import UserError
-from tunelab.store import read_jsonl
 
 
 def _read_json(file: Path) -> list[dict]:
@@ -62,9 +62,9 @@ def _path_rows(src, recipe_path: Path, where: str) -> list[dict]:
 
 
 def _hub_rows(src, recipe_path: Path, where: str) -> list[dict]:
-    from tunelab import services
+    from tunelab.core import hub_access
 
-    hub = services.prepare_hub()  # bounded requests; offline at once when the hub does not answer
+    hub = hub_access.prepare_hub()  # bounded requests; offline at once when the hub does not answer
     from datasets import load_dataset
 
     split = f"{src.split}[:{src.limit}]" if src.limit else src.split

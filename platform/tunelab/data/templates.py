@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tunelab import registries
+from tunelab.core import registries
 
 # Stanford Alpaca's prompts, verbatim: the response follows "### Response:" directly.
 ALPACA_INPUT = (

@@ -1,5 +1,8 @@
-"""The evaluation layer: a registry of tasks scored against a model in memory."""
+"""The evaluation layer: a registry of tasks scored against a model in memory.
 
-from tunelab.evals.engine import TASKS, Context, run
+May import: core, folders, optimizers, plan, machine, data, models, train.
+"""
+
+from tunelab.evals.suite import TASKS, Context, run
 
 __all__ = ["TASKS", "Context", "run"]

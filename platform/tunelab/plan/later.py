@@ -6,9 +6,9 @@ runs a cell wait for it: CUDA and its libraries, the contents of a hub model nob
 
 from __future__ import annotations
 
-from tunelab.config import CellConfig
+from tunelab.core.config import CellConfig
+from tunelab.core.registries import MODELS, PEFT
 from tunelab.plan.sections import HUB_ID, looks_like_path
-from tunelab.registries import MODELS, PEFT
 
 
 def run_time_checks(cfgs: list[CellConfig]) -> list[str]:

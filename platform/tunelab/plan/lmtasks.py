@@ -1,6 +1,6 @@
 """lm-eval's task index as the plan reads it: every task, group and tag name with its kind and output type.
 
-`eval.tasks` may name any lm-eval task or group besides tunelab's own (tunelab.registries.TASKS), and the tasks of
+`eval.tasks` may name any lm-eval task or group besides tunelab's own (tunelab.core.registries.TASKS), and the tasks of
 a local folder (`eval.include_path`, as `lm_eval --include_path`). `exp plan` checks those names here without
 loading any data: lm-eval's index only parses its task YAMLs. Parsing its ~15k built-in tasks takes 10-20 s, so
 that part is kept in tunelab's cache, one file per lm-eval version; an include_path folder is small and read
@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tunelab.paths import cache_dir
-from tunelab.store import read_json, write_json
+from tunelab.core.files import read_json, write_json
+from tunelab.core.paths import cache_dir
 
 KINDS = {"TASK": "task", "PY_TASK": "task", "GROUP": "group", "TAG": "tag"}
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tunelab.config import CellConfig, OptimCfg
-from tunelab.errors import Problem
-from tunelab.registries import OptimizerSpec, accepts
-from tunelab.registries import optimizer_spec as spec
+from tunelab.core.config import CellConfig, OptimCfg
+from tunelab.core.errors import Problem
+from tunelab.core.registries import OptimizerSpec, accepts
+from tunelab.core.registries import optimizer_spec as spec
 
 # Set through their own keys in the optim section, never through optim.kwargs.
 RESERVED = {"params": "the trainable parameters", "lr": "optim.lr", "weight_decay": "optim.weight_decay"}

@@ -6,11 +6,11 @@ import os
 import re
 from pathlib import Path
 
-from tunelab import paths
-from tunelab.config import CellConfig, DataCfg, EvalCfg, ModelCfg
-from tunelab.errors import Problem, did_you_mean, load_yaml
+from tunelab.core import paths
+from tunelab.core.config import CellConfig, DataCfg, EvalCfg, ModelCfg
+from tunelab.core.errors import Problem, did_you_mean, load_yaml
+from tunelab.core.registries import MODELS, PEFT, TASKS, TEMPLATES
 from tunelab.plan import lmtasks
-from tunelab.registries import MODELS, PEFT, TASKS, TEMPLATES
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SUITE_DOC_KEYS = {"description"}  # keys a suite file may carry that are not eval settings

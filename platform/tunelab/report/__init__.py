@@ -1,1 +1,4 @@
-"""Reports of a matrix's cells: the leaderboard (records -> table -> every format), exp compare, exp report."""
+"""Reports of a matrix's cells: the leaderboard (records -> table -> every format), exp compare, exp report.
+
+May import: core, folders, optimizers, plan, machine, data, models, train, evals.
+"""

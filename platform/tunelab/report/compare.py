@@ -14,12 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from tunelab.cellfolder import CellFolder
-from tunelab.errors import UserError
-from tunelab.registries import TASKS
+from tunelab.core.errors import UserError
+from tunelab.core.files import read_jsonl
+from tunelab.core.registries import TASKS
+from tunelab.folders.cell import CellFolder
+from tunelab.folders.matrix import MatrixFolder
 from tunelab.report.records import TRAIN_FIGURES, Record, collect, read
 from tunelab.report.stats import RATIOS, Paired, paired
-from tunelab.store import read_jsonl
 
 ITEM_SCORE_FIELDS = ("acc", "exact_match", "passed")  # the per-item score in samples.jsonl, by task kind
 
@@ -118,7 +119,7 @@ def _record(path: Path) -> Record:
 def _row_of(path: Path) -> list[Record] | None:
     """runs/<matrix>/<label>: the cells of a leaderboard row (a tuned group's winner, each seed), by the row's label
     (the slug without its seed); None when the path names no row."""
-    if path.exists() or not (path.parent / "cells.json").is_file():
+    if path.exists() or not MatrixFolder(path.parent).index_file.is_file():
         return None
     records = collect(path.parent)
     return [r for r in records if path.name in (r.slug, r.slug.removesuffix(f"-s{r.config.get('train.seed')}"))]
@@ -131,8 +132,8 @@ def _rows(a: Path, b: Path) -> list[tuple[Record, Record]] | None:
         return None
     for path, rows in ((a, ra), (b, rb)):
         if not rows:
-            raise UserError(f"no cell folder, and no row of {path.parent}/cells.json is labelled {path.name!r}",
-                            file=path)
+            index = MatrixFolder(path.parent).index_file
+            raise UserError(f"no cell folder, and no row of {index} is labelled {path.name!r}", file=path)
     by_seed = {r.config.get("train.seed"): r for r in rb}
     matched = [(x, by_seed[s]) for x in ra if (s := x.config.get("train.seed")) in by_seed]
     if not matched:

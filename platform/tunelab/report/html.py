@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from tunelab import __version__
-from tunelab.matrixfolder import MatrixFolder
+from tunelab.folders.matrix import MatrixFolder
 from tunelab.report import plots, provenance, search_plots
 from tunelab.report.leaderboard import FIGURES_NOTE, to_html
 from tunelab.report.records import Record

@@ -16,10 +16,11 @@ from pathlib import Path
 import pandas as pd
 from rich.table import Table
 
+from tunelab.core.files import write_text
+from tunelab.folders.matrix import MatrixFolder
 from tunelab.report.records import collect
 from tunelab.report.scores import MARKS, TEST_SELECTED, fmt, marked
 from tunelab.report.table import Board, Stat, build
-from tunelab.store import write_text
 
 FORMATS = ("md", "csv", "latex", "html", "json")
 FIGURES_NOTE = ("tok/s: non-padding tokens per second of training; peak MB: measured, the peak resident memory of the "
@@ -149,5 +150,5 @@ def write(matrix_dir: Path, **options) -> Board:
     board = build(collect(matrix_dir), **options)
     title = f"Leaderboard: {matrix_dir.name}"
     for ext, name in (("md", "md"), ("csv", "csv"), ("tex", "latex"), ("json", "json")):
-        write_text(matrix_dir / f"leaderboard.{ext}", render(board, name, title))
+        write_text(MatrixFolder(matrix_dir).leaderboard_file(ext), render(board, name, title))
     return board

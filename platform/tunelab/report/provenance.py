@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tunelab.registries import TASKS
+from tunelab.core.registries import TASKS
 from tunelab.report.records import Record
 from tunelab.report.scores import Score, fmt, marked
 

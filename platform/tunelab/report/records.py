@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tunelab.cellfolder import CellFolder
-from tunelab.matrixfolder import MatrixFolder
+from tunelab.folders.cell import CellFolder
+from tunelab.folders.matrix import MatrixFolder
 from tunelab.report.scores import Score
 
 TRAIN_FIGURES = {  # train/summary.json key (or one `read` adds) -> column header, and whether higher is better

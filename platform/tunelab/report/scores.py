@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tunelab.registries import TASKS
+from tunelab.core.registries import TASKS
 
 MARKS = ("`*`: a subset of the benchmark (fewer items than its official test set; see n); a task named "
          "`*_smoke`: a stand-in that exercises the pipeline and is not the benchmark; `unavailable`: the test "

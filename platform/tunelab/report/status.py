@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunelab.matrixfolder import MatrixFolder
+from tunelab.folders.matrix import MatrixFolder
 
 STATE_NOTES = {
     "interrupted": "its status says running, but no process holds its folder's lock: it died without a word "

@@ -1,7 +1,7 @@
 """The leaderboard as data: one row per cell configuration, seeds folded into mean ± std with n.
 
 Rows group the cells by the keys that tell them apart (`by`, default: the varying keys but `train.seed`); a key
-is shown only where it applies (peft.r on a LoRA cell, not on a full-parameter one: tunelab.registries.PEFT
+is shown only where it applies (peft.r on a LoRA cell, not on a full-parameter one: tunelab.core.registries.PEFT
 says which peft keys a method reads) and only when it varies among the cells where it applies. A single run
 shows its score's standard error from results.json as the spread; folded seeds show the standard deviation
 over runs.
@@ -15,8 +15,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from tunelab.errors import UserError, did_you_mean
-from tunelab.registries import PEFT
+from tunelab.core.errors import UserError, did_you_mean
+from tunelab.core.registries import PEFT
 from tunelab.report.records import TRAIN_FIGURES, Record
 from tunelab.report.scores import TEST_SELECTED_NOTE
 

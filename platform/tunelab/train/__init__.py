@@ -1,14 +1,17 @@
-"""The training core: optimizers, PEFT, the loop and its metrics.
+"""The training core: PEFT, building the optimizer, the loop and its metrics, and the layouts it steps on
+(parallel/). The optimizer classes themselves are a layer below (tunelab.optimizers).
 
 `train.run` and `train.TrainResult` are loaded on first use (PEP 562, through registry.Lazy), so importing a
 light submodule (the memory model behind `exp memory`) does not import torch and the loop.
+
+May import: core, folders, optimizers, plan, machine, data, models.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tunelab.registry import Lazy
+from tunelab.core.registry import Lazy
 
 __all__ = ["TrainResult", "run"]
 

@@ -10,7 +10,7 @@ run needs to continue bit for bit.
 The stepper writes its part, the main process the rest. A checkpoint is written into a temporary folder and
 renamed once complete, so a run killed while saving leaves the previous checkpoint as the latest one. Only the
 latest `train.keep_checkpoints` are kept, and those the caller protects (checkpoints waiting for their evaluation,
-the best ones of a selection: tunelab.stepscores). `load_weights` reads a checkpoint's model weights into a
+the best ones of a selection: tunelab.checkpoint_scores.steps). `load_weights` reads a checkpoint's model weights into a
 one-process model, whichever layout wrote it (checkpoint evaluation, train.select).
 """
 
@@ -28,8 +28,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from tunelab.cellfolder import step_dirs
-from tunelab.errors import UserError
+from tunelab.core.errors import UserError
+from tunelab.folders.cell import step_dirs, step_name
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether `path` is a checkpoint folder this module wrote (its loop state is in it)."""
+    return path.is_dir() and (path / "state.pt").is_file()
 
 
 def all_steps(root: Path) -> list[tuple[int, Path]]:
@@ -42,8 +47,9 @@ def latest(root: Path) -> Path | None:
 
 
 class Retention(Protocol):
-    """What else the loop saves and keeps besides train.save_every and keep_checkpoints (stepscores.StepScores:
-    the checkpoints an evaluation asks for, kept until scored, and a selection's best)."""
+    """What else the loop saves and keeps besides train.save_every and keep_checkpoints
+    (checkpoint_scores.steps.StepScores: the checkpoints an evaluation asks for, kept until scored, and a selection's
+    best)."""
 
     @property
     def save_at(self) -> frozenset[int]: ...
@@ -87,7 +93,7 @@ def save(root: Path, step: int, *, stepper, sched, loop_state: dict, keep: int, 
     the `protect`ed steps)."""
     import torch.distributed as dist
 
-    tmp, dest = root / f".step-{step}-partial", root / f"step-{step}"
+    tmp, dest = root / f".{step_name(step)}-partial", root / step_name(step)
     if main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -21,16 +21,16 @@ from typing import Any
 
 import torch
 
-from tunelab.cellfolder import CellFolder
-from tunelab.config import CellConfig
-from tunelab.events import Emit, Resumed, Step, ignore
-from tunelab.registries import uses_engine
-from tunelab.runtime import STOP, Layout, Paused, Preempted, Runtime, precision_of, stop_agreed
-from tunelab.store import append_jsonl, read_jsonl, write_json, write_text
+from tunelab.core.config import CellConfig
+from tunelab.core.events import Emit, Resumed, Step, ignore
+from tunelab.core.files import append_jsonl, read_jsonl, write_json, write_text
+from tunelab.core.registries import uses_engine
+from tunelab.folders.cell import CellFolder
+from tunelab.machine.runtime import STOP, Layout, Paused, Preempted, Runtime, precision_of, stop_agreed
+from tunelab.optimizers.tied import prepare_for_fused
 from tunelab.train import checkpoint, cpu_attention, optim, parallel, segments
 from tunelab.train.data import batch_tokens, is_packed, label_tokens, lengths_of, loader
 from tunelab.train.metrics import mfu, peak_flops, peak_memory_mb
-from tunelab.train.optimizers.tied import prepare_for_fused
 from tunelab.train.parallel.deferred import Deferred
 from tunelab.train.parallel.predict import predicted_peak_mb
 from tunelab.train.validation import Validation, validation_loss
@@ -126,11 +126,12 @@ class LoopState:
 
 @dataclass
 class Training:
-    """One run of the loop, its parts listed: what every step needs."""
+    """One run of the loop, its parts listed: what every step needs (`setup` builds it, `train` runs it)."""
 
     cfg: CellConfig
     runtime: Runtime
-    stepper: parallel.Stepper  # one process or a parallel engine: does each step, saves and loads its state
+    stepper: parallel.Stepper  # one process or a parallel engine: does each step, saves and loads its state,
+    # and holds the optimizer (optim.build, through the engine)
     sched: torch.optim.lr_scheduler.LambdaLR
     stream: BatchStream  # the training micro-batches, with a position a checkpoint restores
     folder: CellFolder  # train/metrics.jsonl, checkpoints/, summary, final/
@@ -138,13 +139,18 @@ class Training:
     validate: Callable[[], float] | None  # None: no validation set
     n_params: int
     attention: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # around each train step
+    model: Any = None  # as the caller built it (the stepper may wrap or shard it)
+    tokenizer: Any = None
+    validation: Validation = Validation()
+    trainable: int = 0  # parameters the optimizer updates, counted before an engine shards them
+    longest: int | None = None  # the longest training row (the memory prediction's sequence length)
     state: LoopState = field(default_factory=LoopState)
     # Where this run stops (validated, checkpointed) and where it validates on the way (a search's rungs): neither
     # is the cell's identity.
     stop_at: int | None = None
     validate_at: frozenset[int] = frozenset()
-    # Steps saved and kept for the checkpoints' evaluation (stepscores.StepScores): not the model's identity, since
-    # saving changes no number
+    # Steps saved and kept for the checkpoints' evaluation (checkpoint_scores.steps.StepScores): not the model's
+    # identity, since saving changes no number
     retention: checkpoint.Retention = field(default_factory=checkpoint.NoRetention)
 
     @property
@@ -164,6 +170,7 @@ def _setup(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, folder: 
            runtime: Runtime, validation: Validation, weights: Deferred | None) -> Training:
     t = cfg.train
     n_params = sum(p.numel() for p in model.parameters())  # before an engine shards them
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     # One process: torch's fused Adam/AdamW kernel (optim.build); the engines keep their optimizers as they were.
     one_process = not (runtime.layout.distributed or uses_engine(cfg.parallel))
     stepper = parallel.prepare(model, lambda ps: optim.build(ps, cfg.optim, max_grad_norm=t.max_grad_norm,
@@ -190,7 +197,10 @@ def _setup(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, folder: 
         attention = functools.partial(segments.attending_by_example, model)
     elif one_process and runtime.precision == "bf16" and cpu_attention.usable(model):
         attention = functools.partial(cpu_attention.attending, model)  # short rows' attention in fp32 on CPU
-    return Training(cfg, runtime, stepper, sched, stream, folder, emit, validate, n_params, attention=attention)
+    return Training(cfg, runtime, stepper, sched, stream, folder, emit, validate, n_params, attention=attention,
+                    model=model, tokenizer=tokenizer, validation=validation,
+                    trainable=trainable,
+                    longest=max(lengths_of(datasets["train"]), default=None))
 
 
 def _resume(loop: Training) -> tuple[int, int | None]:
@@ -285,44 +295,55 @@ def _gather(value: float, layout: Layout) -> list[float]:
     return out
 
 
-def run(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, out: CellFolder | Path, emit: Emit = ignore, *,
-        runtime: Runtime | None = None, validation: Validation = Validation(),
-        weights: Deferred | None = None, retention: checkpoint.Retention | None = None, stop_at: int | None = None,
-        validate_at: tuple[int, ...] = ()) -> TrainResult:
-    """Every process of a layout calls this with the same model and data; only the main one writes files (into
-    `out`, a cell folder). The caller has seeded the RNGs (the cell does it once). `weights`: the model is on the
-    meta device and the engine fills each process's shards from these (train/parallel/deferred.py). `retention`:
-    more steps to checkpoint, and checkpoints to keep (an evaluation of checkpoints). `stop_at`: validate and
-    checkpoint after that step and raise Paused; `validate_at`: validate after these steps too (neither changes a
-    loss: validation draws no random number)."""
-    t = cfg.train
+def setup(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, out: CellFolder | Path, emit: Emit = ignore,
+          *, runtime: Runtime | None = None, validation: Validation = Validation(), weights: Deferred | None = None,
+          retention: checkpoint.Retention | None = None, stop_at: int | None = None,
+          validate_at: tuple[int, ...] = ()) -> Training:
+    """The loop's parts for a model and its data: the stepper (one process or an engine) with its optimizer, the
+    schedule, the batches, validation and checkpointing. Every process of a layout calls it; only the main one
+    writes files (into `out`, a cell folder). `weights`: the model is on the meta device and the engine fills each
+    process's shards from these (train/parallel/deferred.py). `retention`: more steps to checkpoint, and checkpoints
+    to keep (an evaluation of checkpoints). `stop_at`: validate and checkpoint after that step and raise Paused;
+    `validate_at`: validate after these steps too (neither changes a loss: validation draws no random number)."""
     folder = out if isinstance(out, CellFolder) else CellFolder(out)
     runtime = runtime or _local_runtime(model, cfg)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     loop = _setup(model, tokenizer, datasets, cfg, folder, emit, runtime, validation, weights)
     loop.stop_at, loop.validate_at = stop_at, frozenset(validate_at)
     loop.retention = retention or loop.retention
+    return loop
+
+
+def train(loop: Training) -> TrainResult:
+    """Resume from the latest checkpoint (if any), run the steps, validate, save: the caller has seeded the RNGs
+    (the cell does it once)."""
+    t, runtime = loop.cfg.train, loop.runtime
     peak = peak_flops(runtime.device)  # before the RNG states a checkpoint restores (a CPU may measure here)
     start, resumed_from = _resume(loop)
-    model.train()
+    loop.model.train()
     _steps(loop, start, peak)
-    val = loop.validate() if validation.final and loop.validate else None
+    val = loop.validate() if loop.validation.final and loop.validate else None
     mem, kind = peak_memory_mb(runtime.device)  # before the weights are gathered for saving
     st = loop.state
     result = TrainResult(
         steps=t.steps, final_loss=st.loss, val_loss=val,
         tokens_per_s=st.tokens_total / st.seconds if st.seconds else 0.0,
-        peak_mem_mb=mem, peak_mem_kind=kind, train_seconds=st.seconds, trainable_params=trainable,
+        peak_mem_mb=mem, peak_mem_kind=kind, train_seconds=st.seconds, trainable_params=loop.trainable,
         total_params=loop.n_params, precision=runtime.precision, resumed_from=resumed_from,
         world_size=runtime.world_size, peak_mem_mb_ranks=_gather(mem, runtime.layout),
-        predicted_peak_mb=predicted_peak_mb(model.config, cfg, str(runtime.dtype).removeprefix("torch."),
-                                            seq=max(lengths_of(datasets["train"]), default=None)),
-        validation=None if val is None else validation.settings(),
+        predicted_peak_mb=predicted_peak_mb(loop.model.config, loop.cfg, str(runtime.dtype).removeprefix("torch."),
+                                            seq=loop.longest),
+        validation=None if val is None else loop.validation.settings(),
         model=loop.stepper.unwrap(),  # every rank takes part in gathering the weights
     )
     if runtime.is_main:
-        write_json(folder.summary_file, result.summary())
+        write_json(loop.folder.summary_file, result.summary())
         if t.save_final:
-            result.model.save_pretrained(folder.final)
-            tokenizer.save_pretrained(folder.final)
+            result.model.save_pretrained(loop.folder.final)
+            loop.tokenizer.save_pretrained(loop.folder.final)
     return result
+
+
+def run(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, out: CellFolder | Path, emit: Emit = ignore,
+        **setup_args: Any) -> TrainResult:
+    """`setup` then `train`: a model trained on its data in one call (library use, tests)."""
+    return train(setup(model, tokenizer, datasets, cfg, out, emit, **setup_args))

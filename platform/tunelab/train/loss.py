@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from tunelab.optimizers.sophia import sampled_loss_whole
 from tunelab.train.chunked import CHUNK_ATTR, auto_chunk, computing_loss, head_loss
-from tunelab.train.optimizers.sophia import sampled_loss_whole
 
 IGNORE = -100
 # Causal-LM classes whose forward is exactly body -> lm_head -> transformers' ForCausalLMLoss

@@ -52,8 +52,8 @@ def cpu_peak_flops(size: int = 1024, repeats: int = 8) -> float:
     import platform
     import time
 
-    from tunelab.paths import cache_dir
-    from tunelab.store import read_json, write_json
+    from tunelab.core.files import read_json, write_json
+    from tunelab.core.paths import cache_dir
 
     threads = torch.get_num_threads()
     key = f"{platform.node()}-{platform.machine()}-{threads}threads-torch{torch.__version__}"

@@ -1,4 +1,4 @@
-"""Builds the optimizer a cell names: a registered name (tunelab.registries.OPTIMIZERS), any
+"""Builds the optimizer a cell names: a registered name (tunelab.core.registries.OPTIMIZERS), any
 `torch.optim.Name`, or any `package.module:Class`, called as Class(params, lr=optim.lr,
 weight_decay=optim.weight_decay, **optim.kwargs). The name and the arguments were checked at plan time
 (tunelab.plan.optim, with the registry's facts); docs/optimizers.md says where each registered optimizer comes from.
@@ -10,9 +10,9 @@ from collections.abc import Iterable
 
 import torch
 
-from tunelab.config import OptimCfg
-from tunelab.registries import OPTIMIZERS, accepts
-from tunelab.registries import optimizer_spec as spec
+from tunelab.core.config import OptimCfg
+from tunelab.core.registries import OPTIMIZERS, accepts
+from tunelab.core.registries import optimizer_spec as spec
 
 __all__ = ["OPTIMIZERS", "build", "spec"]
 

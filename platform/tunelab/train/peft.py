@@ -1,6 +1,6 @@
 """PEFT methods through the peft library: `peft.method` -> how to load the base model and wrap it.
 
-The names and their facts (needs CUDA, prompt learning) are in tunelab.registries.PEFT, which points at the
+The names and their facts (needs CUDA, prompt learning) are in tunelab.core.registries.PEFT, which points at the
 functions here. Defaults for which modules to adapt come from the model family (config.model_type);
 `peft.target_modules` overrides them.
 """
@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunelab.config import CellConfig, PeftCfg
-from tunelab.errors import UserError
-from tunelab.registries import PEFT
-from tunelab.runtime import Runtime
+from tunelab.core.config import CellConfig, PeftCfg
+from tunelab.core.errors import UserError
+from tunelab.core.registries import PEFT
+from tunelab.machine.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -167,13 +167,13 @@ def load_trained(cfg: CellConfig, final_dir: Path, runtime: Runtime) -> tuple[An
     (cfg.model, quantized as the method loads it) with the adapter on top. -> (model, tokenizer)."""
     from transformers import AutoTokenizer
 
-    from tunelab import models
+    from tunelab.models import loading
 
     if cfg.peft.method == "none":
-        return models.load(cfg.model.model_copy(update={"name": str(final_dir), "revision": None}), runtime)
+        return loading.load(cfg.model.model_copy(update={"name": str(final_dir), "revision": None}), runtime)
     from peft import PeftModel
 
-    base, _ = models.load(cfg.model, runtime, **load_kwargs(cfg.peft, runtime.device))
+    base, _ = loading.load(cfg.model, runtime, **load_kwargs(cfg.peft, runtime.device))
     tokenizer = AutoTokenizer.from_pretrained(final_dir)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -185,10 +185,10 @@ def load_checkpoint(cfg: CellConfig, step_dir: Path, runtime: Runtime) -> tuple[
     loaded as the cell loads it, the method applied, then the checkpoint's weights over it. -> (model, tokenizer)."""
     import torch
 
-    from tunelab import models
+    from tunelab.models import loading
     from tunelab.train.checkpoint import load_weights
 
-    model, tokenizer = models.load(cfg.model, runtime, **load_kwargs(cfg.peft, runtime.device))
+    model, tokenizer = loading.load(cfg.model, runtime, **load_kwargs(cfg.peft, runtime.device))
     with torch.random.fork_rng(devices=[]):  # adapters' first values are overwritten: they draw on a fork
         model = apply(model, cfg.peft)
     load_weights(model, step_dir)

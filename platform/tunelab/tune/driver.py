@@ -15,14 +15,16 @@ from pathlib import Path
 
 from rich.console import Console
 
-from tunelab import clean, runner
-from tunelab.config import CellConfig
-from tunelab.launch import Launch
-from tunelab.matrix import Cell
-from tunelab.matrixfolder import MatrixFolder
-from tunelab.outcome import Outcome
-from tunelab.runview import view
-from tunelab.store import CellLock, Locked, lock, write_json
+from tunelab.core.config import CellConfig
+from tunelab.core.files import write_json
+from tunelab.core.locks import CellLock, Locked, lock
+from tunelab.folders.matrix import MatrixFolder
+from tunelab.matrix.expansion import Cell
+from tunelab.run import runner
+from tunelab.run.launch import Launch
+from tunelab.run.outcome import Outcome
+from tunelab.run.progress import view
+from tunelab.tools import clean
 from tunelab.tune import record, sampling, trials
 from tunelab.tune.plan import Group
 from tunelab.tune.search import Search
@@ -65,8 +67,9 @@ def run(groups: list[Group], chosen: list[Group], cells: list[Cell], plain: list
     mdir = folder.path
     searches = [Search(g, mdir) for g in groups]
     running = [s for s in searches if s.group.study in {g.study for g in chosen}]
-    write_json(mdir / "tune" / "studies.json", [{"group": g.slug, "study": g.study, "storage": g.spec.storage,
-                                                 "trials_file": f"tune/{g.study}/trials.json"} for g in groups])
+    write_json(folder.studies_file, [{"group": g.slug, "study": g.study, "storage": g.spec.storage,
+                                      "trials_file": str(folder.trials_file(g.study).relative_to(mdir))}
+                                     for g in groups])
     folder.write_index(_annotated(cells, groups))  # the winners join once their searches end
     r = _Run(folder, console, how, rerun_failed, fail_fast)
     if not _stages(running, r):
@@ -128,8 +131,8 @@ def _annotated(plain: list[Cell], groups: list[Group]) -> list[Cell]:
 
 def _write_record(s: Search, mdir: Path) -> None:
     """The study and trials.json, under the tune folder's lock (runners on one runs folder write in turn)."""
-    folder = mdir / "tune" / s.group.study
-    held = CellLock(mdir / "tune")
+    folder = MatrixFolder(mdir)
+    held = CellLock(folder.tune_dir)
     held.acquire(wait=None)
     with held:
         record.repair_journal(mdir)
@@ -141,7 +144,7 @@ def _write_record(s: Search, mdir: Path) -> None:
                  "decisions": s.decisions}
         record.sync(storage, s.group.study, s.spec.direction, sampling.distributions(s.spec),
                     [t.view for t in s.trials], attrs)
-        write_json(folder / "trials.json", s.table())
+        write_json(folder.trials_file(s.group.study), s.table())
 
 
 def _free_pruned(s: Search, mdir: Path) -> None:

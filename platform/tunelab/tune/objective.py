@@ -1,4 +1,4 @@
-"""What a search reads off a trial's cell folder: its value at a rung (INTERMEDIATES in registries.py: the loop's
+"""What a search reads off a trial's cell folder: its value at a rung (INTERMEDIATES in core/registries.py: the loop's
 validation loss, or the objective's task scored on the rung checkpoint; another source is one function and one
 registry entry) and its objective at the full budget (the metric's score in the trial's own evaluation)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from tunelab.cellfolder import CellFolder
+from tunelab.folders.cell import CellFolder
 
 
 def val_loss_at(run_dir: Path, step: int, metric: str, eval_id: str | None) -> float | None:
@@ -22,7 +22,7 @@ def checkpoint_score_at(run_dir: Path, step: int, metric: str, eval_id: str | No
     """`metric` scored on the checkpoint of `step` by the trial's checkpoint evaluation `eval_id` (named by the
     trial cell, not read from the folder's config.yaml: the winner's retraining rewrites that with the matrix's
     evaluation). None until it is scored, or when it is unavailable there."""
-    from tunelab.stepscores import score_at
+    from tunelab.checkpoint_scores.steps import score_at
 
     return score_at(run_dir, step, metric, eval_id) if eval_id else None
 

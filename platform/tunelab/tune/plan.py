@@ -16,12 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunelab import inputs, matrix
-from tunelab.config import CellConfig, content_id
-from tunelab.errors import UserError
-from tunelab.registries import INTERMEDIATES, PRUNERS
+from tunelab.core.config import CellConfig, content_id
+from tunelab.core.errors import UserError
+from tunelab.core.keys import set_dotted
+from tunelab.core.registries import INTERMEDIATES, PRUNERS
+from tunelab.matrix import expansion, input_checks
+from tunelab.matrix.schema import MatrixFile
+from tunelab.matrix.sets import cell_sets
+from tunelab.matrix.tune_section import TuneSpec
 from tunelab.tune import schedule as sched
-from tunelab.tune.spec import TuneSpec
 
 
 @dataclass(frozen=True)
@@ -64,21 +67,21 @@ def _pop_dotted(d: dict, key: str) -> None:
 class _Tuned:
     """A combo a tune: section applies to, with its section, its raw cell and that cell checked."""
 
-    combo: matrix.Combo
+    combo: expansion.Combo
     spec: TuneSpec
     raw: dict[str, Any]
     config: CellConfig
 
 
-def groups(spec: matrix.MatrixFile, path: Path, sets: dict[str, Any] | None = None) -> list[Group]:
+def groups(spec: MatrixFile, path: Path, sets: dict[str, Any] | None = None) -> list[Group]:
     """The method groups of a matrix file (none without a `tune:` section); bad sections raise UserError. `spec`
-    is matrix.load's (with --set's matrix-level keys applied); `sets` every --set."""
+    is expansion.load's (with --set's matrix-level keys applied); `sets` every --set."""
     built: list[_Tuned] = []
     seen: set[str] = set()
-    for combo in matrix.combos(spec, path):
+    for combo in expansion.combos(spec, path):
         if combo.tune is None:
             continue
-        raw, config = _group_cell(spec, combo, combo.tune, path, matrix.cell_sets(sets))
+        raw, config = _group_cell(spec, combo, combo.tune, path, cell_sets(sets))
         key = content_id({"cell": _without(config, combo.tune), "tune": combo.tune.model_dump(mode="json")})
         if key not in seen:  # two combos that differ only in searched keys (the base, an include) are one group
             seen.add(key)
@@ -86,10 +89,10 @@ def groups(spec: matrix.MatrixFile, path: Path, sets: dict[str, Any] | None = No
     if not built:
         return []
     _same_budget(built, path)
-    inputs.check([t.config for t in built], path)
+    input_checks.check([t.config for t in built], path)
     cells = [(t.config, {k: v for k, v in t.combo.picks.items() if k not in t.spec.space}) for t in built]
     out = []
-    for t, cell in zip(built, matrix.named(spec.name, cells)):
+    for t, cell in zip(built, expansion.named(spec.name, cells)):
         seeds = tuple(spec.seeds) if spec.seeds is not None else (t.config.train.seed,)
         schedule = _schedule(t.spec, t.config, path, t.combo.tune_at)
         if INTERMEDIATES[t.spec.intermediate].checkpoints:
@@ -103,10 +106,10 @@ def trial_raw(raw: dict[str, Any], spec: TuneSpec, schedule: sched.Schedule, tri
     score, that task on the checkpoints of its bracket's rungs, scored by the cell itself before it stops at one
     (workers 0: the score is what the search waits for, nothing trains meanwhile)."""
     out = copy.deepcopy(raw)
-    matrix.set_dotted(out, "eval.tasks", [spec.metric])
+    set_dotted(out, "eval.tasks", [spec.metric])
     rungs = [r for r in schedule.bracket_of(trial).rungs if r < schedule.full]  # none: Hyperband's last bracket
     if INTERMEDIATES[spec.intermediate].checkpoints and rungs:
-        matrix.set_dotted(out, "eval.checkpoints", {"at": rungs, "workers": 0})
+        set_dotted(out, "eval.checkpoints", {"at": rungs, "workers": 0})
     return out
 
 
@@ -121,7 +124,7 @@ def _check_rung_checkpoints(t: _Tuned, schedule: sched.Schedule, path: Path) -> 
                         f"sets as their eval.checkpoints; the tuned cell sets {' and '.join(own)} itself. Use "
                         "intermediate: val_loss, or drop them from the tuned cells", file=path, key=at)
     probe = trial_raw(t.raw, t.spec, schedule, 0)
-    matrix.checked(probe, path, {"eval.checkpoints": f"{at} (the trials' eval.checkpoints)"}, "trial 0")
+    expansion.checked(probe, path, {"eval.checkpoints": f"{at} (the trials' eval.checkpoints)"}, "trial 0")
 
 
 def _without(config: CellConfig, spec: TuneSpec) -> dict:
@@ -131,7 +134,7 @@ def _without(config: CellConfig, spec: TuneSpec) -> dict:
     return dump
 
 
-def _group_cell(spec: matrix.MatrixFile, combo: matrix.Combo, tune: TuneSpec, path: Path,
+def _group_cell(spec: MatrixFile, combo: expansion.Combo, tune: TuneSpec, path: Path,
                 sets: dict[str, Any]) -> tuple[dict, CellConfig]:
     """The group's cell as written (at the search seed), and every searched key checked at its bounds."""
     at = combo.tune_at
@@ -146,15 +149,15 @@ def _group_cell(spec: matrix.MatrixFile, combo: matrix.Combo, tune: TuneSpec, pa
         if "train.seed" in picks:
             raise UserError("set train.seed either in 'seeds' or in the matrix, not both", file=path, key="seeds")
         picks["train.seed"] = spec.seeds[0]
-    raw = matrix.raw_cell(spec, picks, sets)
+    raw = expansion.raw_cell(spec, picks, sets)
     where = {**combo.origins, "train.seed": "seeds[0]", **{k: f"--set {k}" for k in sets}}
     label = "cell " + ", ".join(f"{k}={v}" for k, v in combo.picks.items()) if combo.picks else "base"
-    config = matrix.checked(raw, path, where, label)
+    config = expansion.checked(raw, path, where, label)
     for key, dist in tune.space.items():
         for value in dist.values():
             probe = copy.deepcopy(raw)
-            matrix.set_dotted(probe, key, value)
-            matrix.checked(probe, path, {**where, key: f"{at}.space.{key} (at {json.dumps(value)})"}, label)
+            set_dotted(probe, key, value)
+            expansion.checked(probe, path, {**where, key: f"{at}.space.{key} (at {json.dumps(value)})"}, label)
     if PRUNERS[tune.pruner].rungs and not config.train.resume:
         raise UserError(f"pruner {tune.pruner} continues promoted trials from their rung checkpoints: "
                         "train.resume must stay true", file=path, key=f"{at}.pruner")

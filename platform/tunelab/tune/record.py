@@ -25,9 +25,10 @@ from optuna.storages import BaseStorage
 from optuna.storages.journal import JournalFileOpenLock
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from tunelab.errors import UserError
+from tunelab.core.errors import UserError
+from tunelab.folders.matrix import MatrixFolder
 
-JOURNAL = "optuna.journal"
+JOURNAL = MatrixFolder.journal_file.name  # the study file in runs/<matrix>/tune/
 STATES = {"waiting": TrialState.RUNNING, "pruned": TrialState.PRUNED, "complete": TrialState.COMPLETE,
           "failed": TrialState.FAIL}
 
@@ -78,7 +79,7 @@ class _KernelLock(JournalFileOpenLock):
 def repair_journal(matrix_dir: Path) -> None:
     """Cut a journal line a kill tore (no newline at its end), as Optuna's reader would skip it: the next record
     must not run into it. Called by the only writer, under the tune folder's lock."""
-    path = matrix_dir / "tune" / JOURNAL
+    path = MatrixFolder(matrix_dir).journal_file
     if path.is_file() and path.stat().st_size:
         data = path.read_bytes()
         if not data.endswith(b"\n"):
@@ -92,9 +93,10 @@ def open_storage(url: str, matrix_dir: Path) -> BaseStorage:
     if url == "journal":
         from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-        path = matrix_dir / "tune" / JOURNAL
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(str(path), lock_obj=_KernelLock(path.with_name(JOURNAL + ".lock"))))
+        folder = MatrixFolder(matrix_dir)
+        folder.tune_dir.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(str(folder.journal_file),
+                                                 lock_obj=_KernelLock(folder.journal_lock_file)))
     try:
         return optuna.storages.RDBStorage(url)
     except Exception as e:  # noqa: BLE001 - a driver, a refused connection, a bad URL: one message

@@ -17,9 +17,9 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from optuna.samplers import BaseSampler, GridSampler, QMCSampler, RandomSampler, TPESampler
 from optuna.trial import TrialState
 
-from tunelab.registries import SAMPLERS
+from tunelab.core.registries import SAMPLERS
+from tunelab.matrix.tune_section import Dist, TuneSpec
 from tunelab.tune.schedule import Schedule
-from tunelab.tune.spec import Dist, TuneSpec
 
 
 @dataclass(frozen=True)

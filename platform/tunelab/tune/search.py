@@ -15,16 +15,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tunelab.cellfolder import CellFolder
-from tunelab.matrix import Cell
-from tunelab.matrixfolder import MatrixFolder
-from tunelab.registries import INTERMEDIATES, TASKS
+from tunelab.core.registries import INTERMEDIATES, TASKS
+from tunelab.folders.cell import CellFolder, EvalFolder
+from tunelab.folders.matrix import MatrixFolder
+from tunelab.matrix.expansion import Cell
+from tunelab.matrix.tune_section import TuneSpec
 from tunelab.tune import sampling, trials
 from tunelab.tune.objective import final_value, is_number
 from tunelab.tune.plan import Group
 from tunelab.tune.record import TrialView
 from tunelab.tune.schedule import promote
-from tunelab.tune.spec import TuneSpec
 
 
 @dataclass
@@ -87,7 +87,7 @@ class Search:
             return None
         if entry.checkpoints and eval_id and d.step_results(eval_id, step).get("complete"):  # no number: say why
             return (f"its checkpoint of step {step} has no score of {self.spec.metric} (see "
-                    f"eval/{eval_id}/step-{step}/results.json)")
+                    f"{EvalFolder(d.step_dir(eval_id, step)).results_file.relative_to(d.path)})")
         if t.view.reached > step:
             return (f"it trained past step {step} without measuring its {self.spec.ranked_by} there (its cell was "
                     "trained before this search asked, e.g. by another matrix); delete its folder to train it as a "
@@ -145,8 +145,8 @@ class Search:
                 "full_steps": self.group.schedule.full_steps(), "planned_steps": self.group.schedule.planned_steps(),
                 "best": ordered[0] if ordered else None, "worst": ordered[-1] if ordered else None,
                 "median": statistics.median(values) if values else None,
-                "test_selected": TASKS[self.spec.metric].split == "test", "trials_file": f"tune/{self.group.study}/"
-                "trials.json"}
+                "test_selected": TASKS[self.spec.metric].split == "test", "trials_file": str(
+                    MatrixFolder(self.matrix_dir).trials_file(self.group.study).relative_to(self.matrix_dir))}
 
     def table(self) -> dict[str, Any]:
         """trials.json: the search as a file (the report's figures read it)."""

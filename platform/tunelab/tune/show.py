@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
-from tunelab.registries import PRUNERS
+from tunelab.core.registries import PRUNERS
 from tunelab.tune.plan import Group
 
 

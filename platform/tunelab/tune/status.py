@@ -7,9 +7,9 @@ from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
-from tunelab.errors import UserError
-from tunelab.matrixfolder import MatrixFolder
-from tunelab.store import read_json
+from tunelab.core.errors import UserError
+from tunelab.core.files import read_json
+from tunelab.folders.matrix import MatrixFolder
 from tunelab.tune import record
 
 STATE = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "failed",
@@ -48,7 +48,7 @@ def study_row(matrix_dir: Path, entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def collect(matrix_dir: Path) -> list[dict[str, Any]]:
-    index = read_json(matrix_dir / "tune" / "studies.json")
+    index = read_json(MatrixFolder(matrix_dir).studies_file)
     if index is None:
         raise UserError("no searches here (no tune/studies.json): `exp run` a matrix with a tune: section first",
                         file=matrix_dir)

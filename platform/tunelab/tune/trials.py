@@ -11,9 +11,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from tunelab import matrix, plan
-from tunelab.config import CellConfig
-from tunelab.matrix import Cell
+from tunelab import plan
+from tunelab.core.config import CellConfig
+from tunelab.core.keys import set_dotted
+from tunelab.matrix.expansion import Cell
 from tunelab.tune.plan import Group, trial_raw
 
 
@@ -21,8 +22,8 @@ def _config(group: Group, params: dict[str, Any], seed: int, trial: int | None) 
     """The group's cell with `params` and `seed`; a trial's (`trial` its number) evaluates the objective only."""
     raw = copy.deepcopy(group.raw) if trial is None else trial_raw(group.raw, group.spec, group.schedule, trial)
     for key, value in params.items():
-        matrix.set_dotted(raw, key, value)
-    matrix.set_dotted(raw, "train.seed", seed)
+        set_dotted(raw, key, value)
+    set_dotted(raw, "train.seed", seed)
     return plan.cell_config(raw)  # the bounds were checked at plan time; a value between them is as valid
 
 

@@ -1,12 +1,12 @@
 """What the training loop steps: one process, or 3D parallelism, behind one small interface.
 
-    layout = setup(cell.parallel)                       # process group + (pp, dp, tp) DeviceMesh (tunelab.runtime)
+    layout = setup(cell.parallel)                       # process group + (pp, dp, tp) DeviceMesh (machine/runtime.py)
     stepper = prepare(model, build_optimizer, cell, layout, precision)   # (weights=: a meta-device model, deferred.py)
     loss, grad_norm = stepper.train_step(micro_batches, n_items, step)
     stepper.save(dir) / stepper.load(dir)               # a checkpoint folder's model and optimizer part
     model = stepper.unwrap()                            # full weights on the main process
 
-One plain process is `LocalStepper` (local.py). Engines, by `parallel.backend` (tunelab.registries.ENGINES):
+One plain process is `LocalStepper` (local.py). Engines, by `parallel.backend` (tunelab.core.registries.ENGINES):
 `native` (FSDP2 + tensor parallel + pipeline stages, native.py) and `deepspeed` (ZeRO, ds.py).
 docs/parallelism.md explains the layouts.
 """
@@ -15,15 +15,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunelab.registry import Lazy
+from tunelab.core.registry import Lazy
 
 __all__ = ["ENGINES", "Layout", "Stepper", "enable_gradient_checkpointing", "init_mode", "load_partitioned",
            "prepare", "setup", "with_adapters"]
 
 # Loaded on first use (PEP 562, through registry.Lazy): `exp memory` imports parallel/memory.py, which needs
 # neither torch nor the engines, and every `exp` command registers it at start-up.
-_LAZY = {"ENGINES": Lazy("tunelab.registries:ENGINES"), "Layout": Lazy("tunelab.runtime:Layout"),
-         "setup": Lazy("tunelab.runtime:setup"), "Stepper": Lazy("tunelab.train.parallel.stepper:Stepper"),
+_LAZY = {"ENGINES": Lazy("tunelab.core.registries:ENGINES"), "Layout": Lazy("tunelab.machine.runtime:Layout"),
+         "setup": Lazy("tunelab.machine.runtime:setup"), "Stepper": Lazy("tunelab.train.parallel.stepper:Stepper"),
          "prepare": Lazy("tunelab.train.parallel.steppers:prepare"),
          "enable_gradient_checkpointing": Lazy("tunelab.train.parallel.steppers:enable_gradient_checkpointing"),
          "init_mode": Lazy("tunelab.train.parallel.steppers:init_mode"),

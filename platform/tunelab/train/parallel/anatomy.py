@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from tunelab.errors import UserError
+from tunelab.core.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tunelab.errors import UserError
+from tunelab.core.errors import UserError
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tunelab.runtime import Layout
+from tunelab.machine.runtime import Layout
 from tunelab.train.data import label_tokens
 from tunelab.train.loss import root_forward_loss
 from tunelab.train.parallel.anatomy import causal_lm
@@ -59,9 +59,9 @@ def load_partitioned(model_cfg, rt, cell):
     from transformers.initialization import no_init_weights
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from tunelab import models
+    from tunelab.models import loading
 
-    folder = models.folder(model_cfg)
+    folder = loading.folder(model_cfg)
     config = AutoConfig.from_pretrained(folder)
     # Import the model's module first: zero.Init's patched tensor constructors break transformers' imports.
     MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
@@ -73,7 +73,7 @@ def load_partitioned(model_cfg, rt, cell):
     with deepspeed.zero.Init(config_dict_or_path=init_cfg), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=rt.dtype, attn_implementation=rt.attn)
     model.tie_weights()  # no_init_weights skips the tying too
-    weights = models.Weights(folder)
+    weights = loading.Weights(folder)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name not in weights:

@@ -1,6 +1,6 @@
 """LOMO/AdaLomo under the DeepSpeed backend: the engine owns the model, the optimizer owns backward.
 
-A fused optimizer (train/optimizers/fused.py) updates each parameter in a post-accumulate-grad hook the
+A fused optimizer (optimizers/fused.py) updates each parameter in a post-accumulate-grad hook the
 moment its gradient is complete, and frees that gradient. Here each hook first sums that one gradient
 over the data-parallel ranks (each rank's loss is already its share of the step's token-normalized loss,
 so the sum is the step's gradient, identical on every rank); the optimizer then adds it to the global
@@ -38,9 +38,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tunelab.runtime import Layout
+from tunelab.machine.runtime import Layout
+from tunelab.optimizers.fused import EngineHooks
 from tunelab.train.loss import root_forward_loss
-from tunelab.train.optimizers.fused import EngineHooks
 from tunelab.train.parallel.stepper import rows_for
 
 

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from tunelab.registries import optimizer_spec as optim_spec
-from tunelab.runtime import Layout
+from tunelab.core.registries import optimizer_spec as optim_spec
+from tunelab.machine.runtime import Layout
+from tunelab.optimizers.tied import prepare_for_fused
 from tunelab.train.checkpoint import copy_trainable
 from tunelab.train.compiled import CompiledBody
 from tunelab.train.data import label_tokens
 from tunelab.train.loss import causal_lm_loss, sampled_label_loss
-from tunelab.train.optimizers.tied import prepare_for_fused
 from tunelab.train.parallel.stepper import Stepper
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from tunelab.registries import DEFAULT_ENGINE, ENGINES, OPTIMIZERS
+from tunelab.core.registries import DEFAULT_ENGINE, ENGINES, OPTIMIZERS
 
 GB = 1e9
 CHUNK_BYTES = 64 * 2**20  # the chunked head's (train/chunked.py) fp32 logits of one chunk and a temporary
@@ -47,7 +47,7 @@ def auto_chunk(vocab: int) -> int:
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Optimizer state per trainable parameter (fp32 values), and whether it updates inside backward (one
-# parameter's gradient at a time), come from the optimizer registry: tunelab.registries.OPTIMIZERS.
+# parameter's gradient at a time), come from the optimizer registry: tunelab.core.registries.OPTIMIZERS.
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def load_shape(name: str) -> Shape:
         return SHAPES[name]
     from transformers import AutoConfig
 
-    from tunelab.models import resolve
+    from tunelab.models.loading import resolve
 
     return shape_of(AutoConfig.from_pretrained(resolve(name)))
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from tunelab.runtime import Layout
+from tunelab.machine.runtime import Layout
 from tunelab.train.data import label_tokens
 from tunelab.train.loss import exact_at_labels, root_forward_loss
 from tunelab.train.parallel import grads, stages, tied, tp

@@ -6,7 +6,7 @@ otherwise be predicted with activations the step never holds."""
 
 from __future__ import annotations
 
-from tunelab.registries import OPTIMIZERS
+from tunelab.core.registries import OPTIMIZERS
 from tunelab.train.parallel.memory import Setup, estimate, shape_of
 
 # Projection names -> the memory model's short names.

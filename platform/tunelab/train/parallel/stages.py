@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 
-from tunelab.errors import UserError
+from tunelab.core.errors import UserError
 from tunelab.train.chunked import head_loss
 from tunelab.train.loss import IGNORE
 from tunelab.train.parallel import tied

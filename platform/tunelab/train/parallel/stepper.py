@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tunelab.runtime import Layout
+from tunelab.machine.runtime import Layout
 from tunelab.train.parallel.anatomy import causal_lm
 
 

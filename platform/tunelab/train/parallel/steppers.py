@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tunelab.errors import UserError
-from tunelab.layouts import check_layout
-from tunelab.registries import ENGINES, uses_engine
-from tunelab.runtime import Layout
+from tunelab.core.errors import UserError
+from tunelab.core.layouts import check_layout
+from tunelab.core.registries import ENGINES, uses_engine
+from tunelab.machine.runtime import Layout
 from tunelab.train import lean
 from tunelab.train.chunked import set_chunk
 from tunelab.train.parallel.anatomy import causal_lm

@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from tunelab.errors import UserError
+from tunelab.core.errors import UserError
 
 # Our plan for families whose config carries none; keys are relative to the decoder (`model.model`).
 _LLAMA_LIKE = {

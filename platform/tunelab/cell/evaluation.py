@@ -1,0 +1,56 @@
+"""A cell's final evaluation on its main process: of the model it just trained, or of the final/ weights it saved
+before (a new eval section on a finished matrix trains nothing); the checkpoints' scores first."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tunelab.cell.attempt import Attempt
+from tunelab.checkpoint_scores import cell_side, evaluate
+from tunelab.core.events import Stage
+
+
+def load_trained(attempt: Attempt) -> tuple[Any, Any, dict | None, float | None] | None:
+    """The saved final/ weights (base + adapter for PEFT cells) and the datasets, for another evaluation; first
+    the checkpoints' evaluation. None when the final evaluation is done already (only checkpoints were new)."""
+    from tunelab.train import peft
+    from tunelab.train.validation import Validation
+
+    folder, cfg = attempt.folder, attempt.cfg
+    if cfg.eval.checkpoints is not None:
+        cell_side.score(folder, cfg, attempt.rt, attempt.emit)  # the checkpoints it has (a new eval.checkpoints)
+    if folder.eval_done(cfg.eval.id()):
+        return None
+    attempt.emit(Stage("load"))
+    model, tokenizer = peft.load_trained(cfg, folder.final, attempt.rt)
+    summary = folder.summary()
+    # The training stage's final validation loss counts when it was measured the way this evaluation asks, on
+    # the weights final/ holds (not when a selection put another step's there).
+    same = summary.get("validation") == Validation.of(cfg.eval).settings() and \
+        folder.selection().get("step", cfg.train.steps) == cfg.train.steps
+    datasets = evaluate.cell_data(cfg, tokenizer) if evaluate.needs_data(cfg.eval) else None
+    return model, tokenizer, datasets, summary.get("val_loss") if same else None
+
+
+def run(attempt: Attempt, model: Any, tokenizer: Any, datasets: dict | None, val_loss: float | None) -> None:
+    """The eval section's suite on the model into eval/<eval-id>/; its scores to W&B (marks included)."""
+    from tunelab import evals
+    from tunelab.report.scores import Score, wandb_key, wandb_value
+    from tunelab.train import peft
+
+    folder, t0 = attempt.folder, time.perf_counter()
+    ctx = evaluate.context(folder, folder.eval_dir(attempt.cfg.eval.id()), datasets, val_loss)
+    scores = evals.run(peft.for_eval(model), tokenizer, attempt.cfg.eval, ctx, attempt.emit)
+    attempt.timings["eval_s"] = time.perf_counter() - t0
+    shown = [Score.of(task, res) for task, res in scores["tasks"].items()]  # marks travel to W&B too
+    attempt.summary({wandb_key(s): v for s in shown if (v := wandb_value(s)) is not None})
+
+
+def checkpoints_upto(attempt: Attempt, step: int) -> None:
+    """A search's rung: the checkpoints up to `step` scored (a search that ranks its rungs by a checkpoint score
+    reads them)."""
+    if attempt.cfg.eval.checkpoints is not None:
+        t0 = time.perf_counter()
+        evaluate.settle(attempt.folder, attempt.cfg, attempt.emit, attempt.rt, upto=step)
+        attempt.timings["checkpoints_s"] = attempt.timings.get("checkpoints_s", 0.0) + time.perf_counter() - t0

@@ -1,0 +1,137 @@
+"""One `exp run`: a matrix file planned and checked, its cells run, its leaderboard and report written.
+
+Everything a run can refuse is refused before the first file is written: the plan (expansion.load), the
+selection (--only), the layout against the nodes, this machine (runtime.check_host), the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+
+from tunelab.core.config import world_size
+from tunelab.core.errors import UserError
+from tunelab.core.files import make_dir
+from tunelab.folders.matrix import MatrixFolder
+from tunelab.matrix import expansion, input_checks, launcher
+from tunelab.matrix.expansion import Cell
+from tunelab.matrix.schema import MatrixFile
+from tunelab.run import runner
+from tunelab.run.launch import Launch, procs_per_node
+from tunelab.run.outcome import Outcome
+
+if TYPE_CHECKING:
+    from tunelab.tune.plan import Group
+
+
+@dataclass(frozen=True)
+class Request:
+    file: Path
+    sets: dict[str, Any] = field(default_factory=dict)  # --set KEY=VALUE, parsed
+    only: str | None = None
+    rerun_failed: bool = False
+    fail_fast: bool = False
+    runs_dir: Path = Path("runs")
+    how: Launch = field(default_factory=Launch)
+    slurm_flags: dict[str, Any] = field(default_factory=dict)  # --partition, --time, ... over launcher:
+
+
+@dataclass
+class Planned:
+    spec: MatrixFile
+    cells: list[Cell]  # every cell of the matrix
+    chosen: list[Cell]  # the ones this run runs (--only)
+    how: Launch
+    runs_dir: Path
+    groups: list[Group] = field(default_factory=list)  # every method group of a tune: section (tunelab.tune)
+    chosen_groups: list[Group] = field(default_factory=list)  # the ones this run searches (--only)
+    waiting: list[str] = field(default_factory=list)  # after run: searches that cannot go on yet, and why
+
+    @property
+    def folder(self) -> MatrixFolder:
+        return MatrixFolder(self.runs_dir / self.spec.name)
+
+
+def plan(req: Request) -> Planned:
+    """The cells to run, every check that can fail before a file is written done."""
+    req.how.check()
+    spec, cells = expansion.load(req.file, req.sets)
+    how = replace(req.how, slurm=launcher.with_overrides(spec.launcher, req.slurm_flags))
+    groups, chosen_groups = _searches(spec, req, how)
+    chosen = runner.select(cells, req.only)
+    if not chosen and not chosen_groups:
+        names = [c.slug for c in cells] + [f"{g.slug} (a search)" for g in groups]
+        raise UserError(f"--only {req.only!r} matches none of the cells: {', '.join(names)}")
+    configs = [c.config for c in chosen] + [g.config for g in chosen_groups]
+    for config in configs:  # what cannot run here fails before anything is written
+        procs_per_node(world_size(config.parallel), how)
+        if how.launcher == "local":  # a SLURM job runs elsewhere: its machine is checked where it runs
+            from tunelab.machine.runtime import check_host
+
+            check_host(config, file=req.file)
+    offline = input_checks.offline_problems(configs) if how.launcher == "local" else []
+    if offline:
+        raise UserError("; ".join(offline), file=req.file)
+    from tunelab.core import hub_access
+    from tunelab.core.paths import cache_dir
+    from tunelab.report import tracking
+
+    hub_access.check_env()
+    tracking.check_env()
+    make_dir(cache_dir(), "the cache: $TUNELAB_CACHE, else ~/.cache/tunelab")
+    make_dir(req.runs_dir / spec.name, "--runs-dir")
+    return Planned(spec, cells, chosen, how, req.runs_dir, groups, chosen_groups)
+
+
+def _searches(spec: MatrixFile, req: Request, how: Launch) -> tuple[list[Group], list[Group]]:
+    """The method groups of the file's tune: sections, and those --only chooses (docs/tuning.md)."""
+    from tunelab.tune import plan as tune_plan
+
+    groups = tune_plan.groups(spec, req.file, req.sets)
+    chosen = tune_plan.select(groups, req.only)
+    if chosen and (how.launcher != "local" or how.nnodes > 1):
+        raise UserError("a matrix with a tune: section runs its searches with the local launcher on one node per "
+                        "runner (each rung needs the one before it): on a cluster, run `exp run FILE` in one job per "
+                        "node on a shared runs folder; they share the trials (docs/tuning.md)")
+    from tunelab.tune.record import check_reachable
+
+    for url in {g.spec.storage for g in chosen} - {"journal"}:  # a server that cannot be reached: before training
+        check_reachable(url)  # (the journal file is the runs folder's own, made when the search starts)
+    return groups, chosen
+
+
+def run(req: Request, planned: Planned, console: Console) -> list[Outcome]:
+    """Run the chosen cells; node 0 writes the run's folder files first and the leaderboard and report after."""
+    from tunelab.run.progress import view
+
+    folder = planned.folder
+    if planned.how.node_rank == 0:  # node 0 writes the run's folders; the other nodes only join its cells
+        folder.write_matrix_file(req.file.read_text(), req.sets)
+        if not planned.groups:  # a search writes its own (its winners join it as they are found)
+            folder.write_index(planned.cells)
+    if planned.groups:
+        from tunelab.tune import driver
+
+        result = driver.run(planned.groups, planned.chosen_groups, planned.cells, planned.chosen, folder,
+                            console=console, how=planned.how, rerun_failed=req.rerun_failed, fail_fast=req.fail_fast)
+        planned.waiting = result.waiting
+        return result.outcomes
+    cells = planned.chosen
+    with_view = view(console, planned.spec.name, len(cells))
+    return runner.Runner(folder, with_view, planned.how, rerun_failed=req.rerun_failed,
+                         fail_fast=req.fail_fast).run(cells)
+
+
+def write_results(folder: MatrixFolder) -> Any:
+    """The leaderboard files and the report page of a matrix's run folder -> the leaderboard (for printing)."""
+    from tunelab.core.files import write_text
+    from tunelab.report import leaderboard
+    from tunelab.report.html import page
+    from tunelab.report.records import collect
+
+    board = leaderboard.write(folder.path)
+    write_text(folder.report_file, page(folder.path, collect(folder.path)))
+    return board
