@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
-from sandbox_evaluator import sandboxed_tasks
+from sandbox_evaluator import run_samples, sandboxed_tasks
 from sandbox_hostile import ENV_SECRET, FILE_SECRET, NOBODY
 
 from tunelab.evals import sandbox
@@ -63,6 +63,10 @@ class InProcess:
     def describe(self) -> dict:
         return {"describe": sandbox.describe(), "available": check_available()}
 
+    def samples(self, code: str, tests: str, calls: tuple, n: int, workers: int, judge: str | None = None,
+                **limits) -> list[dict]:  # fmt: skip
+        return run_samples(sandbox, code, tests, list(calls), n, workers, judge, limits)
+
     def close(self) -> None:
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
 
@@ -97,6 +101,13 @@ class Unprivileged:
 
     def describe(self) -> dict:
         return self._ask({"op": "describe"})
+
+    def samples(self, code: str, tests: str, calls: tuple, n: int, workers: int, judge: str | None = None,
+                **limits) -> list[dict]:  # fmt: skip
+        answer = self._ask({"op": "samples", "code": code, "tests": tests, "calls": list(calls), "n": n,
+                            "workers": workers, "judge": judge, "limits": limits})  # fmt: skip
+        assert "error" not in answer, answer
+        return answer["samples"]
 
     def close(self) -> None:
         self.proc.stdin.close()

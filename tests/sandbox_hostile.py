@@ -460,3 +460,110 @@ def f(i):
         memory.called(i)
     return guesses[i]
 '''
+
+
+# An oracle that learns from the judge's time, for tests/test_sandbox_timing.py. The tests it faces
+# are `assert f(0) == b0`, ..., `assert f(BITS - 1) == b(BITS-1)` for secret bits. Each sample
+# guesses the bits it knows, probes the first it does not (guessing 0) and answers the call after
+# it with a set of ints that all hash alike, slow to decode. A judge that decodes an answer only
+# when its check reaches it, and stops at the first failed assert, then takes SLOW seconds longer
+# exactly when the probed guess was right. The program cannot see its verdict, but it sees when
+# the next sample starts: it keeps, in the file $carrier outside the sandbox (a perfect memory),
+# when each sample started (S), and when each ended with its guesses and probe (E). The gap from
+# an end to the next start is that sample's check. With two workers a sample first waits, at its
+# first call, for the older sample running beside it to end and the next one to start (so the
+# next start after an end is always the ended sample's successor), then decides. With one bit
+# learned per sample, the last bit is guessed 0 and 1 in turn: against such a judge the program
+# passes every other sample from sample BITS on.
+TIMING_ORACLE = '''
+import os, sys, time
+BITS = $bits
+CARRIER = $carrier
+SLOW = $slow
+ME = f"{os.getpid()}-{time.monotonic_ns()}"
+
+
+def records():
+    with open(CARRIER) as f:
+        return [line.split() for line in f if line.strip()]
+
+
+def note(*words):
+    fd = os.open(CARRIER, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    os.write(fd, (" ".join(map(str, words)) + "\\n").encode())
+    os.close(fd)
+
+
+note("S", ME, time.monotonic())
+COLLIDING = [i * sys.hash_info.modulus for i in range(1, SLOW + 1)]  # every hash is 0
+
+
+class Slow(set):
+    """Sent as a set of SLOW ints that all hash alike: quadratic to decode (built here, it is empty)."""
+
+    def __iter__(self):
+        return iter(COLLIDING)
+
+
+def timed(n):
+    start = time.monotonic()
+    set(COLLIDING[:n])
+    return time.monotonic() - start
+
+
+# A third of the time the slow answer takes to decode (quadratic in its size, from an eighth of
+# it: the least of three tries, load only adds), and a margin for the next sample's start.
+THRESHOLD = 64 * min(timed(SLOW // 8) for _ in range(3)) / 3 + 0.15
+
+
+def settled(recs):
+    """No older sample still runs, and every ended one has a start after it."""
+    starts = [(float(r[2]), r[1]) for r in recs if r[0] == "S"]
+    ended = {r[1]: float(r[2]) for r in recs if r[0] == "E"}
+    now = time.monotonic()
+    for t, uid in starts:
+        if uid == ME:
+            break
+        if uid not in ended and now - t < 20:  # older and alive (one dead for 20 s was killed)
+            return False
+    return all(any(t > end for t, _ in starts) for end in ended.values())
+
+
+def knowledge():
+    recs = records()
+    deadline = time.monotonic() + 4.0
+    while not settled(recs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        recs = records()
+    starts = [float(r[2]) for r in recs if r[0] == "S"]
+    known, lasts = [], 0
+    for r in recs:
+        if r[0] != "E":
+            continue
+        end, guesses, probe = float(r[2]), r[3], int(r[4])
+        later = [t for t in starts if t > end]
+        if probe < 0:
+            lasts += 1
+        elif later and probe == len(known):
+            slow = min(later) - end > THRESHOLD  # the check reached the answer after the probe
+            known.append(int(guesses[probe]) if slow else 1 - int(guesses[probe]))
+    return known, lasts
+
+
+decided = []
+
+
+def f(i):
+    if not decided:
+        known, lasts = knowledge()
+        guesses = known + [0] * (BITS - len(known))
+        probe = len(known) if len(known) < BITS - 1 else -1
+        if probe < 0:
+            guesses[-1] = lasts % 2
+        decided.extend([guesses, probe])
+    guesses, probe = decided
+    answer = Slow() if probe >= 0 and i == probe + 1 else guesses[i]
+    if i == BITS - 1:
+        note("E", ME, time.monotonic(), "".join(map(str, guesses)), probe)
+    return answer
+'''
