@@ -194,6 +194,68 @@ HOSTILE: dict[str, Hostile] = {
         "        except OSError:\n            pass\n"
         "got = [g for g in got if g[0] != socket.AF_UNIX]\nprint(got, file=sys.stderr)\nassert got\n"
     ),
+    # --- kernel memory no descriptor bounds (issue 51: each succeeds only if it made the object)
+    "listen on an AF_UNIX socket (its backlog keeps closed clients' buffers)": Hostile(
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\ns.bind('\\0backlog-$tag')\ns.listen(4096)\n"
+        "c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\nc.connect('\\0backlog-$tag')\n"
+    ),
+    "name a socket (bind, connect, autobind)": Hostile(
+        "named = []\n"
+        "for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET):\n"
+        "    s = socket.socket(socket.AF_UNIX, kind)\n"
+        "    for name, call in (('bind', lambda: s.bind('\\0named-$tag')), ('connect', lambda: s.connect('\\0x')),\n"
+        "                       ('passcred', lambda: s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1))):\n"
+        "        try:\n            call()\n            named.append((kind, name))\n"
+        "        except OSError as e:\n            print(kind, name, e, file=sys.stderr)\n"
+        "assert named, 'no socket got a name'\n"
+    ),
+    "lend pages to a pipe (vmsplice, splice, tee)": Hostile(
+        LIBC + "worked = []\nr, w = os.pipe()\nr2, w2 = os.pipe()\nos.write(w, b'x' * 4096)\n"
+        "class iovec(ctypes.Structure):\n    _fields_ = [('base', ctypes.c_void_p), ('len', ctypes.c_size_t)]\n"
+        "buf = ctypes.create_string_buffer(4096)\nv = iovec(ctypes.cast(buf, ctypes.c_void_p), 4096)\n"
+        "for name, rc in (('vmsplice', lambda: libc.vmsplice(w, ctypes.byref(v), 1, 0)),\n"
+        "                 ('tee', lambda: libc.tee(r, w2, 4096, 0)), ('splice', lambda: libc.splice(r, None, w2, None, 1, 0))):\n"
+        "    if rc() >= 0:\n        worked.append(name)\n"
+        "print(worked, file=sys.stderr)\nassert worked\n"
+    ),
+    "record locks without end": Hostile(
+        "import fcntl\nf = open('locked', 'wb')\nn = 0\n"
+        "for n in range(1000):  # byte by byte, none merging: each is a kernel object\n"
+        "    fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 2 * n)\n"
+    ),
+    "inotify": Hostile(_libc_call("libc.inotify_init1(0)")),
+    "more POSIX timers than pending signals": Hostile(
+        LIBC + "class sigevent(ctypes.Structure):\n"
+        "    _fields_ = [('value', ctypes.c_void_p), ('signo', ctypes.c_int), ('notify', ctypes.c_int),\n"
+        "                ('pad', ctypes.c_byte * 48)]\n"
+        "n, tid = 0, ctypes.c_void_p()\n"
+        "while n < 10000 and libc.timer_create(1, ctypes.byref(sigevent(None, 0, 1)), ctypes.byref(tid)) == 0:\n"
+        "    n += 1\nprint(n, 'timers', file=sys.stderr)\nassert n > 64, n  # RLIMIT_SIGPENDING: each holds a queued signal\n"
+    ),
+    # --- counters the kernel keeps between runs, which a program could advance and read
+    "the socket cookie (a counter between runs)": Hostile(
+        "import struct\na, b = socket.socketpair()\n"
+        "print(struct.unpack('Q', a.getsockopt(socket.SOL_SOCKET, 57, 8)), file=sys.stderr)  # SO_COOKIE\n"
+    ),
+    "the network namespace's cookie": Hostile(
+        "import struct\na, b = socket.socketpair()\n"
+        "print(struct.unpack('Q', a.getsockopt(socket.SOL_SOCKET, 71, 8)), file=sys.stderr)  # SO_NETNS_COOKIE\n"
+    ),
+    "a pidfd (its inode numbers count the machine's processes)": Hostile(
+        LIBC + "got = []\n"
+        "try:\n    got.append(('pidfd_open', os.fstat(os.pidfd_open(os.getpid())).st_ino))\n"
+        "except OSError as e:\n    print('pidfd_open', e, file=sys.stderr)\n"
+        "a, b = socket.socketpair()\n"
+        "try:\n    got.append(('SO_PEERPIDFD', a.getsockopt(socket.SOL_SOCKET, 77)))\n"
+        "except OSError as e:\n    print('SO_PEERPIDFD', e, file=sys.stderr)\n"
+        "import platform, signal as sig\nnr = {'x86_64': 56, 'aarch64': 220}[platform.machine()]\n"
+        "fd = ctypes.c_int(-1)\n"
+        "pid = libc.syscall(nr, ctypes.c_ulong(0x1000 | int(sig.SIGCHLD)), None, ctypes.byref(fd), None, None)  # CLONE_PIDFD\n"
+        "if pid == 0:\n    os._exit(0)\n"
+        "if pid > 0:\n    got.append(('CLONE_PIDFD', fd.value))\n"
+        "else:\n    print('clone', os.strerror(ctypes.get_errno()), file=sys.stderr)\n"
+        "print(got, file=sys.stderr)\nassert got\n"
+    ),
     # --- what else of the host could be imported
     "import from a site-packages": Hostile(
         "import sysconfig\nfound = []\n"

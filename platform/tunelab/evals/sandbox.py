@@ -79,8 +79,9 @@ _WORK = "/work"
 _SANDBOX_UID = 65534  # the program's uid inside a user namespace
 _DEVICES = ("null", "zero", "full", "random", "urandom")
 # Bounds the pipes and sockets one process can hold (each with a kernel buffer) and file
-# descriptors in flight; far above what a HumanEval program opens.
-_MAX_OPEN_FILES = 64
+# descriptors in flight (docs/RELIABILITY.md: kernel memory without a cgroup); well above what a
+# HumanEval program opens (the interpreter and the boot hold 6; asyncio and subprocess a few more).
+_MAX_OPEN_FILES = 32
 _EXIT_GRACE_S = 0.5  # after its last call, the time a program has to exit before it is killed
 _JUDGE_MIN_MEMORY_MB = 512
 # Throwaway uids for root evaluators: random in a range no distribution hands out, and
