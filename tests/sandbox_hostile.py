@@ -629,3 +629,76 @@ def f(i):
         note("E", ME, time.monotonic(), "".join(map(str, guesses)), probe)
     return answer
 '''
+
+
+# Kernel memory a program holds past RLIMIT_AS without a cgroup, for test_kernel_memory_is_bounded
+# (tests/test_sandbox.py): a listener's backlog (refused: the clients' buffers outlived them), then
+# the most the bounds allow: socketpairs, each socket's send buffer filled with the largest
+# datagrams it takes, as many as the descriptors allow, then sent in flight (SCM_RIGHTS) with their
+# descriptors closed, and again, until the kernel refuses more in flight; POSIX timers. It prints
+# what it holds as JSON, holds it for $hold s, and succeeds only if it held more than $bound bytes.
+KERNEL_HOG = '''
+import array, errno, json, os, socket, sys, time
+LIBC = None
+report = {"listen": 0, "queued": 0, "held": 0, "in flight": 0, "refused in flight": None, "timers": 0}
+try:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind("\\\\0kernel-hog")
+    s.listen(4096)
+except OSError as e:
+    report["listen"] = e.errno
+
+
+def fill(sock):
+    """Its send buffer full: a datagram a little smaller than the buffer (so that it is not yet
+    full after it), then the largest it takes (its size less 32 bytes), then smaller ones."""
+    sock.setblocking(False)
+    largest = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) - 32
+    for size in [largest - 16384, largest] + [largest >> k for k in range(1, 9)]:
+        try:
+            report["queued"] += sock.send(b"x" * size)
+        except BlockingIOError:
+            pass
+
+
+carrier, holder = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+held, flying = [], True
+while True:
+    batch = []
+    try:
+        while True:
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+            batch += [a, b]
+            fill(a)
+            fill(b)
+    except OSError:  # out of descriptors
+        pass
+    if not flying:
+        held += batch
+        break
+    try:  # all of them in one message, in flight; their descriptors closed
+        carrier.sendmsg([b"f"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [s.fileno() for s in batch]))])
+        report["in flight"] += len(batch)
+        for s in batch:
+            s.close()
+    except OSError as e:
+        report["refused in flight"] = e.errno
+        held += batch
+        flying = False
+report["held"] = len(held)
+
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+class Sigevent(ctypes.Structure):
+    _fields_ = [("value", ctypes.c_void_p), ("signo", ctypes.c_int), ("notify", ctypes.c_int), ("pad", ctypes.c_byte * 48)]
+
+
+tid = ctypes.c_void_p()
+while report["timers"] < 100_000 and libc.timer_create(1, ctypes.byref(Sigevent(None, 0, 1)), ctypes.byref(tid)) == 0:
+    report["timers"] += 1
+print(json.dumps(report), file=sys.stderr, flush=True)
+time.sleep($hold)
+assert report["listen"] == 0 or report["queued"] > $bound, report
+'''
