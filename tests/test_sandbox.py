@@ -206,6 +206,22 @@ def test_memory_of_all_processes_together(evaluator):
         assert answer["memory_peak"] is None
 
 
+def test_a_counter_does_not_cross_from_one_run_to_the_next(evaluator):
+    """Issue 51: the socket cookie is a global counter (the next run read the previous value + 1, in
+    11 runs of 11) and pidfds' inode numbers count every process the machine starts: one run could
+    advance them and the next read them. Both are refused, in every run; the counters that remain
+    are listed in docs/RELIABILITY.md with what each carries."""
+    code = (
+        "import struct\nseen = {}\na, b = socket.socketpair()\n"
+        "for name, read in (('SO_COOKIE', lambda: struct.unpack('Q', a.getsockopt(socket.SOL_SOCKET, 57, 8))[0]),\n"
+        "                   ('pidfd', lambda: os.fstat(os.pidfd_open(os.getpid())).st_ino)):\n"
+        "    try:\n        seen[name] = read()\n    except OSError as e:\n        seen[name] = -e.errno\n"
+        "print(json.dumps(seen), file=sys.stderr)\n"
+    )
+    runs = [_report(evaluator, code) for _ in range(2)]
+    assert runs == [{"SO_COOKIE": -errno.EPERM, "pidfd": -errno.EPERM}] * 2, runs
+
+
 def test_kernel_memory_is_bounded_without_a_cgroup(evaluator):
     """Issue 51: kernel memory that RLIMIT_AS does not count, held without a descriptor, stays within
     a constant per process: no listener (its backlog kept the buffers of clients that closed: 1.2 GB

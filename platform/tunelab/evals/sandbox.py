@@ -9,7 +9,8 @@ interpreter that the program controls:
   its standard library, no site-packages), the devices null, zero, full, random and urandom,
   and /work: a tmpfs bounded in bytes and in files that is the working directory, HOME and
   TMPDIR. No /tmp, /proc, /sys, /etc, home folders or other binaries of the host.
-- network namespace: only a loopback interface of its own, and only AF_UNIX sockets;
+- network namespace: only a loopback interface of its own, and only AF_UNIX sockets, without
+  names (socketpairs: no listener, no backlog);
 - pid namespace: the program cannot name (so cannot signal or trace) any process
   outside, and when its first process ends the kernel kills every process in it, daemons
   that called setsid() included;
@@ -17,7 +18,8 @@ interpreter that the program controls:
 - a seccomp filter (`sandbox_seccomp.py`) refusing nested namespaces, mounts, keyrings,
   ptrace, memory that RLIMIT_AS does not count (memfd, System V IPC), sockets other than
   AF_UNIX and other kernel surfaces a program never needs;
-- rlimits on CPU time, address space, processes, open files, file size and core dumps,
+- rlimits on CPU time, address space, processes, open files, pending signals (POSIX timers),
+  file size and core dumps,
   and where the machine offers one, a memory cgroup bounding all of the program's memory,
   the kernel's included (`sandbox_cgroup.py`).
 
@@ -32,7 +34,9 @@ program's functions are called from there and answer with plain data
 holds the pipe that says so: no exit status, token or object of the program's can make
 a test pass; only returning the right values can. The program cannot learn its verdict
 either: the judge plans every call before the program answers any, makes them all
-whatever the answers, and checks the answers only once the program's run has ended. `run_program` runs a whole program
+whatever the answers, and checks the answers only once the program's run has ended, in a
+time that does not depend on which were right (it decodes them all first and runs the tests
+to their end). `run_program` runs a whole program
 and asks the judge whether it ran to its end (a function defined after its last line
 answers); that is for programs that hold their own asserts, not for scoring.
 

@@ -19,11 +19,17 @@ the judge works in three phases:
 2. ask: the planned calls go to the program one after the other, each sent as soon as the
    previous answer arrived, none decoded, whatever the answers are. At the deadline the
    judge stops asking; the program's run then ends (the evaluator kills it) before:
-3. check: the tests run again, as written, each call answered from phase 2 by the planned
-   call with the same arguments. A call the plan lacks means the tests' inputs depend on
-   the program's answers (no HumanEval test does): that run is scored failed, not asked.
+3. check: every answer is decoded (within one budget), then the tests run again, each call
+   answered from phase 2 by the planned call with the same arguments, every operand
+   evaluated as in planning, to their end: a failed assert or an error is recorded and the
+   tests go on; the first failure is the verdict, and a traceback is formatted whatever it
+   is. So the check takes as long whichever answers were right, and the time from the
+   program's end to the next program's start says nothing of the verdict (beyond the
+   comparisons themselves: builtin `==` on plain data). A call the plan lacks means the
+   tests' inputs depend on the program's answers (no HumanEval test does): that run is
+   scored failed, not asked.
 
-Only if the check runs to its end does this process write "passed" to the verdict pipe,
+Only if the check records no failure does this process write "passed" to the verdict pipe,
 which the program has no handle on. Argument order: call_fd answer_fd verdict_fd done_fd
 go_fd deadline (time.monotonic) cpu_s memory_bytes.
 """
