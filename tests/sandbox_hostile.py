@@ -214,7 +214,8 @@ HOSTILE: dict[str, Hostile] = {
         "class iovec(ctypes.Structure):\n    _fields_ = [('base', ctypes.c_void_p), ('len', ctypes.c_size_t)]\n"
         "buf = ctypes.create_string_buffer(4096)\nv = iovec(ctypes.cast(buf, ctypes.c_void_p), 4096)\n"
         "for name, rc in (('vmsplice', lambda: libc.vmsplice(w, ctypes.byref(v), 1, 0)),\n"
-        "                 ('tee', lambda: libc.tee(r, w2, 4096, 0)), ('splice', lambda: libc.splice(r, None, w2, None, 1, 0))):\n"
+        "                 ('tee', lambda: libc.tee(r, w2, 4096, 0)),\n"
+        "                 ('splice', lambda: libc.splice(r, None, w2, None, 1, 0))):\n"
         "    if rc() >= 0:\n        worked.append(name)\n"
         "print(worked, file=sys.stderr)\nassert worked\n"
     ),
@@ -230,7 +231,8 @@ HOSTILE: dict[str, Hostile] = {
         "                ('pad', ctypes.c_byte * 48)]\n"
         "n, tid = 0, ctypes.c_void_p()\n"
         "while n < 10000 and libc.timer_create(1, ctypes.byref(sigevent(None, 0, 1)), ctypes.byref(tid)) == 0:\n"
-        "    n += 1\nprint(n, 'timers', file=sys.stderr)\nassert n > 64, n  # RLIMIT_SIGPENDING: each holds a queued signal\n"
+        "    n += 1\nprint(n, 'timers', file=sys.stderr)\n"
+        "assert n > 64, n  # RLIMIT_SIGPENDING: each holds a queued signal\n"
     ),
     # --- counters the kernel keeps between runs, which a program could advance and read
     "the socket cookie (a counter between runs)": Hostile(
@@ -250,7 +252,8 @@ HOSTILE: dict[str, Hostile] = {
         "except OSError as e:\n    print('SO_PEERPIDFD', e, file=sys.stderr)\n"
         "import platform, signal as sig\nnr = {'x86_64': 56, 'aarch64': 220}[platform.machine()]\n"
         "fd = ctypes.c_int(-1)\n"
-        "pid = libc.syscall(nr, ctypes.c_ulong(0x1000 | int(sig.SIGCHLD)), None, ctypes.byref(fd), None, None)  # CLONE_PIDFD\n"
+        "flags = ctypes.c_ulong(0x1000 | int(sig.SIGCHLD))  # CLONE_PIDFD\n"
+        "pid = libc.syscall(nr, flags, None, ctypes.byref(fd), None, None)\n"
         "if pid == 0:\n    os._exit(0)\n"
         "if pid > 0:\n    got.append(('CLONE_PIDFD', fd.value))\n"
         "else:\n    print('clone', os.strerror(ctypes.get_errno()), file=sys.stderr)\n"
@@ -692,7 +695,8 @@ libc = ctypes.CDLL(None, use_errno=True)
 
 
 class Sigevent(ctypes.Structure):
-    _fields_ = [("value", ctypes.c_void_p), ("signo", ctypes.c_int), ("notify", ctypes.c_int), ("pad", ctypes.c_byte * 48)]
+    _fields_ = [("value", ctypes.c_void_p), ("signo", ctypes.c_int), ("notify", ctypes.c_int),
+                ("pad", ctypes.c_byte * 48)]
 
 
 tid = ctypes.c_void_p()

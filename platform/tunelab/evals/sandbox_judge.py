@@ -286,8 +286,6 @@ class _Missing(BaseException):
 
 
 def _check(job: dict, seed: int, plan: list[bytes], answers: list, cut: str | None) -> str:
-    import traceback  # in every run, whatever the verdict: its time must not say which
-
     # One budget for every answer: together they build at most COST_FACTOR x the bytes kept +
     # COST_SLACK of objects, decoded here, all of them, before any test runs.
     budget = Budget(sum(len(a) for a in answers if isinstance(a, bytes)))  # noqa: F821
@@ -315,22 +313,31 @@ def _check(job: dict, seed: int, plan: list[bytes], answers: list, cut: str | No
         raise _Missing("passed", "")
     except _Missing as stand_in:  # formatted when the tests passed, so that passing costs what failing does
         first, frame = failures[0] if failures else (stand_in, sys._getframe())
-    text = _formatted(traceback, first, frame)
+    text = _formatted(first, frame)  # whatever the verdict: its time must not say which
     if not failures:
         return "passed"
     sys.stderr.write(f"{first}\n" if isinstance(first, _Missing) else text)
     return first.verdict if isinstance(first, _Missing) else "failed"
 
 
-def _formatted(traceback: Any, e: BaseException, frame: Any) -> str:
-    """e's traceback as a whole-program run would show it: from the tests' outermost frame on,
-    the frames between that and where the failure was recorded included."""
-    lines = traceback.format_exception(type(e), e, e.__traceback__)
-    outer = [f for f in traceback.extract_stack(frame) if f.filename in ("tests.py", "context.py")] if frame else []
-    head = max((i for i, line in enumerate(lines) if line.startswith("Traceback ")), default=None)
-    if head is not None and outer:
-        lines[head + 1 : head + 1] = traceback.format_list(outer[:-1])
-    return "".join(line for line in lines if not line.startswith('  File "<string>"'))  # the judge's own frames
+def _formatted(e: BaseException, frame: Any) -> str:
+    """e's traceback as a whole-program run shows it, from the tests' outermost frame on (the frames
+    above the one that recorded it included), without the judge's own frames. Written out here
+    rather than by `traceback`, whose import would cost every run milliseconds; the tests' files
+    have no source lines to show anyway."""
+    outer: list[tuple[str, int, str]] = []
+    while frame is not None:
+        outer.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    inner, tb = [], e.__traceback__
+    while tb is not None:
+        inner.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, tb.tb_frame.f_code.co_name))
+        tb = tb.tb_next
+    frames = [*reversed(outer[1:]), *inner]  # the recording frame is the traceback's first
+    lines = [f'  File "{f}", line {n}, in {name}\n' for f, n, name in frames if f in ("tests.py", "context.py")]
+    text = str(e)
+    last = f"{type(e).__name__}: {text}\n" if text else f"{type(e).__name__}\n"
+    return "Traceback (most recent call last):\n" + "".join(lines) + last
 
 
 def _replay(name: str, where: dict, replies: list, cursor: list, state: tuple) -> Callable[..., object]:
@@ -382,7 +389,8 @@ def _decoded(frame: bytes | str, budget: Budget) -> tuple:  # noqa: F821
         return answer
     if type(answer) is tuple and len(answer) == 3 and answer[0] == "raise" and all(type(x) is str for x in answer):
         return answer
-    return ("gone", "failed", "the answer to {}() is not one: " + str(answer)[:80].replace("{", "{{").replace("}", "}}"))
+    shown = str(answer)[:80].replace("{", "{{").replace("}", "}}")
+    return ("gone", "failed", "the answer to {}() is not one: " + shown)
 
 
 def _reply(name: str, reply: tuple, failed: Callable[[BaseException], None]) -> object:
@@ -426,7 +434,8 @@ class _Checking(_Planning):
     def visit_Assert(self, node: ast.Assert) -> ast.stmt | list[ast.stmt]:
         self.generic_visit(node)
         operands = [node.test] + ([node.msg] if node.msg is not None else [])
-        if any(isinstance(n, (ast.NamedExpr, ast.Yield, ast.YieldFrom, ast.Await)) for e in operands for n in ast.walk(e)):
+        binding = (ast.NamedExpr, ast.Yield, ast.YieldFrom, ast.Await)
+        if any(isinstance(n, binding) for e in operands for n in ast.walk(e)):
             return node  # a lambda would change the scope of the name it binds: evaluated as written
         no_args = ast.arguments([], [], None, [], [], None, [])
         result = ast.Name("__tunelab_assertion_result", ast.Store())
