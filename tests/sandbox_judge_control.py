@@ -4,14 +4,16 @@ It decoded each answer only when the tests reached its call and stopped at the f
 assert, so the time from a program's end to its verdict said how far the tests got: a program
 that made the answer after a guess slow to decode learned from that time whether the guess was
 right. `early_stopping_judge()` is today's judge with that check put back (this file's copy of
-it, verbatim); the tests swap it in for the control runs only (`sandbox._JUDGE`).
+it, verbatim but for taking the namespace the judge prepares); the tests swap it in for the control
+runs only (`sandbox._JUDGE`).
 """
 
 from tunelab.evals import sandbox
 
 _EARLY_STOPPING_CHECK = '''
-def _check(job: dict, seed: int, plan: list[bytes], answers: list, cut: str | None) -> str:
-    namespace = _namespace(job, seed)
+def _check(job: dict, plan: list[bytes], answers: list, cut: str | None, prepared: tuple) -> str:
+    namespace = prepared[0]  # the context run and the randomness reset, as the judge prepares them
+
     where: dict[bytes, list[int]] = {}
     for i, message in enumerate(plan):
         where.setdefault(message, []).append(i)

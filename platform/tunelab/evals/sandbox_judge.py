@@ -67,12 +67,13 @@ def main() -> None:
     job = decode(sys.stdin.buffer.read())  # noqa: F821 (the evaluator's, in the wire's format)
     seed = int.from_bytes(os.urandom(8), "little")
     plan, cut = _plan(job, seed)
+    prepared = _prepared(job, seed)  # before the program answers: no part of the time its verdict takes
     answers = _ask(plan, call_fd, answer_fd, deadline)
     os.close(call_fd)  # the program reads the end of its calls and exits
     os.close(answer_fd)
     os.write(done_fd, b"D")
     os.read(go_fd, 1)  # returns once the evaluator has ended the program: nothing below reaches it
-    verdict = _check(job, seed, plan, answers, cut)
+    verdict = _check(job, plan, answers, cut, prepared)
     os.write(verdict_fd, f"{verdict} {_peak_kb()}".encode())
 
 
@@ -285,14 +286,9 @@ class _Missing(BaseException):
         self.verdict = verdict
 
 
-def _check(job: dict, seed: int, plan: list[bytes], answers: list, cut: str | None) -> str:
-    # One budget for every answer: together they build at most COST_FACTOR x the bytes kept +
-    # COST_SLACK of objects, decoded here, all of them, before any test runs.
-    budget = Budget(sum(len(a) for a in answers if isinstance(a, bytes)))  # noqa: F821
-    replies = [_decoded(a, budget) for a in answers]
-    where: dict[bytes, list[int]] = {}
-    for i, message in enumerate(plan):
-        where.setdefault(message, []).append(i)
+def _prepared(job: dict, seed: int) -> tuple[dict, Any, list]:
+    """The check's namespace (the context run, the randomness reset), its code (the tests as
+    _Checking writes them, compiled; or the error that stopped that) and its list of failures."""
     failures: list[tuple[BaseException, Any]] = []
 
     def failed(e: BaseException) -> None:
@@ -301,12 +297,30 @@ def _check(job: dict, seed: int, plan: list[bytes], answers: list, cut: str | No
     namespace = _namespace(job, seed)
     namespace.update(__tunelab_and=_and, __tunelab_or=_or, __tunelab_ifexp=_ifexp, __tunelab_assertion=_assertion,
                      __tunelab_failed=failed, __tunelab_Missing=_Missing)  # fmt: skip
-    cursor = [0]
-    for name in job["calls"]:
-        namespace[name] = _replay(name, where, replies, cursor, (cut, failed))
     try:
         tree = _Checking().visit(ast.parse(job["tests"], "tests.py"))
-        exec(compile(ast.fix_missing_locations(tree), "tests.py", "exec"), namespace)
+        code: Any = compile(ast.fix_missing_locations(tree), "tests.py", "exec")
+    except BaseException as e:  # the tests do not compile: the check fails with this
+        code = e
+    return namespace, code, failures
+
+
+def _check(job: dict, plan: list[bytes], answers: list, cut: str | None, prepared: tuple) -> str:
+    namespace, code, failures = prepared
+    # One budget for every answer: together they build at most COST_FACTOR x the bytes kept +
+    # COST_SLACK of objects, decoded here, all of them, before any test runs.
+    budget = Budget(sum(len(a) for a in answers if isinstance(a, bytes)))  # noqa: F821
+    replies = [_decoded(a, budget) for a in answers]
+    where: dict[bytes, list[int]] = {}
+    for i, message in enumerate(plan):
+        where.setdefault(message, []).append(i)
+    cursor = [0]
+    for name in job["calls"]:
+        namespace[name] = _replay(name, where, replies, cursor, (cut, namespace["__tunelab_failed"]))
+    try:
+        if isinstance(code, BaseException):
+            raise code
+        exec(code, namespace)
     except BaseException as e:  # what no statement's recording caught (an error of the tests' own)
         failures.append((e, None))
     try:
