@@ -19,7 +19,9 @@ the judge works in three phases:
 2. ask: the planned calls go to the program one after the other, each sent as soon as the
    previous answer arrived, none decoded, whatever the answers are. At the deadline the
    judge stops asking; the program's run then ends (the evaluator kills it) before:
-3. check: every answer is decoded (within one budget), then the tests run again, each call
+3. check: prepared before the program answers anything (the context run in a fresh
+   namespace, the tests rewritten and compiled), so that none of it is part of the time a
+   verdict takes. Every answer is decoded (within one budget), then the tests run, each call
    answered from phase 2 by the planned call with the same arguments, every operand
    evaluated as in planning, to their end: a failed assert or an error is recorded and the
    tests go on; the first failure is the verdict, and a traceback is formatted whatever it
