@@ -196,7 +196,8 @@ CASES: dict[str, Case] = {
     "eval_task_file_not_json": Case(RUN, ("evaldata/humaneval/main/test.jsonl", "line 1 is not JSON"), {
         "m.yaml": GOOD.replace("tasks: [val_loss]", "tasks: [humaneval], limit: 1, data_dir: {tmp}/evaldata"),
         "evaldata/humaneval/main/test.jsonl": "{not json\n"}, code=1, state="done"),
-    "checkpoint_corrupt": Case(RUN, ("checkpoints/step-2", "unreadable"), code=1, state="corrupt-checkpoint"),
+    "checkpoint_corrupt": Case(RUN, ("checkpoints/step-2 (state.pt has 100 bytes", "no complete checkpoint"), code=1,
+                               state="corrupt-checkpoint"),
     "results_truncated": Case(RUN, ("results.json", "evaluating it again"), code=0, state="truncated-results"),
 }
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import resource
 import shutil
 import sys
@@ -66,12 +67,18 @@ def cannot_write(path: Path, e: OSError, advice: str | None = None) -> WriteFail
 def write_failure(e: BaseException, path: Path | None = None) -> str | None:
     """The place's limit a failed write met, in words (a full disk, a quota, a read-only folder, `ulimit -f`), or
     None when `e` is not a failed write. torch says only "file write failed" (its C++ writer keeps no errno), so
-    for it the limits are looked at: the file size limit, then the free space where it wrote."""
+    for it the limits are looked at: the file size limit, then the free space where it wrote (`path`)."""
     for err in (e, e.__cause__, e.__context__):
+        if isinstance(err, WriteFailed):
+            return err.cause
         if isinstance(err, OSError) and err.errno in PLACE_ERRORS:
             return PLACE_ERRORS[err.errno]
-    text = str(e)
-    if not (isinstance(e, RuntimeError) and ("write failed" in text or "failed writing" in text)):
+    # Rust writers (safetensors) keep the errno in their text: "I/O error: File too large (os error 27)"
+    found = re.search(r"\(os error (\d+)\)", str(e))
+    if found and int(found.group(1)) in PLACE_ERRORS:
+        return PLACE_ERRORS[int(found.group(1))]
+    # torch's zip writer: "file write failed", or, when a short write went unseen, "unexpected pos N vs M"
+    if not (isinstance(e, RuntimeError) and any(w in str(e) for w in ("write", "inline_container"))):
         return None
     soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
     if soft != resource.RLIM_INFINITY:
@@ -82,10 +89,10 @@ def write_failure(e: BaseException, path: Path | None = None) -> str | None:
     try:
         st = os.statvfs(where or ".")
     except OSError:
-        return "the write failed"
+        return None
     if st.f_bavail * st.f_frsize < 1 << 20:
         return PLACE_ERRORS[errno.ENOSPC]
-    return "the write failed" if os.access(where or ".", os.W_OK) else PLACE_ERRORS[errno.EACCES]
+    return None if os.access(where or ".", os.W_OK) else PLACE_ERRORS[errno.EACCES]  # no limit: another fault
 
 
 def make_dir(path: Path, what: str = "", advice: str | None = None) -> Path:

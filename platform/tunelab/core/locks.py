@@ -4,6 +4,7 @@ dies, so a lock is never stale and a status that still says "running" under a fr
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -62,7 +63,8 @@ class CellLock:
             f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S %z')}\n")
             f.flush()
         except OSError as e:  # a full disk, a quota: the lock cannot say who holds it, so it is not taken
-            f.close()
+            with contextlib.suppress(OSError):  # closing flushes what could not be written, and fails again
+                f.close()
             raise (cannot_write(self.path, e) if e.errno in PLACE_ERRORS else e) from None
         self._f = f
         return True

@@ -88,18 +88,18 @@ def incomplete(folder: Path) -> str | None:
     return None
 
 
-def usable(root: Path, say: Callable[[str], None]) -> Path | None:
-    """The latest complete checkpoint under `root`; each newer one that is not complete is named (`say`) and
-    skipped. None when there is none at all; UserError when there are checkpoints but none is complete: training
-    from the start would silently drop what they hold."""
+def usable(root: Path, skip: Callable[[Path, str], None]) -> Path | None:
+    """The latest complete checkpoint under `root`; each newer one that is not complete is handed to `skip` with
+    why, and passed over. None when there is none at all; UserError when there are checkpoints but none is
+    complete: training from the start would silently drop what they hold."""
     steps = all_steps(root)
     skipped = []
     for _, path in reversed(steps):
         why = incomplete(path)
         if why is None:
             return path
-        say(f"checkpoint {path} is incomplete and is not used: {why}")
-        skipped.append(f"{path.name} ({why})")
+        skip(path, why)
+        skipped.append(f"{path} ({why})")
     if skipped:
         raise UserError(f"no complete checkpoint to resume from: {'; '.join(skipped)}. Delete the checkpoints/ "
                         "folder to train from the start", file=root)

@@ -206,7 +206,8 @@ def _setup(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, folder: 
 
 def _resume(loop: Training) -> tuple[int, int | None]:
     """(first step to run, the step resumed from): from the latest complete checkpoint, when there is one."""
-    ckpt = _resume_from(loop) if loop.cfg.train.resume else None
+    skipped: list[str] = []
+    ckpt = _resume_from(loop, skipped) if loop.cfg.train.resume else None
     if ckpt is None:
         if loop.runtime.is_main:
             loop.metrics_path.unlink(missing_ok=True)
@@ -217,19 +218,23 @@ def _resume(loop: Training) -> tuple[int, int | None]:
     checkpoint.set_rng_state(saved["rng"])  # last: nothing may draw from the RNGs after this
     if loop.runtime.is_main:
         _truncate_metrics(loop.metrics_path, saved["step"])
-    loop.emit(Resumed(saved["step"], ckpt.name))
+    loop.emit(Resumed(saved["step"], ckpt.name, "; ".join(skipped)))
     return saved["step"] + 1, saved["step"]
 
 
-def _resume_from(loop: Training) -> Path | None:
-    """The latest complete checkpoint (checkpoint.usable: each newer incomplete one named in cell.log and
-    skipped), chosen by the main process and the same on every process."""
+def _resume_from(loop: Training, skipped: list[str]) -> Path | None:
+    """The latest complete checkpoint (checkpoint.usable: each newer incomplete one named in cell.log, and in
+    `skipped` for the Resumed event, and skipped), chosen by the main process and the same on every process."""
     import torch.distributed as dist
+
+    def named(path: Path, why: str) -> None:
+        warn(f"checkpoint {path} is incomplete and is not used: {why}")
+        skipped.append(f"{path.name}: {why}")
 
     found: list[Path | None | BaseException] = [None]
     if loop.runtime.is_main:
         try:
-            found[0] = checkpoint.usable(loop.folder.checkpoints, warn)
+            found[0] = checkpoint.usable(loop.folder.checkpoints, named)
         except UserError as e:  # every process raises it, not only the main one
             found[0] = e
     if dist.is_initialized():
