@@ -273,13 +273,13 @@ def test_a_waiter_says_who_holds_a_lock_and_what_that_process_is_doing(tmp_path)
         pid = proc.pid
         assert f"(stopped: `kill -CONT {pid}` lets it go on, `kill {pid}` ends it and frees the lock)" in shown
         said: list[str] = []
-        waiter = threading.Thread(target=lambda: CellLock(tmp_path).acquire_saying(said.append, "the test's lock"))
+        waiter = threading.Thread(target=lambda: CellLock(tmp_path).acquire_saying(said.append, "waiting"))
         waiter.start()
         wait_for(lambda: said, "the waiter to say whom it waits for", timeout=5)
-        assert said[0].startswith(f"waiting for the test's lock: held by pid {proc.pid} on ") and "(stopped" in said[0]
+        assert said[0].startswith(f"waiting (pid {proc.pid} on ") and f"(stopped: `kill -CONT {pid}`" in said[0]
         os.kill(proc.pid, signal.SIGCONT)  # a change of state is said again
         wait_for(lambda: len(said) > 1, "the waiter to see the holder run", timeout=5)
-        assert said[1].endswith("(running)")
+        assert said[1].endswith("(running))")
     finally:
         proc.kill()
         proc.wait()
@@ -314,9 +314,11 @@ def test_a_runner_waiting_for_a_stopped_holder_of_the_search_lock_says_so(tmp_pa
     log = tmp_path / "run.log"
     runner = start_exp("run", path, "--runs-dir", tmp_path / "runs", log=log, env={"COLUMNS": "250"})
     try:
-        wait_for(lambda: "waiting for the search's lock" in log.read_text(), "the runner to say it waits", runner)
+        wait_for(lambda: "waiting for the process that holds the search's lock" in log.read_text(),
+                 "the runner to say it waits", runner)
         said = " ".join(log.read_text().split())
-        assert f"held by pid {holder_proc.pid} on " in said and f"(stopped: `kill -CONT {holder_proc.pid}`" in said
+        assert f"waiting for the process that holds the search's lock {tune / '.lock'} (pid {holder_proc.pid} on " \
+            in said and f"(stopped: `kill -CONT {holder_proc.pid}`" in said
         holder_proc.kill()
         holder_proc.wait()
         wait_for(lambda: list(tune.glob("*/trials.json")), "the search to go on")  # it may end meanwhile
@@ -352,6 +354,10 @@ def test_a_damaged_state_file_is_one_paragraph_naming_it_and_what_to_do(name, fi
             continue
         assert code == 2, (args, out, err)
         assert f"{damaged}: this file {problem}" in said and "delete it: the next `exp run`" in said, (args, said)
+    if damaged.name == "cell.json":  # as the paragraph says: deleted, the next `exp run` writes it again
+        damaged.unlink()
+        code, _, err = cli("run", path, "--runs-dir", mdir.parent)
+        assert code == 0 and read_json(damaged)["id"] == read_json(finished[1] / "cell.json")["id"], err
 
 
 def test_damaged_results_and_metrics_lines_are_said_and_left_out(finished, tmp_path, cli, capsys):
@@ -431,10 +437,10 @@ def test_two_matrix_files_of_one_name_never_share_a_runs_folder(tmp_path, cli):
     assert len(list(mdir.glob("*/cell.json"))) == 1 and read_json(mdir / "source.json")["file"] == str(won)
     assert [r["cell"] for r in json.loads((mdir / "leaderboard.json").read_text())["rows"]] == [only["slug"]]
 
-    before = {p: p.read_bytes() for p in mdir.rglob("*") if p.is_file() and p.name != ".source.lock"}
+    before = {p: p.read_bytes() for p in mdir.rglob("*") if p.is_file() and p.name != ".lock"}
     code, _, err = cli("run", lost, "--runs-dir", runs)  # in turn: refused the same way, nothing written
     assert code == 2 and f"belongs to another matrix file, {won}" in " ".join(err.split())
-    assert {p: p.read_bytes() for p in mdir.rglob("*") if p.is_file() and p.name != ".source.lock"} == before
+    assert {p: p.read_bytes() for p in mdir.rglob("*") if p.is_file() and p.name != ".lock"} == before
     code, _, err = cli("run", won, "--runs-dir", runs)  # its own file, again: never refused
     assert code == 0, err
     code, _, err = cli("run", lost, "--runs-dir", runs, "--replace")  # told to: the folder becomes the other's

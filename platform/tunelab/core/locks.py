@@ -69,14 +69,14 @@ class CellLock:
         self._f = f
         return True
 
-    def acquire_saying(self, say: Callable[[str], None], what: str, every: float = 60.0) -> None:
+    def acquire_saying(self, say: Callable[[str], None], waiting: str, every: float = 60.0) -> None:
         """Take the lock whenever it is free, never silently: at once, whenever the holder's state changes
-        (running, stopped, gone) and every `every` seconds, `say` who holds it and what that process is doing."""
+        (running, stopped, gone) and every `every` seconds, `say` "`waiting` (who holds it, what it is doing)"."""
         said, said_at = None, 0.0
         while not self.acquire(wait=0 if said is None else 1.0):
             now = holder(self.path)
             if now != said or time.monotonic() - said_at >= every:
-                say(f"waiting for {what}: held by {now}")
+                say(f"{waiting} ({now})")
                 said, said_at = now, time.monotonic()
 
     def holder(self) -> str:

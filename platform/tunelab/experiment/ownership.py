@@ -39,7 +39,7 @@ def refuse(folder: MatrixFolder, file: Path, text: str) -> None:
 def claim(folder: MatrixFolder, file: Path, text: str, replace: bool, say: Callable[[str], None]) -> None:
     """At run time, before the first file is written: refuse (unless `replace`) or make the folder this file's."""
     held = folder.claim_lock()
-    held.acquire_saying(say, f"the run folder's claim lock {held.path}")
+    held.acquire_saying(say, f"waiting for the process that holds the run folder's lock {held.path}")
     with held:
         if not replace:
             refuse(folder, file, text)

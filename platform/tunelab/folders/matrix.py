@@ -103,7 +103,7 @@ class MatrixFolder:
 
     def claim_lock(self) -> CellLock:
         """Held for the moment a runner checks and writes source.json (runners started together take turns)."""
-        return CellLock(self.path, ".source.lock")
+        return CellLock(self.path)
 
     def description(self) -> str:
         import yaml

@@ -30,9 +30,9 @@ from rich.markup import escape
 
 from tunelab.checkpoint_scores.steps import StepScores
 from tunelab.core import events
-from tunelab.core.files import read_json
+from tunelab.core.files import read_json, write_json
 from tunelab.core.locks import LOCK_HELD_ENV, LOCKED_EXIT, CellLock
-from tunelab.folders.cell import CellFolder
+from tunelab.folders.cell import LAYOUT, CellFolder
 from tunelab.folders.matrix import MatrixFolder
 from tunelab.matrix.expansion import Cell
 from tunelab.run import slurm
@@ -214,7 +214,7 @@ class Runner:
     def wait_for(self, folder: CellFolder, cell: Cell) -> CellLock:
         """Its lock once free; meanwhile who holds it and what that process is doing, said at once and on change."""
         held = folder.lock()
-        held.acquire_saying(self.view.say, f"{cell.dirname}: the process that holds its lock")
+        held.acquire_saying(self.view.say, f"{cell.dirname}: waiting for the process that holds its lock")
         return held
 
     def first_pass(self, cell: Cell, later: list[tuple[Cell, CellFolder]],
@@ -225,6 +225,8 @@ class Runner:
         skip = self.skip_reason(folder, cell, probe_lock=not self.claims and self.how.node_rank == 0)
         if skip:
             self.view.say(f"[dim]{cell.dirname}: {skip.removeprefix('skipped-')}, skipped")
+            if self.how.node_rank == 0 and not folder.meta_file.is_file():  # deleted (it was damaged): again
+                write_json(folder.meta_file, {**cell_meta(cell, self.matrix.name), "layout": LAYOUT})
             return Outcome(cell, skip, folder.status().get("error"))
         if self.claims:
             held = folder.lock()
@@ -270,8 +272,12 @@ class Runner:
 
 def prepare(folder: CellFolder, cell: Cell, matrix: str) -> None:
     """A cell about to run: its config, who it is (and what its input files were), status pending."""
-    folder.prepare(cell.config, {"matrix": matrix, "id": cell.id, "slug": cell.slug, "varying": cell.varying,
-                                 "inputs": input_stamp(cell)})
+    folder.prepare(cell.config, cell_meta(cell, matrix))
+
+
+def cell_meta(cell: Cell, matrix: str) -> dict:
+    """cell.json: who the cell is (and what its input files were)."""
+    return {"matrix": matrix, "id": cell.id, "slug": cell.slug, "varying": cell.varying, "inputs": input_stamp(cell)}
 
 
 def input_stamp(cell: Cell) -> dict[str, str]:

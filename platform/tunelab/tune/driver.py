@@ -136,7 +136,7 @@ def _write_record(s: Search, mdir: Path, say: Callable[[str], None]) -> None:
     waits says for whom, and what that process is doing)."""
     folder = MatrixFolder(mdir)
     held = CellLock(folder.tune_dir)
-    held.acquire_saying(say, f"the search's lock {held.path}")
+    held.acquire_saying(say, f"waiting for the process that holds the search's lock {held.path}")
     with held:
         record.repair_journal(mdir, say)
         storage = record.open_storage(s.spec.storage, mdir)
