@@ -20,7 +20,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 import pytest
-from conftest import write
+from conftest import fill, write
 from processes import run_exp
 
 from tunelab.core.files import read_json
@@ -242,14 +242,7 @@ def prepare(state: str | None, tmp, runs, finished, monkeypatch, mounts: list) -
     elif state == "full":
         if _mount_tmpfs(runs, "size=64k"):
             mounts.append(runs)
-            fd = os.open(runs / "ballast", os.O_WRONLY | os.O_CREAT)
-            try:
-                while os.write(fd, b"\0" * 4096):
-                    pass
-            except OSError:  # full
-                pass
-            finally:
-                os.close(fd)
+            fill(runs)
         else:
             _fail_writes(monkeypatch, 28)  # errno.ENOSPC
 
