@@ -87,6 +87,8 @@ def run(
     qos: Annotated[str | None, typer.Option(help="slurm: --qos (overrides launcher.qos)")] = None,
     gpus_per_node: Annotated[int | None, typer.Option(help="slurm: --gpus-per-node (overrides the file's)")] = None,
     dry_run: Annotated[bool, typer.Option(help="slurm: write the sbatch scripts, do not submit")] = False,
+    replace: Annotated[bool, typer.Option(help="make this file the matrix of a run folder that another file with "
+                                               "the same name: ran in (its cell folders stay)")] = False,
     sets: Sets = None,
 ) -> None:
     from tunelab.experiment import session
@@ -97,7 +99,7 @@ def run(
     req = session.Request(
         file, parse_sets(sets or []), only, rerun_failed, fail_fast, runs_dir,
         Launch(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, launcher=launcher, dry_run=dry_run),
-        {k: v for k, v in flags.items() if v is not None})
+        {k: v for k, v in flags.items() if v is not None}, replace=replace)
     planned = session.plan(req)
     outcomes = session.run(req, planned, err)
     if planned.how.launcher == "slurm":
@@ -126,6 +128,10 @@ def _say_outcomes(planned, outcomes: list) -> int:
     for o in stopped:
         err.print(f"[yellow]{o.cell.dirname} stopped[/] ({escape(str(o.error))}): run again to resume it",
                   soft_wrap=True)
+    killed = [o for o in outcomes if o.state == "killed"]  # from outside, alone: not this run's signal (exit 1)
+    for o in killed:
+        err.print(f"[yellow]{o.cell.dirname} was killed[/] ({escape(str(o.error))}): `exp run` resumes it from its "
+                  "last checkpoint", soft_wrap=True)
     for line in planned.waiting:  # a search that cannot take its next decision yet (tunelab.tune)
         err.print(f"[yellow]search {escape(line)}", soft_wrap=True)
     reached = {o.cell.id for o in outcomes}
@@ -133,7 +139,7 @@ def _say_outcomes(planned, outcomes: list) -> int:
     if never:
         err.print(f"[yellow]{len(never)} cell(s) not started[/] ({', '.join(c.slug for c in never)}): the same "
                   "`exp run` starts them", soft_wrap=True)
-    if failed or planned.waiting:
+    if failed or killed or planned.waiting:
         return 1
     return 130 if stopped or never else 0
 
