@@ -438,6 +438,8 @@ def test_two_matrix_files_of_one_name_never_share_a_runs_folder(tmp_path, cli):
     assert [r["cell"] for r in json.loads((mdir / "leaderboard.json").read_text())["rows"]] == [only["slug"]]
 
     before = {p: p.read_bytes() for p in mdir.rglob("*") if p.is_file() and p.name != ".lock"}
+    code, _, err = cli("plan", lost, "--runs-dir", runs)  # at plan time too
+    assert code == 2 and f"belongs to another matrix file, {won}" in " ".join(err.split())
     code, _, err = cli("run", lost, "--runs-dir", runs)  # in turn: refused the same way, nothing written
     assert code == 2 and f"belongs to another matrix file, {won}" in " ".join(err.split())
     assert {p: p.read_bytes() for p in mdir.rglob("*") if p.is_file() and p.name != ".lock"} == before

@@ -38,8 +38,11 @@ def _along(cfg) -> str:
 
 
 @app.command(rich_help_panel=RUN)
-def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets = None, as_json: Json = False) -> None:
+def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets = None, as_json: Json = False,
+         runs_dir: RunsDir = Path("runs")) -> None:
     """Expand a matrix file and print its cells; runs nothing."""
+    from tunelab.experiment import ownership
+    from tunelab.folders.matrix import MatrixFolder
     from tunelab.matrix import expansion
     from tunelab.matrix.sets import parse_sets
     from tunelab.tune import plan as tune_plan
@@ -47,6 +50,8 @@ def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets =
 
     overrides = parse_sets(sets or [])
     spec, cells = expansion.load(file, overrides)
+    # The run folder this file would run in belongs to another file of its name: `exp run` would refuse it too.
+    ownership.refuse(MatrixFolder(runs_dir / spec.name), file, file.read_text())
     groups = tune_plan.groups(spec, file, overrides)
     rows = [{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
              "checkpoints": c.checkpoints and {**c.checkpoints, "mode": _along(c.config)},
