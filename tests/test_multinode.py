@@ -103,5 +103,5 @@ def test_only_node_0_writes_the_cell_folder(two_nodes, slug):
 def test_the_matrix_folder_is_node_0s(two_nodes):
     mdir = two_nodes[0]
     assert sorted(p.name for p in mdir.iterdir() if p.is_file()) == [
-        "cells.json", "leaderboard.csv", "leaderboard.json", "leaderboard.md", "leaderboard.tex", "matrix.yaml",
-        "report.html"]
+        ".lock", "cells.json", "leaderboard.csv", "leaderboard.json", "leaderboard.md", "leaderboard.tex",
+        "matrix.yaml", "report.html", "source.json"]
