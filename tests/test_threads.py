@@ -223,6 +223,32 @@ def test_workers_run_cells_side_by_side_pinned_with_the_losses_of_one_at_a_time(
             assert read_json(next((d / "eval").iterdir()) / "results.json")["threads"]["intra"] == 1
 
 
+SEARCH = """name: s
+base:
+  model: {name: tiny-random-llama}
+  data: {recipe: arithmetic, max_length: 48}
+  train: {steps: 2, batch_size: 4, warmup_steps: 1}
+  eval: {tasks: [val_loss], val_batches: 1}
+  tracking: {wandb: false}
+tune:
+  space: {optim.lr: {log_uniform: [1.0e-4, 1.0e-1]}}
+  trials: 2
+"""
+
+
+@TWO_CPUS
+def test_a_searchs_trials_run_side_by_side_with_workers(tmp_path):
+    """The tune: driver hands --workers to the runner of each stage: a rung's two trials at once, one per CPU."""
+    path = write(tmp_path / "s.yaml", SEARCH)
+    got = exp("run", path, "--runs-dir", tmp_path / "runs", "--workers", "2")
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert "2 cells at once" in got.stderr
+    (study,) = json.loads(exp("tune", "status", tmp_path / "runs" / "s", "--json").stdout)
+    assert [t["state"] for t in study["trials"]] == ["complete", "complete"]
+    pinned = {read_json(Path(t["dir"]) / "env.json")["threads"]["pinned"] for t in study["trials"]}
+    assert pinned == {str(AFFINITY[0]), str(AFFINITY[1])}
+
+
 def test_workers_are_refused_where_cells_do_not_run_here_and_a_bad_thread_count_is_said(tmp_path):
     path = write(tmp_path / "m.yaml", MATRIX)
     got = exp("run", path, "--runs-dir", tmp_path / "r", "--workers", "2", "--launcher", "slurm", "--dry-run")
