@@ -163,6 +163,18 @@ def test_a_process_sizes_its_threads_to_its_affinity_and_sets_the_waiting_policy
     assert mine["wait_policy"] == {"OMP_WAIT_POLICY": "ACTIVE"}
 
 
+def test_exp_eval_run_sizes_itself_before_torch_loads_and_records_it(tmp_path):
+    """`exp eval run` on one CPU (its affinity, injected): one thread, the waiting policy in effect, in results.json."""
+    out = subprocess.run([sys.executable, "-m", "tunelab.cli", "eval", "run", "tiny-random-llama", "--tasks",
+                          "gsm8k_smoke", "--limit", "1", "--out", str(tmp_path / "ev")], capture_output=True, text=True,
+                         env=clean_env(), preexec_fn=lambda: os.sched_setaffinity(0, [AFFINITY[-1]]), timeout=600,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    t = read_json(tmp_path / "ev" / "results.json")["threads"]
+    assert (t["intra"], t["interop"], t["source"], t["cpus"]) == (1, 1, "auto", str(AFFINITY[-1]))
+    assert t["policy_in_effect"] and t["wait_policy"]["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
 @TWO_CPUS
 def test_a_process_pins_itself_to_the_cpus_its_launcher_chose_before_sizing():
     got = probe(None, **{CPUS_ENV: str(AFFINITY[-1])})
