@@ -9,20 +9,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from tunelab.cli.common import (
-    RUN,
-    Json,
-    MatrixDir,
-    RunsDir,
-    Sets,
-    Threads,
-    app,
-    err,
-    human_bytes,
-    out,
-    print_json,
-    print_wide,
-)
+from tunelab.cli import common
+from tunelab.cli.common import RUN, Json, MatrixDir, RunsDir, Sets, app, err, human_bytes, out, print_json, print_wide
 
 Workers = Annotated[int, typer.Option(min=1, help="cells side by side on this machine's CPUs, each pinned to its "
                                       "share with its threads sized to it (a GPU keeps one cell at a time)")]
@@ -104,7 +92,7 @@ def run(
     gpus_per_node: Annotated[int | None, typer.Option(help="slurm: --gpus-per-node (overrides the file's)")] = None,
     dry_run: Annotated[bool, typer.Option(help="slurm: write the sbatch scripts, do not submit")] = False,
     workers: Workers = 1,
-    threads: Threads = None,
+    threads: common.Threads = None,
     sets: Sets = None,
 ) -> None:
     from tunelab.experiment import session
