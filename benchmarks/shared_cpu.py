@@ -13,9 +13,10 @@ and the waiting policy are unset, so tunelab sizes each cell itself (docs/traini
 - beside:  the same cell while a foreign torch process runs a 1024x1024 fp32 matmul loop with torch's defaults
            (a thread per core, libgomp's default spinning): speed beside / alone = alone's step time / beside's.
            Goal: at least 0.4x.
-- before:  the same, with the cell as tunelab ran it before #52: `--threads <CPUs of the machine>` and libgomp's
-           default waiting (GOMP_SPINCOUNT=300000, its documented default, which makes tunelab leave the policy
-           alone). The 0.09x of the issue, measured in the same run.
+- before:  the cell as tunelab ran it before #52, alone and beside the same neighbour: `--threads <CPUs of the
+           machine>` and libgomp's default waiting (GOMP_SPINCOUNT=300000, its documented default, which makes
+           tunelab leave the policy alone). The 0.09x of the issue, measured in the same run; and alone, what
+           sleeping idle threads cost a cell that has the machine to itself.
 - runners: a matrix of 4 such cells (4 learning rates), one `exp run` against two `exp run` started together on
            one runs folder (they share its cells): wall time from start to the last exit. Goal: two <= one.
 - workers: the same matrix with `exp run --workers 2` against one `exp run` (one cell at a time). Goal: <= one.
@@ -153,6 +154,8 @@ def main() -> None:
         for r in range(a.repeats):
             todo = [
                 ("alone", lambda r=r: one_cell(tmp, f"alone{r}", a.model, a.steps)),
+                ("before", lambda r=r: one_cell(tmp, f"alone-before{r}", a.model, a.steps, "--threads", str(cpus),
+                                                env=clean_env(GOMP_SPINCOUNT="300000"))),
                 ("beside", lambda r=r: one_cell(tmp, f"beside{r}", a.model, a.steps, neighbour=True)),
                 ("before", lambda r=r: one_cell(tmp, f"before{r}", a.model, a.steps, "--threads", str(cpus),
                                                 env=clean_env(GOMP_SPINCOUNT="300000"), neighbour=True)),
@@ -173,9 +176,13 @@ def main() -> None:
             print(f"  [{r}] beside a foreign torch process: {alone['median_step_s'] / beside['median_step_s']:.2f}x of "
                   f"its speed alone (goal >= 0.4x; {beside['median_step_s']:.2f} s vs {alone['median_step_s']:.2f} s "
                   f"a step)")
-        if alone and before:
-            print(f"  [{r}] as before #52, beside it: {alone['median_step_s'] / before['median_step_s']:.2f}x "
-                  f"({before['median_step_s']:.2f} s a step)")
+        old_alone = by.get(f"alone-before{r}")
+        if old_alone and before:
+            print(f"  [{r}] as before #52, beside it: {old_alone['median_step_s'] / before['median_step_s']:.2f}x of "
+                  f"its speed alone ({before['median_step_s']:.2f} s vs {old_alone['median_step_s']:.2f} s a step)")
+        if alone and old_alone:
+            print(f"  [{r}] alone, now / as before #52 (the cost of sleeping idle threads): "
+                  f"{old_alone['median_step_s'] / alone['median_step_s']:.2f}x the speed")
         one, two, w2 = by.get(f"one-runner{r}"), by.get(f"two-runners{r}"), by.get(f"workers2-{r}")
         if one and two:
             print(f"  [{r}] two runners / one on 4 cells: {two['wall_s'] / one['wall_s']:.2f}x the time (goal <= 1; "
