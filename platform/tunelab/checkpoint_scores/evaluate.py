@@ -213,6 +213,9 @@ def work(folder: CellFolder, follow: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tunelab.machine.threads import start_process
+
+    start_process()  # before torch loads: the threads its cell left it (evaluators.Beside), its waiting policy
     argv = sys.argv[1:] if argv is None else argv
     follow = "--follow" in argv
     args = [a for a in argv if a != "--follow"]

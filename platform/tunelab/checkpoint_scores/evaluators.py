@@ -18,6 +18,7 @@ from types import TracebackType
 
 from tunelab.core.locks import LOCK_HELD_ENV
 from tunelab.folders.cell import CellFolder
+from tunelab.machine.threads import beside_env
 
 RESTARTS = 3  # per evaluator, while training goes on
 EVALUATE = "tunelab.checkpoint_scores.evaluate"  # an evaluator's module (python -m)
@@ -40,6 +41,7 @@ class Beside:
 
     def _start(self) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED and not k.startswith("TORCHELASTIC_")}
+        env.update(beside_env(self.workers))  # a share of the cell's threads, on its CPUs (machine/threads.py)
         return subprocess.Popen([sys.executable, "-m", EVALUATE, str(self.folder.path), "--follow"],
                                 stdin=subprocess.PIPE, stdout=sys.stderr, stderr=sys.stderr, env=env)
 

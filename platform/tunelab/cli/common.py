@@ -55,6 +55,8 @@ Json = Annotated[bool, typer.Option("--json", help="print JSON for programs inst
 Sets = Annotated[list[str] | None, typer.Option("--set", help="KEY=VALUE for every cell, over the file's own "
                                                 "values (repeatable): --set model.name=tiny-random-llama")]
 MatrixDir = Annotated[Path, typer.Argument(help="runs/<matrix> folder")]
+Threads = Annotated[int | None, typer.Option(min=1, help="torch threads of each process (over OMP_NUM_THREADS); "
+                                             "default: the CPUs it may use (affinity, CPU quota) / --workers")]
 
 
 def print_json(obj: Any) -> None:

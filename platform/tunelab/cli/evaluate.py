@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from tunelab.cli.common import EVALUATE, RunsDir, app, err, interruptible, quiet_libraries
+from tunelab.cli.common import EVALUATE, RunsDir, Threads, app, err, interruptible, quiet_libraries
 from tunelab.core.errors import UserError
 
 eval_app = typer.Typer(no_args_is_help=True)
@@ -36,8 +36,12 @@ def run_cmd(
                                                      "may name")] = None,
     batch_size: Annotated[int | None, typer.Option(help="batch size, replacing the suite's")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
+    threads: Threads = None,
 ) -> None:
     """Evaluate MODEL on a suite; writes OUT/results.json and OUT/samples.jsonl."""
+    from tunelab.machine.threads import start_process
+
+    start_process(threads)  # first: before torch loads (its waiting policy, its threads: machine/threads.py)
     from rich.console import Console
 
     from tunelab import plan

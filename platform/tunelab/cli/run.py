@@ -9,7 +9,11 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from tunelab.cli import common
 from tunelab.cli.common import RUN, Json, MatrixDir, RunsDir, Sets, app, err, human_bytes, out, print_json, print_wide
+
+Workers = Annotated[int, typer.Option(min=1, help="cells side by side on this machine's CPUs, each pinned to its "
+                                      "share with its threads sized to it (a GPU keeps one cell at a time)")]
 
 RUN_EXAMPLE = """
 
@@ -94,6 +98,8 @@ def run(
     dry_run: Annotated[bool, typer.Option(help="slurm: write the sbatch scripts, do not submit")] = False,
     replace: Annotated[bool, typer.Option(help="make this file the matrix of a run folder that another file with "
                                                "the same name: ran in (its cell folders stay)")] = False,
+    workers: Workers = 1,
+    threads: common.Threads = None,
     sets: Sets = None,
 ) -> None:
     from tunelab.experiment import session
@@ -104,7 +110,7 @@ def run(
     req = session.Request(
         file, parse_sets(sets or []), only, rerun_failed, fail_fast, runs_dir,
         Launch(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, launcher=launcher, dry_run=dry_run),
-        {k: v for k, v in flags.items() if v is not None}, replace=replace)
+        {k: v for k, v in flags.items() if v is not None}, replace=replace, workers=workers, threads=threads)
     planned = session.plan(req)
     outcomes = session.run(req, planned, err)
     if planned.how.launcher == "slurm":
@@ -165,6 +171,8 @@ def status(matrix_dir: MatrixDir, as_json: Json = False) -> None:
                   highlight=False)
         for line in r["log_tail"][-8:]:
             out.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
+    for r in (r for r in found if r["machine"]):  # why it is slow, with the figures (machine/load.py)
+        out.print(f"[yellow]{escape(r['cell'])} slow[/]: {escape(r['machine'])}", highlight=False, soft_wrap=True)
     for state in dict.fromkeys(r["state"] for r in found):
         if state in STATE_NOTES:
             out.print(f"{state}: {STATE_NOTES[state]}", highlight=False)

@@ -20,6 +20,7 @@ from tunelab.core import registries
 from tunelab.core.events import Emit, EvalProgress, EvalTask, ignore
 from tunelab.core.files import write_json
 from tunelab.folders.cell import EvalFolder
+from tunelab.machine import threads
 
 
 @dataclass
@@ -146,7 +147,8 @@ def run(model, tokenizer, cfg, ctx: Context, emit: Emit = ignore) -> dict:
     results: dict[str, dict] = {}
     out = {"tasks": results, "config": cfg.model_dump(mode="json"), "versions": provenance(tokenizer),
            "chat_template": "applied (tokenizer's template)" if cfg.chat_template else "none (plain prompts)",
-           "model_note": ctx.model_note, "complete": False}
+           "model_note": ctx.model_note, "complete": False,
+           "threads": threads.record()}  # the process's torch threads and waiting policy (machine/threads.py)
     for name in cfg.tasks:
         emit(EvalTask(name))
         ctx.progress = _throttled(emit, name)

@@ -25,6 +25,7 @@ from tunelab.run.launch import Launch, procs_per_node
 from tunelab.run.outcome import Outcome
 
 if TYPE_CHECKING:
+    from tunelab.machine.threads import Share
     from tunelab.tune.plan import Group
 
 
@@ -39,6 +40,8 @@ class Request:
     how: Launch = field(default_factory=Launch)
     slurm_flags: dict[str, Any] = field(default_factory=dict)  # --partition, --time, ... over launcher:
     replace: bool = False  # --replace: this file takes over a run folder another file of its name ran in
+    workers: int = 1  # --workers: cells side by side on this machine
+    threads: int | None = None  # --threads: each cell process's torch threads (None: sized to its share)
 
 
 @dataclass
@@ -51,6 +54,8 @@ class Planned:
     groups: list[Group] = field(default_factory=list)  # every method group of a tune: section (tunelab.tune)
     chosen_groups: list[Group] = field(default_factory=list)  # the ones this run searches (--only)
     waiting: list[str] = field(default_factory=list)  # after run: searches that cannot go on yet, and why
+    shares: tuple[Share, ...] = ()  # the threads and CPUs of each cell run at once (machine/threads.py)
+    notes: list[str] = field(default_factory=list)  # said before the cells start
 
     @property
     def folder(self) -> MatrixFolder:
@@ -84,10 +89,31 @@ def plan(req: Request) -> Planned:
     hub_access.check_env()
     tracking.check_env()
     make_dir(cache_dir(), "the cache: $TUNELAB_CACHE, else ~/.cache/tunelab")
+    shares, notes = _shares(req, how, configs)
     make_dir(req.runs_dir / spec.name, "--runs-dir")
     if not req.replace:  # a run folder of another file with this name (experiment/ownership.py)
         ownership.refuse(MatrixFolder(req.runs_dir / spec.name), req.file, req.file.read_text())
-    return Planned(spec, cells, chosen, how, req.runs_dir, groups, chosen_groups)
+    return Planned(spec, cells, chosen, how, req.runs_dir, groups, chosen_groups, shares=shares, notes=notes)
+
+
+def _shares(req: Request, how: Launch, configs: list) -> tuple[tuple[Share, ...], list[str]]:
+    """--workers and --threads against where the cells run: several cells at once on this machine's CPUs only
+    (a GPU keeps one cell per device set); the user's OMP_NUM_THREADS checked here, before anything is written."""
+    from tunelab.machine.threads import shares
+
+    if req.workers > 1 and (how.launcher != "local" or how.nnodes > 1):
+        raise UserError(f"--workers {req.workers} runs cells side by side on this machine: not with --launcher "
+                        f"{how.launcher}, --nnodes {how.nnodes} (each SLURM job or node runs one cell at a time)")
+    workers, notes = req.workers, []
+    if workers > 1:
+        from tunelab.machine.runtime import device_of
+
+        gpu = [c for c in configs if device_of(c.train.device).type != "cpu"]
+        if gpu:
+            workers = 1
+            notes.append(f"--workers {req.workers}: the cells train on {device_of(gpu[0].train.device)}, one cell at "
+                         "a time (a GPU machine keeps one cell per device set)")
+    return tuple(shares(workers, req.threads)), notes
 
 
 def _searches(spec: MatrixFile, req: Request, how: Launch) -> tuple[list[Group], list[Group]]:
@@ -111,6 +137,8 @@ def run(req: Request, planned: Planned, console: Console) -> list[Outcome]:
     """Run the chosen cells; node 0 writes the run's folder files first and the leaderboard and report after."""
     from tunelab.run.progress import view
 
+    for note in planned.notes:
+        console.print(f"[yellow]{note}", highlight=False, soft_wrap=True)
     folder = planned.folder
     if planned.how.node_rank == 0:  # node 0 writes the run's folders; the other nodes only join its cells
         text = req.file.read_text()
@@ -122,13 +150,14 @@ def run(req: Request, planned: Planned, console: Console) -> list[Outcome]:
         from tunelab.tune import driver
 
         result = driver.run(planned.groups, planned.chosen_groups, planned.cells, planned.chosen, folder,
-                            console=console, how=planned.how, rerun_failed=req.rerun_failed, fail_fast=req.fail_fast)
+                            console=console, how=planned.how, rerun_failed=req.rerun_failed, fail_fast=req.fail_fast,
+                            shares=planned.shares)
         planned.waiting = result.waiting
         return result.outcomes
     cells = planned.chosen
     with_view = view(console, planned.spec.name, len(cells))
     return runner.Runner(folder, with_view, planned.how, rerun_failed=req.rerun_failed,
-                         fail_fast=req.fail_fast).run(cells)
+                         fail_fast=req.fail_fast, shares=planned.shares).run(cells)
 
 
 def write_results(folder: MatrixFolder) -> Any:

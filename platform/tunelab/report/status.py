@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from tunelab.folders.matrix import MatrixFolder
+from tunelab.machine.load import strain
 
 STATE_NOTES = {
     "interrupted": "stopped by Ctrl-C, or killed from outside (out of memory, a user, a lost machine: its status "
@@ -26,11 +27,12 @@ def rows(matrix: MatrixFolder) -> list[dict[str, Any]]:
         out.append({"cell": meta.get("slug", f.path.name), "id": meta.get("id"), "dir": str(f.path),
                     "state": f.state(), "timings": st.get("timings") or {}, "disk_bytes": f.disk_usage(),
                     "error": st.get("error"), "exit": st.get("exit"), "log_tail": st.get("log_tail") or [],
-                    "slurm_job": st.get("slurm_job"), "note": st.get("note") if st.get("state") != "done" else None})
+                    "slurm_job": st.get("slurm_job"), "note": st.get("note") if st.get("state") != "done" else None,
+                    "machine": strain(f.metrics())})  # its steps slowed down, its CPUs were busy: the figures
     started = {r["id"] for r in out}
     for entry in matrix.index() or []:
         if isinstance(entry, dict) and entry.get("id") not in started:  # in the matrix, never started
             out.append({"cell": entry.get("slug", "?"), "id": entry.get("id"), "dir": None, "state": "pending",
                         "timings": {}, "disk_bytes": 0, "error": None, "exit": None, "log_tail": [],
-                        "slurm_job": None, "note": "not started yet"})
+                        "slurm_job": None, "note": "not started yet", "machine": None})
     return out

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tunelab.core.errors import UserError
+from tunelab.machine.threads import Share, process_env, shares
 from tunelab.matrix.launcher import SlurmCfg
 
 # A run of a cell that trains only up to this step, then validates, checkpoints and stops (a search's rung,
@@ -35,6 +36,14 @@ def run_env(stop_at: int | None, validate_at: tuple[int, ...]) -> dict[str, str]
     """The environment that tells a cell process how far to train and where to validate (empty: all of it)."""
     out = {STOP_AT_ENV: str(stop_at)} if stop_at is not None else {}
     return {**out, VALIDATE_AT_ENV: ",".join(map(str, validate_at))} if validate_at else out
+
+
+def threads_env(share: Share | None, ranks: int, earlier: dict) -> dict[str, str]:
+    """The threads, CPUs and waiting policy of a cell's processes on this node (tunelab.machine.threads), from
+    its share (None: this machine's, one cell at a time). `earlier`: its env.json; a cell that ran before keeps
+    the thread count it ran with, so every rung of a search's trial rounds alike (docs/tuning.md)."""
+    keep = (earlier.get("threads") or {}).get("intra")
+    return process_env(share or shares(1)[0], ranks, keep if isinstance(keep, int) and keep > 0 else None)
 
 
 @dataclass(frozen=True)

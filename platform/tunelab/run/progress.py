@@ -24,6 +24,7 @@ from rich.progress import (
 )
 
 from tunelab.core import events
+from tunelab.machine.load import StepWindow, strain
 
 PLAIN_EVERY_S = 30.0  # seconds between the periodic lines of a plain log ($TUNELAB_PROGRESS_EVERY overrides)
 
@@ -38,10 +39,10 @@ class RunView(Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
 
-def shown(ev: events.Event) -> dict[str, Any]:
-    """How an event shows on the cell's progress line."""
+def shown(ev: events.Event, machine: str | None = None) -> dict[str, Any]:
+    """How an event shows on the cell's progress line; `machine`: what the machine is doing to it (strained)."""
     if isinstance(ev, events.Step):
-        return {"completed": ev.step, "info": f"train loss {ev.loss:.4f}"}
+        return {"completed": ev.step, "info": f"train loss {ev.loss:.4f}" + (f"; {machine}" if machine else "")}
     if isinstance(ev, events.EvalProgress):  # the cell's bar follows the task's items (and shows their ETA)
         return {"total": ev.total, "completed": ev.done, "info": f"eval {ev.task} {ev.done}/{ev.total}"}
     if isinstance(ev, events.DataProgress):
@@ -64,6 +65,7 @@ class BarsView:
                                  TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
                                  console=console, transient=False)
         self.overall = self.progress.add_task(f"[bold]{matrix}", total=cells, info="")
+        self.steps: dict[int, StepWindow] = {}
 
     def say(self, text: str) -> None:
         self.progress.console.print(text, soft_wrap=True, highlight=False)  # paths stay whole, to be copied
@@ -72,7 +74,7 @@ class BarsView:
         return int(self.progress.add_task(f"  {label}", total=total, info="starting", completed=done))
 
     def on_event(self, handle: int, ev: events.Event) -> None:
-        self.progress.update(TaskID(handle), **shown(ev))
+        self.progress.update(TaskID(handle), **shown(ev, strained(self.steps.setdefault(handle, StepWindow()), ev)))
 
     def end_cell(self, handle: int, text: str) -> None:
         self.progress.update(TaskID(handle), info=text)
@@ -97,6 +99,8 @@ class _Cell:
     first_step: tuple[int, float] | None = None  # (step, time) of the first step this attempt saw
     last: events.Event | None = None
     said_at: float = field(default_factory=time.monotonic)
+    steps: StepWindow = field(default_factory=StepWindow)  # for what the machine is doing (machine/load.py)
+    machine: str | None = None
 
 
 class LinesView:
@@ -122,6 +126,7 @@ class LinesView:
         if isinstance(ev, events.Step):
             cell.done = ev.step
             cell.first_step = cell.first_step or (ev.step, now)
+            cell.machine = strained(cell.steps, ev)
         cell.last = ev
         if isinstance(ev, (events.Stage, events.Resumed, events.EvalTask)):
             self.say(f"{escape(cell.label)}: {shown(ev)['info']}")
@@ -144,7 +149,7 @@ class LinesView:
         if cell.first_step and ev.step > cell.first_step[0]:
             per_step = (now - cell.first_step[1]) / (ev.step - cell.first_step[0])
             parts.append(f"{_duration(per_step * (ev.total - ev.step))} left in training")
-        return ", ".join(parts)
+        return ", ".join(parts) + (f"; {cell.machine}" if cell.machine else "")
 
     def end_cell(self, handle: int, text: str) -> None:
         cell = self.cells[handle]
@@ -159,6 +164,16 @@ class LinesView:
 
     def __exit__(self, *exc: object) -> None:
         pass
+
+
+def strained(steps: StepWindow, ev: events.Event) -> str | None:
+    """A Step's record kept; what the machine is doing to the cell, if anything (machine/load.py: slow steps, busy
+    CPUs, with the figures)."""
+    if not isinstance(ev, events.Step):
+        return None
+    steps.add({"step": ev.step, **ev.metrics})
+    said = strain(steps.rows())
+    return f"slow: {said}" if said else None
 
 
 def _duration(seconds: float) -> str:

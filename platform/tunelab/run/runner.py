@@ -34,9 +34,10 @@ from tunelab.core.files import read_json, write_json
 from tunelab.core.locks import LOCK_HELD_ENV, LOCKED_EXIT, CellLock
 from tunelab.folders.cell import LAYOUT, CellFolder
 from tunelab.folders.matrix import MatrixFolder
+from tunelab.machine.threads import OWN_ENV, Share
 from tunelab.matrix.expansion import Cell
 from tunelab.run import slurm
-from tunelab.run.launch import STOP_AT_ENV, VALIDATE_AT_ENV, Launch, cell_command, run_env
+from tunelab.run.launch import STOP_AT_ENV, VALIDATE_AT_ENV, Launch, cell_command, procs_per_node, run_env, threads_env
 from tunelab.run.outcome import Outcome, exit_cause, killed_from_outside
 from tunelab.run.progress import RunView
 
@@ -52,14 +53,16 @@ class Interrupts:
     count: int = 0
     proc: subprocess.Popen | None = None
     _saved: dict[signal.Signals, object] = field(default_factory=dict)
+    running: set[subprocess.Popen] = field(default_factory=set)  # the cell processes started (--workers: several)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.count += 1
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.kill(self.proc.pid, signal.SIGTERM if self.count == 1 else signal.SIGINT)
-            except ProcessLookupError:
-                pass
+        for proc in {p for p in (self.proc, *self.running) if p is not None}:
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGTERM if self.count == 1 else signal.SIGINT)
+                except ProcessLookupError:
+                    pass
 
     @contextmanager
     def installed(self) -> Iterator[Interrupts]:
@@ -83,12 +86,14 @@ class Interrupts:
 
 def launch(folder: CellFolder, on_event: Callable[[events.Event], None], command: list[str],
            held: CellLock | None = None, log_path: Path | None = None, stop: Interrupts | None = None,
-           cell: Cell | None = None) -> int:
+           cell: Cell | None = None, threads: dict[str, str] | None = None) -> int:
     """Run the cell process; its stdout carries events (tunelab.core.events), its stderr goes to cell.log (or
     `log_path`). `held`: the folder's lock, which the cell process inherits (it outlives this process if it must).
-    `cell`: its stop_at and validate_at go to the process (launch.run_env: a search's rungs)."""
-    env = {k: v for k, v in os.environ.items() if k not in (STOP_AT_ENV, VALIDATE_AT_ENV)}
-    env.update({"PYTHONUNBUFFERED": "1", **(run_env(cell.stop_at, cell.validate_at) if cell else {})})
+    `cell`: its stop_at and validate_at go to the process (launch.run_env: a search's rungs). `threads`: its
+    threads, CPUs and waiting policy (launch.threads_env)."""
+    env = {k: v for k, v in os.environ.items() if k not in (STOP_AT_ENV, VALIDATE_AT_ENV, *OWN_ENV)}
+    env.update({"PYTHONUNBUFFERED": "1", **(run_env(cell.stop_at, cell.validate_at) if cell else {}),
+                **(threads or {})})
     fds: tuple[int, ...] = ()
     if held is not None:
         env[LOCK_HELD_ENV], fds = str(folder.path.resolve()), (held.fileno(),)
@@ -100,6 +105,7 @@ def launch(folder: CellFolder, on_event: Callable[[events.Event], None], command
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env, pass_fds=fds)
         if stop is not None:
             stop.proc = proc
+            stop.running.add(proc)
         if held is not None:
             held.note(f"cell process pid {proc.pid}")
         assert proc.stdout is not None
@@ -109,7 +115,10 @@ def launch(folder: CellFolder, on_event: Callable[[events.Event], None], command
                 log.write(line)
             else:
                 on_event(event)
-        return proc.wait()
+        rc = proc.wait()
+        if stop is not None:
+            stop.running.discard(proc)
+        return rc
 
 
 def settle(folder: CellFolder, rc: int) -> dict:
@@ -141,6 +150,8 @@ class Runner:
     rerun_failed: bool = False
     fail_fast: bool = False
     stop: Interrupts = field(default_factory=Interrupts)
+    # One per cell run at once (`--workers`: run/side_by_side.py), its threads and CPUs; () = one, this machine's.
+    shares: tuple[Share, ...] = ()
 
     @property
     def claims(self) -> bool:
@@ -169,8 +180,11 @@ class Runner:
         handle = self.view.start_cell(cell.slug, steps, steps if evaluate_only else 0)
         command = (cell_command(folder.path, 1, Launch()) if evaluate_only
                    else cell_command(folder.path, cell.world_size, self.how))
+        ranks = 1 if evaluate_only else procs_per_node(cell.world_size, self.how)
+        threads = threads_env(self.shares[0] if self.shares else None, ranks, folder.env())
         rc = launch(folder, lambda ev: self.view.on_event(handle, ev), command, held,
-                    self.matrix.node_log(folder, self.how.node_rank), self.stop, None if evaluate_only else cell)
+                    self.matrix.node_log(folder, self.how.node_rank), self.stop, None if evaluate_only else cell,
+                    threads)
         if self.how.node_rank > 0:  # global rank 0 lives on node 0 and owns the cell's status
             return Outcome(cell, "done" if rc == 0 else "failed", None if rc == 0 else exit_cause(rc))
         if rc == LOCKED_EXIT and held is None and folder.status().get("state") != "failed":
@@ -255,6 +269,10 @@ class Runner:
             return outcome is not None and self.fail_fast and outcome.state == "failed"
 
         with self.view, self.stop.installed():
+            if len(self.shares) > 1 and self.claims:  # --workers N: N cells at once, each on its CPUs
+                from tunelab.run import side_by_side
+
+                return side_by_side.run(self, cells)
             for cell in cells:
                 if self.stop.stopping or record(self.first_pass(cell, later, to_submit)):
                     return outcomes

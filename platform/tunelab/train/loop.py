@@ -13,6 +13,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,7 @@ from tunelab.core.events import Emit, Resumed, Step, ignore
 from tunelab.core.files import append_jsonl, read_jsonl, warn, write_json, write_text
 from tunelab.core.registries import uses_engine
 from tunelab.folders.cell import CellFolder
+from tunelab.machine.load import CpuMeter
 from tunelab.machine.runtime import STOP, Layout, Paused, Preempted, Runtime, precision_of, stop_agreed
 from tunelab.optimizers.tied import prepare_for_fused
 from tunelab.train import checkpoint, cpu_attention, optim, parallel, segments
@@ -153,6 +155,7 @@ class Training:
     # Steps saved and kept for the checkpoints' evaluation (checkpoint_scores.steps.StepScores): not the model's
     # identity, since saving changes no number
     retention: checkpoint.Retention = field(default_factory=checkpoint.NoRetention)
+    meter: CpuMeter | None = None  # on a CPU: how busy its CPUs were while it trained (machine/load.py)
 
     @property
     def metrics_path(self) -> Path:
@@ -259,7 +262,7 @@ def _step(loop: Training, step: int, peak: float | None) -> None:
     mem, _ = peak_memory_mb(loop.runtime.device)
     record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens,
               "tokens_per_s": tokens / dt, "step_s": dt, "peak_mem_mb": mem,
-              "mfu": mfu(loop.n_params, tokens / dt, peak)}
+              "mfu": mfu(loop.n_params, tokens / dt, peak), **(loop.meter.sample() if loop.meter else {})}
     wanted = step == loop.stop_at or step in loop.validate_at
     if (t.eval_every and step % t.eval_every == 0 or wanted) and loop.validate:
         st.val_loss = record["val_loss"] = loop.validate()
@@ -343,6 +346,8 @@ def train(loop: Training) -> TrainResult:
     t, runtime = loop.cfg.train, loop.runtime
     peak = peak_flops(runtime.device)  # before the RNG states a checkpoint restores (a CPU may measure here)
     start, resumed_from = _resume(loop)
+    if runtime.device.type == "cpu":  # its CPUs' load beside each step's figures (`exp status` reads them)
+        loop.meter = CpuMeter(torch.get_num_threads(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     loop.model.train()
     _steps(loop, start, peak)
     val = loop.validate() if loop.validation.final and loop.validate else None

@@ -21,6 +21,7 @@ from tunelab.core.config import CellConfig
 from tunelab.core.files import write_json
 from tunelab.core.locks import CellLock, Locked, lock
 from tunelab.folders.matrix import MatrixFolder
+from tunelab.machine.threads import Share
 from tunelab.matrix.expansion import Cell
 from tunelab.run import runner
 from tunelab.run.launch import Launch
@@ -49,6 +50,7 @@ class _Run:
     fail_fast: bool
     last: dict[str, Outcome] = field(default_factory=dict)
     stop: runner.Interrupts = field(default_factory=runner.Interrupts)  # one Ctrl-C stops every stage after it
+    shares: tuple[Share, ...] = ()  # --workers: a rung's trials side by side, each on its CPUs
 
     def go(self, cells: list[Cell]) -> bool:
         """Run cells (skipping what is done); False when --fail-fast or a stop signal should end everything."""
@@ -56,14 +58,15 @@ class _Run:
             return False
         shown = view(self.console, self.folder.name, len(cells))
         for o in runner.Runner(self.folder, shown, self.how, rerun_failed=self.rerun_failed, fail_fast=self.fail_fast,
-                               stop=self.stop).run(cells):
+                               stop=self.stop, shares=self.shares).run(cells):
             self.last[o.cell.id] = o
         failed = self.fail_fast and any(o.state == "failed" for o in self.last.values())
         return not (failed or self.stop.stopping)
 
 
 def run(groups: list[Group], chosen: list[Group], cells: list[Cell], plain: list[Cell], folder: MatrixFolder, *,
-        console: Console, how: Launch, rerun_failed: bool = False, fail_fast: bool = False) -> Result:
+        console: Console, how: Launch, rerun_failed: bool = False, fail_fast: bool = False,
+        shares: tuple[Share, ...] = ()) -> Result:
     """Run the chosen groups' searches and winners, then the plain cells chosen. cells.json lists every plain
     cell of the matrix and the winner of every search that has ended (those not chosen are read, not run)."""
     mdir = folder.path
@@ -73,7 +76,7 @@ def run(groups: list[Group], chosen: list[Group], cells: list[Cell], plain: list
                                       "trials_file": str(folder.trials_file(g.study).relative_to(mdir))}
                                      for g in groups])
     folder.write_index(_annotated(cells, groups))  # the winners join once their searches end
-    r = _Run(folder, console, how, rerun_failed, fail_fast)
+    r = _Run(folder, console, how, rerun_failed, fail_fast, shares=shares)
     if not _stages(running, r):
         return Result(list(r.last.values()))
     _stages([s for s in searches if s not in running], None)  # read only: whatever they have done already
