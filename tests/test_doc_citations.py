@@ -7,6 +7,7 @@ line break splits after an underscore (docs/tuning.md wraps long names so) is jo
 from __future__ import annotations
 
 import ast
+import functools
 import re
 
 import pytest
@@ -19,6 +20,7 @@ FILE = re.compile(r"(?<![\w/.-])((?:tests/)?[\w/]*?test_\w+\.py|tests/[\w/]+\.py
 NAME = re.compile(r"(?<![\w/.])(test_\w+)(?![\w.])")
 
 
+@functools.cache  # read once for all the docs
 def defined_tests() -> dict[str, set[str]]:
     """{test module path relative to the repository: the test functions it defines}, every module under tests/."""
     found = {}
