@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -190,14 +189,14 @@ def test_a_second_ctrl_c_stops_the_cell_at_once(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", (
         "import signal, sys, time\n"
         f"log = open({str(log)!r}, 'a', buffering=1)\n"
-        "signal.signal(signal.SIGTERM, lambda s, f: log.write('TERM\\n'))\n"
+        "signal.signal(signal.SIGTERM, lambda s, f: (log.write('TERM\\n'), print('TERM', flush=True)))\n"
         "signal.signal(signal.SIGINT, lambda s, f: (log.write('INT\\n'), sys.exit(0)))\n"
         "print('ready', flush=True)\n"
         "while True: time.sleep(0.05)\n")], stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "ready"
     stop = Interrupts(proc=child)
     stop._handle(signal.SIGINT, None)
-    time.sleep(0.5)
+    assert child.stdout.readline().strip() == "TERM"  # the first signal handled (read, not waited for by a clock)
     assert log.read_text() == "TERM\n" and child.poll() is None and stop.stopping
     stop._handle(signal.SIGINT, None)
     assert child.wait(timeout=30) == 0 and log.read_text() == "TERM\nINT\n"

@@ -5,10 +5,12 @@ tests/test_eval_engine.py.)"""
 
 from __future__ import annotations
 
+import math
 import sys
 import textwrap
 
 import pytest
+import torch
 
 from tunelab import plan
 from tunelab.core import registries
@@ -55,12 +57,15 @@ def test_an_optimizer_is_one_entry_and_its_class(module, monkeypatch, tmp_path):
         import torch
 
         class HalfSGD(torch.optim.Optimizer):
+            dampings = []  # the damping of every step taken, whatever instance took it
+
             def __init__(self, params, lr=1e-3, weight_decay=0.0, damping=0.5):
                 super().__init__(params, dict(lr=lr, weight_decay=weight_decay, damping=damping))
 
             @torch.no_grad()
             def step(self, closure=None):
                 for group in self.param_groups:
+                    HalfSGD.dampings.append(group["damping"])
                     for p in group["params"]:
                         if p.grad is not None:
                             p.add_(p.grad, alpha=-group["lr"] * group["damping"])
@@ -70,11 +75,22 @@ def test_an_optimizer_is_one_entry_and_its_class(module, monkeypatch, tmp_path):
     cfg = plan.cell_config({**CELL, "optim": {"name": "halfsgd", "lr": 1e-2, "kwargs": {"damping": 0.25}}})
     with pytest.raises(plan.Invalid, match="takes no argument"):  # the planner reads the new constructor
         plan.cell_config({**CELL, "optim": {"name": "halfsgd", "kwargs": {"momentum": 0.9}}})
-    result = _train(cfg, tmp_path)
-    assert result.steps == 3 and result.final_loss == result.final_loss  # trained, finite
+    ours = _train(cfg, tmp_path / "halfsgd")
+    assert ours.steps == 3 and math.isfinite(ours.final_loss)
+    assert sys.modules[name].HalfSGD.dampings == [0.25] * 3  # the loop stepped our class, with the cell's damping
+    # Its updates took effect at lr x damping: the weights of torch's SGD at 2.5e-3, not at the default 0.5's 5e-3.
+    same = _train(plan.cell_config({**CELL, "optim": {"name": "sgd", "lr": 2.5e-3}}), tmp_path / "sgd")
+    assert max_weight_diff(ours.model, same.model) < 1e-7
+    undamped = _train(plan.cell_config({**CELL, "optim": {"name": "sgd", "lr": 5e-3}}), tmp_path / "undamped")
+    assert max_weight_diff(ours.model, undamped.model) > 1e3 * max(max_weight_diff(ours.model, same.model), 1e-9)
     from tunelab.train.parallel.memory import SHAPES, Setup, estimate
 
     assert estimate(SHAPES["llama-7b"], Setup(optim="halfsgd", dtype="float32")).optimizer == 0  # states: 0
+
+
+@torch.no_grad()
+def max_weight_diff(a, b) -> float:
+    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
 def test_an_engine_is_one_entry_and_its_stepper(module, monkeypatch, tmp_path):

@@ -90,6 +90,101 @@ def test_same_updates_with_the_loops_loss(cls, chunk, monkeypatch):
     assert got == pytest.approx(want, rel=1e-6)
 
 
+def deferred_blocks(monkeypatch) -> list[int]:
+    """Counts the blocks a plain head call's factors built the tied gradient from (`_Product.block`): only the
+    prepared path builds it so, so a test that sees none compared plain autograd with itself."""
+    from tunelab.optimizers import tied
+
+    built: list[int] = []
+    monkeypatch.setattr(tied._Product, "block", lambda self, a, b, f=tied._Product.block: (built.append(b - a),
+                                                                                          f(self, a, b))[1])
+    return built
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_same_updates_with_gradient_checkpointing(reentrant, monkeypatch):
+    built = deferred_blocks(monkeypatch)
+    plain, prepared = tiny_llama(), tiny_llama()
+    prepared.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    prepared.train()
+    train(plain, AdaLomo, lr=1e-2, clip_grad_norm=0.05)
+    assert not built
+    train(prepared, AdaLomo, prepare=True, lr=1e-2, clip_grad_norm=0.05)
+    assert built  # the recomputed forward still deferred the head's gradient to the lookup
+    assert max_param_diff(prepared, plain) < 1e-6
+
+
+@pytest.mark.parametrize("cls", [Lomo, AdaLomo])
+def test_same_updates_under_bf16_autocast(cls, monkeypatch):
+    """The prepared (fused) path under bf16 autocast against plain autograd under the same autocast."""
+    built = deferred_blocks(monkeypatch)
+    plain, prepared = tiny_llama(), tiny_llama()
+    start = copy.deepcopy(plain)
+    want = train(plain, cls, "bf16", lr=1e-2, clip_grad_norm=1.0)
+    assert not built
+    got = train(prepared, cls, "bf16", prepare=True, lr=1e-2, clip_grad_norm=1.0)
+    assert built
+    assert max_param_diff(plain, start) > 1e-3
+    # The same bf16 products; the head's gradient is one bf16 matmul in either order of operands.
+    assert max_param_diff(prepared, plain) < 1e-5
+    assert got == pytest.approx(want, rel=1e-4)
+
+
+@pytest.mark.parametrize("cls", [Lomo, AdaLomo])
+def test_same_updates_with_bf16_weights(cls, monkeypatch):
+    built = deferred_blocks(monkeypatch)
+    plain, prepared = tiny_llama().to(torch.bfloat16), tiny_llama().to(torch.bfloat16)
+    train(plain, cls, lr=1e-2, clip_grad_norm=0.05)
+    train(prepared, cls, prepare=True, lr=1e-2, clip_grad_norm=0.05)
+    assert built
+    # bf16 sums in another order can differ by an ulp, which may flip a weight's rounding (2^-7 near 1).
+    assert max_param_diff(prepared, plain) <= 2 ** -7
+
+
+def test_a_pass_that_skips_the_lookup_leaves_nothing_behind(monkeypatch):
+    """autograd.grad up to the hidden states runs the head's backward but not the lookup's: the next
+    backward of the same graph must not count that pass's part of the weight's gradient."""
+    built = deferred_blocks(monkeypatch)
+    plain, prepared = tiny_llama(), tiny_llama()
+    assert prepare_for_fused(prepared)
+    batch = fixed_batch()
+    for m in (plain, prepared):
+        out = m(**batch, output_hidden_states=True)
+        torch.autograd.grad(out.loss, out.hidden_states[-1], retain_graph=True)
+        out.loss.backward()
+    assert built
+    for p, q in zip(plain.parameters(), prepared.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_forward_and_gradients_unchanged(monkeypatch):
+    built = deferred_blocks(monkeypatch)
+    plain, prepared = tiny_llama(), tiny_llama()
+    assert prepare_for_fused(prepared)
+    batch = fixed_batch()
+    a, b = plain(**batch), prepared(**batch)
+    assert torch.equal(a.logits, b.logits)
+    a.loss.backward()
+    b.loss.backward()
+    assert built
+    for (name, p), q in zip(plain.named_parameters(), prepared.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7, msg=name)
+    with torch.no_grad():  # evaluation and generation take the plain path
+        assert torch.equal(plain(**batch).logits, prepared(**batch).logits)
+
+
+def test_inputs_embeds_without_lookup_still_get_the_head_gradient():
+    plain, prepared = tiny_llama(), tiny_llama()
+    assert prepare_for_fused(prepared)
+    ids = fixed_batch()["input_ids"]
+    for m in (plain, prepared):
+        embeds = m.get_input_embeddings()(ids).detach()
+        m(inputs_embeds=embeds, labels=ids).loss.backward()
+    w_plain, w_prep = plain.get_output_embeddings().weight, prepared.get_output_embeddings().weight
+    assert w_prep.grad is not None
+    torch.testing.assert_close(w_prep.grad, w_plain.grad, rtol=1e-6, atol=1e-7)
+
+
 def test_untied_model_is_left_alone():
     model = tiny_llama(tied=False)
     forwards = (model.get_input_embeddings().forward, model.get_output_embeddings().forward)

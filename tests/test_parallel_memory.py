@@ -10,13 +10,14 @@ import torch
 
 from tunelab.train.parallel.memory import SHAPES, Setup, devices_needed, estimate, load_shape, shape_of
 
-CASES = {  # name -> (optimizer, peft, seq, train.loss_chunk)
+CASES = {  # name -> (optimizer, peft, seq, train.loss_chunk[, LoRA's dropout])
     "adamw-full": ("adamw", "none", 256, None),
     "sgd-full": ("sgd", "none", 256, None),
     "adalomo-full": ("adalomo", "none", 256, None),
     "adamw-lora-qv": ("adamw", ("q", "v"), 256, None),
     "adamw-lora-all": ("adamw", ("q", "k", "v", "o", "gate", "up", "down"), 256, None),
     "adamw-lora-o-down": ("adamw", ("o", "down"), 256, None),
+    "adamw-lora-all-dropout": ("adamw", ("q", "k", "v", "o", "gate", "up", "down"), 256, None, 0.1),
     "adamw-full-chunks": ("adamw", "none", 512, 64),
     "adalomo-full-chunks": ("adalomo", "none", 512, 64),
 }
@@ -40,7 +41,7 @@ def _model():
     return model
 
 
-def _measure(optim: str, lora: tuple | str, seq: int, chunk: int | None) -> float:
+def _measure(optim: str, lora: tuple | str, seq: int, chunk: int | None, dropout: float = 0.0) -> float:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from tunelab.train import lean
@@ -53,7 +54,7 @@ def _measure(optim: str, lora: tuple | str, seq: int, chunk: int | None) -> floa
     if lora != "none":
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, task_type="CAUSAL_LM",
                                                  target_modules=[MODULES[t] for t in lora]))
     params = [p for p in model.parameters() if p.requires_grad]
     if optim == "adalomo":
@@ -84,9 +85,10 @@ def _measure(optim: str, lora: tuple | str, seq: int, chunk: int | None) -> floa
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_prediction_within_10_percent_of_measured_peak(case):
-    optim, lora, seq, chunk = CASES[case]
-    measured = _measure(optim, lora, seq, chunk)
-    peft = {"peft": "none"} if lora == "none" else {"peft": "lora", "lora_targets": lora}
+    optim, lora, seq, chunk, *dropout = CASES[case]
+    measured = _measure(optim, lora, seq, chunk, *dropout)
+    peft = {"peft": "none"} if lora == "none" else {"peft": "lora", "lora_targets": lora,
+                                                    "lora_dropout": dropout[0] if dropout else 0.0}
     predicted = estimate(shape_of(_model().config), Setup(optim=optim, dtype="float32", seq=seq, lora_r=8,
                                                           loss_chunk=chunk, **peft)).peak
     assert predicted == pytest.approx(measured, rel=0.10), f"predicted {predicted / 2**20:.1f} MiB, " \
@@ -171,16 +173,21 @@ def test_the_prediction_stored_with_a_cell_is_in_mib():
 
 def test_lora_dropout_keeps_a_copy_of_each_adapted_input_and_its_mask():
     """With dropout, each adapted layer keeps its dropped-out input (a value) and the mask (a byte) for the
-    adapter's backward; without, nothing more. The loop's prediction takes the cell's peft.dropout."""
+    adapter's backward; without, nothing more: what the model adds for it is measured (the same LoRA cell with
+    dropout 0.1 and 0) against what it predicts. The loop's prediction takes the cell's peft.dropout."""
     from tunelab import plan
     from tunelab.train.parallel.predict import setup_of
 
-    shape = SHAPES["llama-7b"]
-    base = Setup(peft="lora", lora_targets=("q", "down"), dtype="float32", seq=128, batch=2)
-    dropped = Setup(peft="lora", lora_targets=("q", "down"), lora_dropout=0.1, dtype="float32", seq=128, batch=2)
-    extra = estimate(shape, dropped).activations - estimate(shape, base).activations
-    values = 2 * 128 * shape.layers * (shape.hidden + shape.inter) * (1 + 1 / 4)
-    assert extra == pytest.approx(values * 4)  # fp32 bytes
+    targets, seq = ("q", "down"), 256
+    measured = _measure("adamw", targets, seq, None, dropout=0.1) - _measure("adamw", targets, seq, None)
+    shape = shape_of(_model().config)
+    setup = {"peft": "lora", "lora_targets": targets, "lora_r": 8, "dtype": "float32", "seq": seq}
+    predicted = estimate(shape, Setup(**setup, lora_dropout=0.1)).peak - estimate(shape, Setup(**setup)).peak
+    # The term counts a dropped-out copy and a byte mask per adapted input (CUDA's dropout keeps a bool mask; on
+    # CPU it keeps a float one). What the peak gains here is less than that (4.6 MiB predicted, 3.4 measured, at
+    # every target about 0.75 of an input's values, 1.5 at o_proj): the term errs on the safe side, by at most half.
+    assert 0 < measured <= predicted <= 1.5 * measured, \
+        f"predicted {predicted / 2**20:.2f} MiB more, measured {measured / 2**20:.2f} MiB more"
     assert estimate(shape, Setup(lora_dropout=0.1)).activations == estimate(shape, Setup()).activations  # no LoRA
     cell = plan.cell_config({"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic"},
                              "peft": {"method": "lora", "dropout": 0.1}, "train": {"steps": 1}})

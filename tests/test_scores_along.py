@@ -73,9 +73,10 @@ def _evaluator(cell: Path) -> int | None:
 @pytest.fixture(scope="module")
 def along(tmp_path_factory):
     """`exp run` of one LoRA cell that scores the checkpoints of steps 2, 4, 6 beside training. Once step 2's
-    checkpoint is saved the test pauses the training process (SIGSTOP), so the evaluator provably works while
-    training is unfinished; it kills the evaluator (SIGKILL) in the middle of step 2's evaluation, lets training
-    go on (SIGCONT), and the cell starts the evaluator again."""
+    checkpoint is saved the test pauses the training process (SIGSTOP) until the evaluator has scored step 2, so
+    that step is scored beside training whatever the machine's speed; once step 4's is saved it pauses training
+    again, kills the evaluator (SIGKILL) in the middle of step 4's evaluation, lets training go on (SIGCONT), and
+    the cell starts the evaluator again."""
     tmp = tmp_path_factory.mktemp("along")
     path = write(tmp / "along.yaml", MATRIX)
     proc = subprocess.Popen([sys.executable, "-m", "tunelab.cli", "run", str(path), "--runs-dir", str(tmp / "runs")],
@@ -87,10 +88,18 @@ def along(tmp_path_factory):
                       proc)
         evaluator = _until("evaluator", lambda: _evaluator(cell), proc)  # started before training
         trainer = _parent(evaluator)
+        trained = lambda: max(r["step"] for r in read_jsonl(cell / "train" / "metrics.jsonl"))  # noqa: E731
         _until("checkpoint of step 2", (cell / "checkpoints" / "step-2").is_dir, proc)
         os.kill(trainer, signal.SIGSTOP)  # within a poll (20 ms) of step 2: training is far from step 40
-        seen["trained_when_paused"] = max(r["step"] for r in read_jsonl(cell / "train" / "metrics.jsonl"))
-        half = _until("step 2 being evaluated", lambda: next((cell / "eval").glob("*/.step-2-*"), None), proc)
+        seen["trained_when_paused"] = [trained()]
+        # Training waits for step 2's score: only the evaluator beside it can give it.
+        seen["scored_while_paused"] = read_json(_until(
+            "step 2 scored", lambda: next((cell / "eval").glob("*/step-2/results.json"), None), proc))
+        os.kill(trainer, signal.SIGCONT)
+        _until("checkpoint of step 4", (cell / "checkpoints" / "step-4").is_dir, proc)
+        os.kill(trainer, signal.SIGSTOP)
+        seen["trained_when_paused"].append(trained())
+        half = _until("step 4 being evaluated", lambda: next((cell / "eval").glob("*/.step-4-*"), None), proc)
         os.kill(evaluator, signal.SIGKILL)
         seen["killed"], seen["half"] = evaluator, half
         os.kill(trainer, signal.SIGCONT)
@@ -109,21 +118,24 @@ def _steps(cell: Path) -> dict[int, dict]:
 def test_checkpoints_are_scored_beside_training_and_a_killed_evaluator_loses_nothing(along):
     assert along["code"] == 0, along["err"][-3000:]
     cell = along["cell"]
-    # Training was unfinished while the evaluator worked on step 2: it was paused there, not waited for.
-    assert along["trained_when_paused"] < STEPS
+    # Training was unfinished while the evaluator scored step 2 and worked on step 4: paused there, not waited for.
+    assert max(along["trained_when_paused"]) < STEPS
     log = (cell / "cell.log").read_text()
     assert f"checkpoint evaluator pid {along['killed']} ended (-9) while training goes on: starting it again" in log
     steps = _steps(cell)
     assert sorted(steps) == ASKED
     for step, res in steps.items():
         assert res["complete"] and res["step"] == step and res["checkpoint"] == f"checkpoints/step-{step}"
-        assert res["evaluated_by"] in ("beside training", "the cell, after training")
+        assert res["evaluated_by"] in ("beside training", "the cell, after training")  # steps 4 and 6: either
         assert res["tasks"]["val_loss"]["value"] > 0
         he = res["tasks"]["humaneval"]
         assert he["n"] == 1 and he["subset"], he  # 1 of 164 problems: marked as a subset
         assert res["versions"]["tunelab"] and res["config"]["tasks"] == ["val_loss", "humaneval"]  # provenance
         assert (along["half"].parent / f"step-{step}" / "samples.jsonl").is_file()
-    assert steps[2]["pid"] != along["killed"]  # step 2 was evaluated again, by another process
+    # Step 2 was scored beside training by the first evaluator while training was paused, and kept.
+    assert steps[2]["evaluated_by"] == "beside training" and steps[2]["pid"] == along["killed"]
+    assert steps[2] == along["scored_while_paused"]
+    assert steps[4]["pid"] != along["killed"]  # step 4 was evaluated again, by another process
     assert not list(along["half"].parent.glob(".step-*-*")), "a killed evaluation left its half-written folder"
     assert max(r["step"] for r in read_jsonl(cell / "train" / "metrics.jsonl")) == STEPS
 

@@ -193,13 +193,14 @@ def widest_logits(fn, vocab: int, hidden: int = 32) -> int:
     return widest[0]
 
 
+@pytest.mark.parametrize("make_batch", [padded_batch, packed_batch])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("chunk", [1, 4, None])
-def test_chunked_head_equals_the_plain_head_within_1e_6(tied, chunk):
+def test_chunked_head_equals_the_plain_head_within_1e_6(tied, chunk, make_batch):
     """The head and loss in chunks of positions (train/chunked.py; None: the automatic chunk, one chunk here):
     loss and every gradient within 1e-6 of the plain `model(**batch).loss` in fp32, and no (positions,
-    vocabulary) tensor wider than a chunk exists in forward or backward."""
-    model, batch = tiny_llama(tied), padded_batch()
+    vocabulary) tensor wider than a chunk exists in forward or backward. Padded rows and packed ones."""
+    model, batch = tiny_llama(tied), make_batch()
     set_chunk(model.get_output_embeddings(), chunk)
     fast_loss, fast = loss_and_grads(model, causal_lm_loss, batch)
     plain_loss_, plain = loss_and_grads(model, plain_loss, batch)
@@ -211,17 +212,18 @@ def test_chunked_head_equals_the_plain_head_within_1e_6(tied, chunk):
     assert widest_logits(lambda: loss_and_grads(model, plain_loss, batch), 97) == batch["labels"].numel()
 
 
+@pytest.mark.parametrize("make_batch", [padded_batch, packed_batch])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("chunk", [1, 4, None])
-def test_early_gradients_equal_the_plain_head_within_1e_6(tied, chunk):
+def test_early_gradients_equal_the_plain_head_within_1e_6(tied, chunk, make_batch):
     """The head's gradients built in its forward (`set_chunk(early=True)`, what every optimizer but LOMO/AdaLomo
     runs), with a tied weight through the one-buffer lookup the loop prepares (optimizers/tied.py), which adds
     its rows into the head's buffer: loss and every gradient within 1e-6 of a fresh model's plain loss in fp32;
-    forward makes no logits wider than a chunk and backward none at all."""
+    forward makes no logits wider than a chunk and backward none at all. Padded rows and packed ones."""
     from tunelab.optimizers.tied import prepare_for_fused
     from tunelab.train import chunked
 
-    model, batch = tiny_llama(tied), padded_batch()
+    model, batch = tiny_llama(tied), make_batch()
     assert prepare_for_fused(model) == tied
     set_chunk(model.get_output_embeddings(), chunk, early=True)
     ready = []

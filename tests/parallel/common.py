@@ -90,12 +90,14 @@ def optimizer(method: str):
     return {"adalomo": adalomo, "lomo": lomo}.get(method, adamw)
 
 
-def reference(method: str, steps: int = STEPS) -> dict:
-    """One process, the computation every layout must reproduce."""
+def reference(method: str, steps: int = STEPS, tensors: bool = False) -> dict:
+    """One process, the computation every layout must reproduce. `tensors`: also every parameter's gradient in the
+    first step, before clipping (`grads`; none for LOMO/AdaLomo, which never hold a whole one), and every
+    parameter after the last step (`weights`), by name (a tied weight under both its names)."""
     model = tiny_model(method)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(method)(params)
-    losses, norms = [], []
+    losses, norms, first = [], [], {}
     for step in batches(steps):
         n, total = n_items(step), 0.0
         if method in FUSED:  # the optimizer runs backward (twice: norm, then clipped update)
@@ -108,6 +110,9 @@ def reference(method: str, steps: int = STEPS) -> dict:
             loss = model(**b, num_items_in_batch=torch.tensor(n)).loss
             loss.backward()
             total += float(loss.detach())
+        if tensors and not first:
+            first = {k: p.grad.detach().clone() for k, p in model.named_parameters(remove_duplicate=False)
+                     if p.requires_grad}
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, MAX_NORM)))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -116,7 +121,20 @@ def reference(method: str, steps: int = STEPS) -> dict:
         b = batches(1)[0][0]
         val = float(model(**b, num_items_in_batch=torch.tensor(1)).loss)
     param_sum = sum(float(p.detach().double().sum()) for p in model.parameters())
-    return {"loss": losses, "grad_norm": norms, "eval": [val, n_items([b])], "param_sum": param_sum}
+    out = {"loss": losses, "grad_norm": norms, "eval": [val, n_items([b])], "param_sum": param_sum}
+    if tensors:
+        out.update(grads=first, weights={k: p.detach().clone() for k, p in
+                                         model.named_parameters(remove_duplicate=False)})
+    return out
+
+
+def max_diff(got: dict, want: dict) -> dict:
+    """{"names": how many compared, "missing": names on one side only, "max": the largest absolute difference over
+    every element of every tensor, "at": the parameter where it is} of two {name: tensor} maps."""
+    missing = sorted(set(got) ^ set(want))
+    diffs = {k: float((got[k].float() - want[k].float()).abs().max()) for k in set(got) & set(want)}
+    at = max(diffs, key=diffs.get) if diffs else None
+    return {"names": len(diffs), "missing": missing, "max": diffs.get(at, 0.0), "at": at}
 
 
 def cell(parallel: dict, method: str):

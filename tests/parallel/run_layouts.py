@@ -97,24 +97,88 @@ def build(name: str, cell, layout, method: str, folder: Path):
     return common.tiny_model(method), None
 
 
+def first_grads(stepper) -> dict:
+    """Every trainable parameter's gradient of the step that runs next, whole, by name, as the engine hands it to
+    clipping (native: `grads.clip_`; DeepSpeed: at the accumulation boundary, before its step clips); each rank
+    holds those of its own pipeline stage. Filled while that step runs; an engine whose optimizer updates inside
+    backward (LOMO, AdaLomo) never holds them, and nothing is filled."""
+    from torch.distributed.tensor import DTensor
+
+    from tunelab.train.parallel import grads
+
+    got: dict = {}
+    whole = lambda g: (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()  # noqa: E731
+    if hasattr(stepper, "engine"):  # DeepSpeed
+        import deepspeed
+
+        engine, step = stepper.engine, stepper.engine.step
+
+        def ds_step(*a, **kw):
+            if engine.is_gradient_accumulation_boundary():
+                for n, p in engine.module.named_parameters(remove_duplicate=False):
+                    if p.requires_grad:  # every rank takes part: ZeRO gathers the partitions
+                        got[n] = whole(deepspeed.utils.safe_get_full_grad(p))
+                engine.step = step
+            return step(*a, **kw)
+
+        if stepper.fused is None:
+            engine.step = ds_step
+        return got
+    names = [(n, p) for n, p in stepper._view().named_parameters(remove_duplicate=False) if p.requires_grad]
+    clip = grads.clip_
+
+    def clipping(*a, **kw):
+        if not got:
+            got.update({n: whole(p.grad) for n, p in names})  # in the same order on every rank of a mesh
+        grads.clip_ = clip
+        return clip(*a, **kw)
+
+    grads.clip_ = clipping
+    return got
+
+
+def on_main(part: dict) -> dict | None:
+    """Every rank's {name: tensor} merged on rank 0 (pipeline stages hold disjoint parameters)."""
+    parts: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(part, parts, dst=0)
+    return {k: v for p in parts or [] for k, v in p.items()} if parts else None
+
+
+REFERENCES: dict = {}  # method -> the one-process reference with its tensors, computed once per launch on rank 0
+
+
 def run(name: str, parallel: dict, method: str, ckpt: Path | None, folder: Path) -> dict:
     from tunelab.train import parallel as par
+    from tunelab.train.parallel import grads
 
     cell = common.cell(parallel, method)
     layout = par.setup(cell.parallel)
     model, weights = build(name, cell, layout, method, folder)
     stepper = par.prepare(model, common.optimizer(method), cell, layout, weights=weights)
     losses, norms = [], []
-    for i, step in enumerate(common.batches(), start=1):
-        loss, norm = stepper.train_step(step, common.n_items(step))
-        losses.append(loss)
-        norms.append(norm)
-        if ckpt and f"{name}/{method}" in CKPT_RUNS and i == CKPT_AFTER:
-            stepper.save(ckpt / f"{name}-{method}")
+    clip = grads.clip_
+    try:
+        first = first_grads(stepper)
+        for i, step in enumerate(common.batches(), start=1):
+            loss, norm = stepper.train_step(step, common.n_items(step))
+            losses.append(loss)
+            norms.append(norm)
+            if ckpt and f"{name}/{method}" in CKPT_RUNS and i == CKPT_AFTER:
+                stepper.save(ckpt / f"{name}-{method}")
+    finally:
+        grads.clip_ = clip
+    first = on_main(first)
     val = stepper.eval_loss(common.batches(1)[0][0])
     model = stepper.unwrap()
     full = sum(float(p.detach().double().sum()) for p in model.parameters()) if model is not None else None
-    return {"loss": losses, "grad_norm": norms, "eval": list(val), "param_sum": full}
+    out = {"loss": losses, "grad_norm": norms, "eval": list(val), "param_sum": full}
+    if dist.get_rank() == 0:  # every parameter against the reference's, here where the tensors are
+        ref = REFERENCES.setdefault(method, common.reference(method, tensors=True))
+        out["grads"] = common.max_diff(first, ref["grads"]) if first else None
+        if model is not None:
+            out["weights"] = common.max_diff({k: p.detach() for k, p in model.named_parameters(
+                remove_duplicate=False)}, ref["weights"])
+    return out
 
 
 def resume(source: str, target: str, ckpt: Path) -> dict:

@@ -202,8 +202,13 @@ def estimate(shape: Shape, s: Setup) -> Estimate:
         params = stage * b
     params /= s.dp if s.zero >= 3 else 1
     opt = OPTIMIZERS[s.optim]
-    if opt.fused and s.pp == 1:  # one gradient at a time, plus the fp32 copy its update works on
-        grads = max(a * c for a, c in matrices) / s.tp * (b + 4)
+    if opt.fused and s.pp == 1:
+        # One gradient at a time, plus the fp32 copy its update works on (none for fp32 weights: optimizers/fused.py
+        # updates in the gradient's own memory). The largest is the embedding's, which its lookup's backward, the
+        # last, builds whole (a tied one from the head's factors too: optimizers/tied.py); it is the peak of a step
+        # whose activations are small (batch 1 x 64: 98 MB of a 100M Llama's 32,000 x 768 embedding).
+        whole = matrices + [(shape.vocab, shape.hidden)] * (s.peft == "none")
+        grads = max(a * c for a, c in whole) / s.tp * (b + (0 if b == 4 else 4))
     else:  # (under pipelines a fused optimizer updates after the schedule: the stage's gradients exist)
         grads = trainable_here * b / (s.dp if s.zero >= 2 else 1)
     opt_values = _state_values(shape, s, opt, matrices, trainable_here)
