@@ -7,6 +7,8 @@ commands do not pay for them.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -105,3 +107,22 @@ def quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
     logging.getLogger("torch").setLevel(logging.ERROR)
+
+
+@contextmanager
+def libraries_to(log: Path) -> Iterator[None]:
+    """What third-party code prints on stderr while a command works (progress bars of loading and tokenizing,
+    warnings, the `git` lm-eval runs for its provenance) goes to `log` instead of the terminal: file descriptor
+    2 itself, so child processes' output too. tunelab's own output is on stdout; an error ends the block first,
+    so its message still reaches the terminal."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with log.open("a") as f:
+            os.dup2(f.fileno(), 2)
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)

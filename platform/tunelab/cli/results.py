@@ -116,15 +116,13 @@ def _as_json(c: Comparison) -> dict:
 
 
 def _named(arg: Path, runs_dir: Path) -> Path:
-    """A folder as given; else a matrix of the runs folder, a leaderboard row (runs/<matrix>/<label>, e.g. a tuned
-    group), or the cell the leaderboard names so."""
-    from tunelab.folders.matrix import MatrixFolder, resolve_cell
+    """A cell, a leaderboard row (runs/<matrix>/<label>: report.compare.pairs reads its cells from cells.json) or a
+    matrix, however the user names it (folders.targets)."""
+    from tunelab.folders.targets import resolve
 
-    if arg.exists() or (runs_dir / arg).is_dir():
-        return arg if arg.exists() else runs_dir / arg
-    if MatrixFolder(arg.parent).index_file.is_file():  # report.compare.pairs reads the row from cells.json
-        return arg
-    return resolve_cell(str(arg), "compare", runs_dir)
+    target = resolve(str(arg), "compare", ("cell", "row", "matrix"), runs_dir)
+    assert target.path is not None
+    return target.cell.path if target.kind == "cell" else target.path
 
 
 @app.command("compare", rich_help_panel=INSPECT, help="Compare two cells (or two matrices, cell by cell): config, "
