@@ -106,7 +106,7 @@ def _print_estimate(model: str, s: Setup, est: Estimate, need: int | None, devic
                         ("activations", "activations"), ("buffers", "engine buffers"), ("train", "training step"),
                         ("load", f"load (built {built})"), ("peak", "peak")):
         table.add_row(label, f"{getattr(est, name) / GB:.2f}")
-    out.print(table)
+    print_wide(table)
     fits = "fits" if est.peak <= device_gb * GB else "does NOT fit"
     out.print(f"this layout ({s.dp * s.tp * s.pp} devices) {fits} on {device_gb:g} GB devices")
     out.print(f"devices needed (growing dp, tp {s.tp} x pp {s.pp}, zero {s.zero}): "

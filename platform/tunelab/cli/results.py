@@ -82,7 +82,7 @@ def _show(c: Comparison) -> None:
         table.add_column(col)
     for k, (va, vb) in c.config_diff.items():
         table.add_row(k, fmt(va), fmt(vb))
-    out.print(table if c.config_diff else "config: identical")
+    print_wide(table) if c.config_diff else out.print("config: identical")
     table = Table(title="scores: B - A, paired over the same items", title_justify="left")
     for col in ("task", "A", "B", "B - A", "95% CI", "p", "test", "items"):
         table.add_column(col, justify="left" if col in ("task", "test") else "right")
@@ -96,7 +96,7 @@ def _show(c: Comparison) -> None:
         else:
             table.add_row(t.task, fmt(r.a), fmt(r.b), f"{r.diff:+.4g}", f"[{r.ci[0]:+.3g}, {r.ci[1]:+.3g}]",
                           _pct(r.p), r.test, str(r.n))
-    out.print(table)
+    print_wide(table)
     table = Table(title="training", title_justify="left")
     for col in ("figure", "A", "B", "B - A", "B / A"):
         table.add_column(col, justify="left" if col == "figure" else "right")
@@ -104,7 +104,7 @@ def _show(c: Comparison) -> None:
         both = isinstance(va, (int, float)) and isinstance(vb, (int, float))
         table.add_row(name, fmt(va), fmt(vb), f"{vb - va:+.4g}" if both else "-",
                       f"{vb / va:.3g}x" if both and va else "-")
-    out.print(table)
+    print_wide(table)
 
 
 def _as_json(c: Comparison) -> dict:

@@ -172,7 +172,7 @@ def _status_table(matrix_dir: Path, found: list[dict]) -> Table:
                       *([r["slurm_job"] or "-"] if slurm else []),
                       f"{t['train_s']:.0f}" if "train_s" in t else "-",
                       f"{t['eval_s']:.0f}" if "eval_s" in t else "-", human_bytes(r["disk_bytes"]),
-                      escape(cause[:160]))
+                      escape(cause))
     return table
 
 
@@ -197,8 +197,8 @@ def clean(
             for i in items]
     from tunelab.cli.common import table
 
-    out.print(table(f"exp clean {root}", ["cell", "state", "delete", "bytes", "size"], rows,
-                    frozenset({"bytes", "size"})))
+    print_wide(table(f"exp clean {root}", ["cell", "state", "delete", "bytes", "size"], rows,
+                     frozenset({"bytes", "size"})))
     todo = [i for i in items if not i.skip]
     total = sum(i.size for i in todo)
     if not todo:
