@@ -57,6 +57,10 @@ def leaderboard_cmd(
     if best and at_step is not None:
         raise UserError("--at-step and --best each choose the checkpoint a row shows: give one of them")
     records = collect(folder.path, "best" if best else at_step)
+    if best and not any(r.curve for r in records):
+        raise UserError("--best: no cell of this matrix has scores of its checkpoints (eval.checkpoints scores "
+                        "them, train.select chooses one); without them the rows are the final evaluation: leave out "
+                        "--best", file=folder.path)
     if at_step is not None and not any(r.scores for r in records):
         scored = sorted({s for r in records for s in r.curve})
         raise UserError(f"--at-step {at_step}: no cell has scores of a checkpoint of that step; scored steps: "
@@ -67,8 +71,21 @@ def leaderboard_cmd(
     title = f"{folder.name} leaderboard" + (f" at step {at_step}" if at_step else " at the selected checkpoints"
                                             if best else "")
     if fmt_ is None:
-        return print_wide(leaderboard.to_rich(board, title))
+        print_wide(leaderboard.to_rich(board, title))
+        if not board.rows:
+            _say_empty(folder)
+        return
     print(leaderboard.render(board, fmt_, title), end="")
+
+
+def _say_empty(folder) -> None:
+    """A board with no row: why, and where to look (a search stopped before its winner, cells not run yet)."""
+    searches = folder.studies_file.is_file()
+    out.print(f"no results yet: no cell of {folder.path} has finished"
+              + (" and no search has chosen its winner" if searches else "")
+              + f"; `exp status {folder.path}` shows each cell's state"
+              + (f", `exp tune status {folder.path}` each search's trials" if searches else "")
+              + "; `exp run` the matrix file again to go on", highlight=False, soft_wrap=True)
 
 
 def _pct(p: float | None) -> str:

@@ -123,9 +123,10 @@ def _say_outcomes(planned, outcomes: list) -> int:
     if any(o.state == "skipped-failed" for o in failed):
         err.print("run again with --rerun-failed to retry failed cells")
     stopped = [o for o in outcomes if o.state == "interrupted"]
-    for o in stopped:
-        err.print(f"[yellow]{o.cell.dirname} stopped[/] ({escape(str(o.error))}): run again to resume it",
-                  soft_wrap=True)
+    for o in stopped:  # the cell's note says how it stopped, and often that a run resumes it
+        why = str(o.error or "stopped")
+        err.print(f"[yellow]{o.cell.dirname}[/]: {escape(why)}"
+                  + ("" if "resume" in why else "; the same `exp run` resumes it"), soft_wrap=True)
     for line in planned.waiting:  # a search that cannot take its next decision yet (tunelab.tune)
         err.print(f"[yellow]search {escape(line)}", soft_wrap=True)
     reached = {o.cell.id for o in outcomes}

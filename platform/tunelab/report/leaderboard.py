@@ -147,7 +147,7 @@ def to_rich(board: Board, title: str) -> Table:
     for row in df.itertuples(index=False):
         table.add_row(*(v if str(v).startswith("[bold]") else escape(str(v)) for v in row))
     if not board.rows:
-        table.caption = "no cell of this matrix has results yet"
+        table.caption = "no results yet"
     return table
 
 

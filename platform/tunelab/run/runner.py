@@ -37,7 +37,7 @@ from tunelab.folders.matrix import MatrixFolder
 from tunelab.matrix.expansion import Cell
 from tunelab.run import slurm
 from tunelab.run.launch import STOP_AT_ENV, VALIDATE_AT_ENV, Launch, cell_command, run_env
-from tunelab.run.outcome import Outcome, exit_cause
+from tunelab.run.outcome import Outcome, exit_cause, said_stop
 from tunelab.run.progress import RunView
 
 
@@ -50,11 +50,13 @@ class Interrupts:
     a cell stops at once at its second SIGINT, marking itself pending without a new checkpoint)."""
 
     count: int = 0
+    by: str | None = None  # the first signal's name: SIGINT is the user's Ctrl-C, passed on to the cell as SIGTERM
     proc: subprocess.Popen | None = None
     _saved: dict[signal.Signals, object] = field(default_factory=dict)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.count += 1
+        self.by = self.by or signal.Signals(signum).name
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.kill(self.proc.pid, signal.SIGTERM if self.count == 1 else signal.SIGINT)
@@ -185,7 +187,7 @@ class Runner:
             return Outcome(cell, "paused")
         if status.get("state") == "pending":
             self.view.end_cell(handle, "[yellow]interrupted: resumes on the next exp run")
-            return Outcome(cell, "interrupted", status.get("note") or exit_cause(rc))
+            return Outcome(cell, "interrupted", said_stop(folder, status, rc, self.stop.by))
         self.view.end_cell(handle, f"[red]failed: {escape(str(status.get('error', ''))[:80])}")
         return Outcome(cell, "failed", status.get("error"))
 
@@ -244,7 +246,8 @@ class Runner:
         def record(outcome: Outcome | None) -> bool:
             if outcome is not None:
                 outcomes.append(outcome)
-                self.view.advance()
+                if outcome.state != "interrupted":  # it resumes on the next run: not finished
+                    self.view.advance()
             return outcome is not None and self.fail_fast and outcome.state == "failed"
 
         with self.view, self.stop.installed():

@@ -82,7 +82,8 @@ def run(groups: list[Group], chosen: list[Group], cells: list[Cell], plain: list
     ours = [c for s in running for c in finals.get(s.group.study, [])]
     if ours and not r.go(ours):
         return Result(list(r.last.values()), waiting)
-    r.go(plain)
+    if plain:  # none: no word of an empty batch
+        r.go(plain)
     return Result(list(r.last.values()), waiting)
 
 
@@ -104,7 +105,9 @@ def _stages(searches: list[Search], r: _Run | None) -> bool:
             if r is not None:
                 r.console.print(f"[bold]tune[/]: bracket {b + 1}/{len(brackets)}, rung {i + 1} (step {step}): "
                                 f"{len(cells)} trial runs over {len(live)} group(s)", highlight=False)
+                _record_progress(live, b, i, collect=False)
                 if not r.go(cells):
+                    _record_progress(live, b, i, collect=True)
                     return False
             for s in live:
                 s.collect(b, i)
@@ -113,6 +116,15 @@ def _stages(searches: list[Search], r: _Run | None) -> bool:
                     _write_record(s, s.matrix_dir)
                     _free_pruned(s, s.matrix_dir)
     return True
+
+
+def _record_progress(live: list[Search], b: int, i: int, collect: bool) -> None:
+    """A stage about to run, or stopped before its end (Ctrl-C): the study says so already, each trial with its
+    point and, stopped, the values and steps its cells have (`exp tune status` reads it), no decision taken."""
+    for s in live:
+        if collect:
+            s.collect(b, i)
+        _write_record(s, s.matrix_dir)
 
 
 def _unseeded(config: CellConfig) -> str:
