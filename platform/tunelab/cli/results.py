@@ -43,11 +43,13 @@ def leaderboard_cmd(
                                                 "step N (eval.checkpoints) instead of its final evaluation")] = None,
     best: Annotated[bool, typer.Option("--best", help="the scores of the checkpoint train.select made final/ (a "
                                        "cell without a selection: its last step's)")] = False,
+    every: Annotated[bool, typer.Option("--all", help="every cell folder of the run folder, also those the matrix "
+                                        "as last run does not list (earlier runs with other --set values)")] = False,
     as_json: Json = False,
 ) -> None:
     from tunelab.folders.matrix import open_matrix
     from tunelab.report import leaderboard
-    from tunelab.report.records import collect
+    from tunelab.report.records import collect, left_out_notes
     from tunelab.report.table import build
 
     folder = open_matrix(matrix_dir, "leaderboard")
@@ -56,7 +58,7 @@ def leaderboard_cmd(
         raise UserError(f"--format {fmt_!r}: allowed are {', '.join(leaderboard.FORMATS)}")
     if best and at_step is not None:
         raise UserError("--at-step and --best each choose the checkpoint a row shows: give one of them")
-    records = collect(folder.path, "best" if best else at_step)
+    records = collect(folder.path, "best" if best else at_step, every=every)
     if best and not any(r.curve for r in records):
         raise UserError("--best: no cell of this matrix has scores of its checkpoints (eval.checkpoints scores "
                         "them, train.select chooses one); without them the rows are the final evaluation: leave out "
@@ -66,7 +68,7 @@ def leaderboard_cmd(
         raise UserError(f"--at-step {at_step}: no cell has scores of a checkpoint of that step; scored steps: "
                         f"{', '.join(map(str, scored)) or 'none (eval.checkpoints scores checkpoints)'}")
     board = build(records, aggregate=aggregate, by=by.split(",") if by else None, where=_where(where or []),
-                  sort=sort)
+                  sort=sort, notes=[] if every else left_out_notes(folder.path))
     leaderboard.write(folder.path)  # the files keep the default view; written once the options proved sound
     title = f"{folder.name} leaderboard" + (f" at step {at_step}" if at_step else " at the selected checkpoints"
                                             if best else "")

@@ -90,8 +90,8 @@ def _what(arg: str, command: str, accept: tuple[str, ...], runs: Path) -> Target
     if len(found) == 1:
         return found[0]
     if found:
-        raise UserError(f"{arg!r} names {len(found)} cells under {runs}/; give one of: "
-                        + ", ".join(_shown(t, runs) for t in found), key=command)
+        raise UserError(f"names {len(found)} cells under {runs}/; give one of: "
+                        + ", ".join(_shown(t, runs) for t in found), file=arg)
     if HUB_ID.match(arg) and not looks_like_path(arg) and ({"hub", "alias", "model"} & set(accept)):
         return Target("hub", arg)
     every = [n for m in _matrices(runs) for n in names(m.cells(), qualified=True).values()]

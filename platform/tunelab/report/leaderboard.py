@@ -18,7 +18,7 @@ from rich.table import Table
 
 from tunelab.core.files import write_text
 from tunelab.folders.matrix import MatrixFolder
-from tunelab.report.records import collect
+from tunelab.report.records import collect, left_out_notes
 from tunelab.report.scores import MARKS, TEST_SELECTED, fmt, marked
 from tunelab.report.table import Board, Stat, build
 
@@ -148,12 +148,14 @@ def to_rich(board: Board, title: str) -> Table:
         table.add_row(*(v if str(v).startswith("[bold]") else escape(str(v)) for v in row))
     if not board.rows:
         table.caption = "no results yet"
+    elif board.notes:  # what this board says of itself (cells left out, weights that are stand-ins): not the legend
+        table.caption, table.caption_justify = escape(" ".join(board.notes)), "left"
     return table
 
 
 def write(matrix_dir: Path, **options) -> Board:
     """leaderboard.md, .csv, .tex and .json of a matrix's run folder (seeds folded unless aggregate=False)."""
-    board = build(collect(matrix_dir), **options)
+    board = build(collect(matrix_dir), notes=left_out_notes(matrix_dir), **options)
     title = f"Leaderboard: {matrix_dir.name}"
     for ext, name in (("md", "md"), ("csv", "csv"), ("tex", "latex"), ("json", "json")):
         write_text(MatrixFolder(matrix_dir).leaderboard_file(ext), render(board, name, title))
