@@ -47,7 +47,10 @@ def convert(entries: dict[str, Any]) -> dict[str, LmTask]:
     out = {}
     for name, e in entries.items():
         kind = KINDS.get(e.kind.name, "task")
-        output = str((e.cfg or {}).get("output_type") or "") if kind == "task" else ""
+        cfg = e.cfg or {}
+        # a YAML that names none runs lm-eval's default; a Python class task says nothing in its YAML
+        output = (str(cfg.get("output_type") or ("python class" if "class" in cfg else "generate_until"))
+                  if kind == "task" else "")
         out[name] = LmTask(name, kind, output, str(e.yaml_path) if e.yaml_path else None, _members(kind, e))
     return out
 
@@ -63,10 +66,16 @@ def lm_eval_version() -> str:
     return importlib.metadata.version("lm_eval")
 
 
+def index_file() -> Path:
+    """Where lm-eval's own index is kept, one file per lm-eval version (and per layout of this cache: -2 added the
+    output type of tasks whose YAML names none)."""
+    return cache_dir() / "lm-eval-index" / f"{lm_eval_version()}-2.json"
+
+
 @functools.cache
 def builtin() -> dict[str, LmTask]:
     """Every task lm-eval ships, from the cache when this lm-eval version was indexed before."""
-    path = cache_dir() / "lm-eval-index" / f"{lm_eval_version()}.json"
+    path = index_file()
     cached = read_json(path)
     if cached:
         return {n: LmTask(**{**v, "members": tuple(v["members"])}) for n, v in cached.items()}
