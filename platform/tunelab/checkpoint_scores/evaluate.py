@@ -19,7 +19,7 @@ import select
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -154,9 +154,12 @@ class Evaluator:
         with atomic_dir(self.folder.step_dir(self.ecfg.id(), step)) as tmp:
             mark = {"step": step, "checkpoint": str(self.folder.checkpoint_dir(step).relative_to(self.folder.path)),
                     "evaluated_by": self.by, "pid": os.getpid()}
+            def emit(ev: events.Event) -> None:  # its tasks say which checkpoint they score
+                self.emit(replace(ev, step=step) if isinstance(ev, events.EvalTask) else ev)
+
             try:
                 out, self._datasets = evaluate_saved(self.folder, self.cfg, self.folder.checkpoint_dir(step),
-                                                     self.ecfg, tmp, self.runtime(), self.emit, self._datasets)
+                                                     self.ecfg, tmp, self.runtime(), emit, self._datasets)
             except UserError as e:  # an unreadable checkpoint: no evaluator will do better, say so
                 out = self.unavailable(f"checkpoint unreadable: {e}")
             write_json(EvalFolder(tmp).results_file, {**out, **mark, "seconds": time.perf_counter() - t0})

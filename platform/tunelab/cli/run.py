@@ -27,6 +27,21 @@ def _plan_table(name: str, cells: list) -> Table:
     return table
 
 
+def _say_warnings(spec, file: Path, cells: list, groups: list) -> None:
+    """The plan's warnings (plan/warnings.py, a tune: section's): each once, with the cells or groups it concerns;
+    nothing stops."""
+    from tunelab.plan.warnings import cell_warnings
+    from tunelab.tune import plan as tune_plan
+
+    said: dict[str, list[str]] = {}
+    for name, config in [*((c.slug, c.config) for c in cells), *((f"{g.slug} (search)", g.config) for g in groups)]:
+        for w in cell_warnings(config):
+            said.setdefault(w, []).append(name)
+    lines = [f"{', '.join(names)}: {w}" for w, names in said.items()] + tune_plan.warnings(spec, file)
+    for line in lines:
+        err.print(f"[yellow]warning:[/] {escape(f'{file}: {line}')}", highlight=False, soft_wrap=True)
+
+
 def _along(cfg) -> str:
     """Which checkpoints a cell scores, and where: beside training or after it (eval.checkpoints.workers)."""
     ck, steps = cfg.eval.checkpoints, cfg.checkpoint_steps()
@@ -34,7 +49,16 @@ def _along(cfg) -> str:
         return "-"
     shown = ",".join(map(str, steps)) if len(steps) <= 6 else f"{steps[0]},{steps[1]},...,{steps[-1]}"
     select = f"; final/ = best {cfg.train.select.metric}" if cfg.train.select else ""
-    return f"steps {shown} ({len(steps)}): {ck.mode()}{select}"
+    return f"steps {shown} ({len(steps)}): {ck.mode(_cuda(cfg.train.device))}{select}"
+
+
+def _cuda(device: str) -> bool:
+    """Whether a cell of train.device runs on CUDA on this machine (what `exp plan` says it will do here)."""
+    if device != "auto":
+        return device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @app.command(rich_help_panel=RUN)
@@ -48,11 +72,16 @@ def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets =
     overrides = parse_sets(sets or [])
     spec, cells = expansion.load(file, overrides)
     groups = tune_plan.groups(spec, file, overrides)
+    from tunelab.plan.warnings import cell_warnings
+
     rows = [{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
              "checkpoints": c.checkpoints and {**c.checkpoints, "mode": _along(c.config)},
-             "config": c.config.model_dump(mode="json")} for c in cells]
-    if as_json:  # a matrix with searches: {"cells": [...], "groups": [...]}
-        return print_json({"cells": rows, "groups": show.plan_rows(groups)} if groups else rows)
+             "config": c.config.model_dump(mode="json"), "warnings": cell_warnings(c.config)} for c in cells]
+    if as_json:  # a matrix with searches: {"cells": [...], "groups": [...], "warnings": [...]}
+        searches = [{**r, "warnings": cell_warnings(g.config)} for r, g in zip(show.plan_rows(groups), groups)]
+        return print_json({"cells": rows, "groups": searches, "warnings": tune_plan.warnings(spec, file)}
+                          if groups else rows)
+    _say_warnings(spec, file, cells, groups)
     if cells or not groups:
         print_wide(_plan_table(spec.name, cells))
     if groups:
@@ -99,6 +128,7 @@ def run(
         Launch(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, launcher=launcher, dry_run=dry_run),
         {k: v for k, v in flags.items() if v is not None})
     planned = session.plan(req)
+    _say_warnings(planned.spec, file, planned.chosen, planned.chosen_groups)
     outcomes = session.run(req, planned, err)
     if planned.how.launcher == "slurm":
         raise typer.Exit(1 if any(o.state == "failed" for o in outcomes) else 0)

@@ -187,13 +187,16 @@ class CheckpointsCfg(Section):
     def workers_on(self, cuda: bool) -> int:
         return self.workers if self.workers is not None else int(cuda)
 
-    def mode(self) -> str:
-        """Where they run, in words (`exp plan`)."""
-        if self.workers is None:
+    def mode(self, cuda: bool | None = None) -> str:
+        """Where they run, in words (`exp plan`); `cuda`: whether the cell's device is CUDA, as the machine that
+        plans sees it (None: not known)."""
+        workers = self.workers if self.workers is not None or cuda is None else self.workers_on(cuda)
+        if workers is None:
             return "beside training (1 process) on CUDA, after training on CPU"
-        if self.workers == 0:
-            return "after training, in the cell's process"
-        return f"beside training ({self.workers} process{'es' if self.workers > 1 else ''})"
+        if workers == 0:
+            why = "" if self.workers is not None else " (no CUDA device here: evaluators would slow training)"
+            return f"after training, in the cell's process{why}"
+        return f"beside training ({workers} process{'es' if workers > 1 else ''})"
 
 
 class EvalCfg(Section):

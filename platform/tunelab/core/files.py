@@ -51,6 +51,11 @@ def make_dir(path: Path, what: str = "") -> Path:
     except OSError as e:
         if e.errno in _PLACE_ERRORS:
             raise _write_failed(path, e) from None
+        if e.errno == errno.ENOENT:  # a parent that exists yet takes no new folder: /proc, /sys, some mounts
+            above = next((p for p in path.absolute().parents if p.exists()), Path("/"))
+            raise WriteFailed(f"cannot make this folder{named}: {above} exists but takes no new folders "
+                              f"({e.strerror}; a system folder such as /proc or /sys, or a mount that refuses "
+                              "them); choose a folder you can write, then run again", file=path) from None
         raise
     return path
 

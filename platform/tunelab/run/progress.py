@@ -47,7 +47,7 @@ def shown(ev: events.Event) -> dict[str, Any]:
     if isinstance(ev, events.DataProgress):
         return {"info": f"tokenizing {ev.done}/{ev.total}"}
     if isinstance(ev, events.EvalTask):
-        return {"info": f"eval {ev.task}"}
+        return {"info": f"eval {ev.task}" + (f" of the checkpoint of step {ev.step}" if ev.step is not None else "")}
     if isinstance(ev, events.Resumed):
         return {"completed": ev.step, "info": f"resumed from {ev.checkpoint}"}
     if isinstance(ev, events.CheckpointScores):

@@ -192,3 +192,21 @@ def select(groups_: list[Group], only: str | None) -> list[Group]:
     if not only:
         return groups_
     return [g for g in groups_ if fnmatch.fnmatch(g.slug, only) or fnmatch.fnmatch(g.study, only)]
+
+
+def warnings(spec: MatrixFile, path: Path) -> list[str]:
+    """What a tune: section does that the file may not mean: an include entry's (or axis's) own value of a searched
+    key never runs while tune.baseline is off (the search replaces it)."""
+    unused: dict[str, list[str]] = {}
+    for combo in expansion.combos(spec, path):
+        if combo.tune is None or combo.tune.baseline:
+            continue
+        for key in combo.tune.space:
+            if key in combo.picks:
+                unused.setdefault(combo.tune_at, []).append(f"{combo.origins[key]} = {combo.picks[key]}")
+    out = []
+    for at, values in unused.items():
+        never = "these values never run" if len(values) > 1 else "this value never runs"
+        out.append(f"{', '.join(values)}: searched by {at}.space, so {never} (the search replaces it); "
+                   "tune.baseline: true also runs each group with its own value (the leaderboard's `default` rows)")
+    return out
