@@ -64,14 +64,16 @@ def _cuda(device: str) -> bool:
 @app.command(rich_help_panel=RUN)
 def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets = None, as_json: Json = False) -> None:
     """Expand a matrix file and print its cells; runs nothing."""
+    from tunelab.core.errors import Errors
     from tunelab.matrix import expansion
     from tunelab.matrix.sets import parse_sets
     from tunelab.tune import plan as tune_plan
     from tunelab.tune import show
 
     overrides = parse_sets(sets or [])
-    spec, cells = expansion.load(file, overrides)
-    groups = tune_plan.groups(spec, file, overrides)
+    errors = Errors(file)  # every error of the file at once: its cells' and its searches' (tune.plan raises)
+    spec, cells = expansion.load(file, overrides, errors)
+    groups = tune_plan.groups(spec, file, overrides, errors)
     from tunelab.plan.warnings import cell_warnings
 
     rows = [{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
