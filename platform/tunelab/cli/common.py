@@ -72,9 +72,7 @@ def print_wide(table: Table, console: Console | None = None) -> None:
     console = console or out
     if not console.is_terminal:
         natural = Measurement.get(console, console.options.update_width(1_000_000), table).maximum
-        console = Console(width=max(natural, 20), file=console.file, no_color=console.no_color,
-                          color_system=console.color_system)
-        return console.print(table)
+        return Console(width=max(natural, 20), file=console.file).print(table)
     for part in fitted(table, console):
         console.print(part)
 

@@ -158,8 +158,8 @@ def find(name: str, runs: Path = Path("runs")) -> list[Target]:
                 if (label := _seedless(entry["slug"], entry)) != entry["slug"]:
                     rows.setdefault(label, []).append(entry)
         entries = rows.get(short, [])
-        if len(entries) == 1 and (f := m.find(str(entries[0].get("id")))) is not None:
-            found.setdefault(f.path.resolve(), Target("cell", name, f.path.resolve()))
+        if len(entries) == 1 and (winner := m.find(str(entries[0].get("id")))) is not None:
+            found.setdefault(winner.path.resolve(), Target("cell", name, winner.path.resolve()))
         elif len(entries) > 1:
             found.setdefault((m.path / short).resolve(), Target("row", name, m.path.resolve() / short))
     return list(found.values())

@@ -34,8 +34,9 @@ def rows(matrix: MatrixFolder) -> list[dict[str, Any]]:
                     "slurm_job": st.get("slurm_job"), "note": st.get("note") if st.get("state") != "done" else None})
     trials = search_trials(matrix)
     for r in out:
-        if trials.get(r["id"], {}).get("state") == "pruned":  # stopped at a rung for good: not a pending cell
-            r["state"], r["note"] = "pruned", trials[r["id"]]["note"]
+        trial = trials.get(str(r["id"]), {})
+        if trial.get("state") == "pruned":  # stopped at a rung for good: not a pending cell
+            r["state"], r["note"] = "pruned", trial["note"]
     started = {r["id"] for r in out}
     for entry in [*(matrix.index() or []), *trials.values()]:
         if isinstance(entry, dict) and entry.get("id") not in started:  # in the matrix, never started
@@ -52,7 +53,9 @@ def search_trials(matrix: MatrixFolder) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for entry in read_json(matrix.studies_file) or []:
         table = read_json(matrix.trials_file(entry.get("study", ""))) if isinstance(entry, dict) else None
-        for t in (table or {}).get("trials", []):
+        if not isinstance(table, dict):
+            continue
+        for t in table.get("trials", []):
             pruned = t.get("state") == "pruned"
             out[t["cell"]] = {"id": t["cell"], "slug": f"{table.get('group')}-t{t['number']:02d}",
                               "state": t.get("state"),

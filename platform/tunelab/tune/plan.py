@@ -170,13 +170,18 @@ def _group_cell(spec: MatrixFile, combo: expansion.Combo, tune: TuneSpec, path: 
     raw = expansion.raw_cell(spec, picks, sets)
     where = {**combo.origins, "train.seed": "seeds[0]", **{k: f"--set {k}" for k in sets}}
     label = "cell " + ", ".join(f"{k}={v}" for k, v in combo.picks.items()) if combo.picks else "base"
-    config = expansion.checked(raw, path, where, label)
+    try:
+        config = expansion.checked(raw, path, where, label)
+    except UserError as e:
+        config, failed = None, e  # its bounds are still checked: their own problems are said with it
     for key, dist in tune.space.items():
         for value in dist.values():
             probe = copy.deepcopy(raw)
             set_dotted(probe, key, value)
             with errors.collecting():
                 expansion.checked(probe, path, {**where, key: f"{at}.space.{key} (at {json.dumps(value)})"}, label)
+    if config is None:
+        raise failed
     if PRUNERS[tune.pruner].rungs and not config.train.resume:
         raise UserError(f"pruner {tune.pruner} continues promoted trials from their rung checkpoints: "
                         "train.resume must stay true", file=path, key=f"{at}.pruner")
