@@ -175,11 +175,14 @@ def _group_cell(spec: MatrixFile, combo: expansion.Combo, tune: TuneSpec, path: 
     except UserError as e:
         config, failed = None, e  # its bounds are still checked: their own problems are said with it
     for key, dist in tune.space.items():
-        for value in dist.values():
+        for value in dist.values():  # a key's first bad bound says what is wrong with it
             probe = copy.deepcopy(raw)
             set_dotted(probe, key, value)
-            with errors.collecting():
+            try:
                 expansion.checked(probe, path, {**where, key: f"{at}.space.{key} (at {json.dumps(value)})"}, label)
+            except UserError as e:
+                errors.add(e)
+                break
     if config is None:
         raise failed
     if PRUNERS[tune.pruner].rungs and not config.train.resume:

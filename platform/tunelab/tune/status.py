@@ -38,8 +38,8 @@ def _waiting(d: CellFolder) -> str:
     status = d.status()
     if d.state() in ("failed", "interrupted"):
         return "failed" if d.state() == "failed" else "stopped"
-    if status.get("state") == "pending" and status.get("paused_at") is None and d.metrics_file.is_file():
-        return "stopped"
+    if status.get("state") == "pending" and status.get("paused_at") is None and status.get("note"):
+        return "stopped"  # it said how it stopped (paused at a rung it would not: that is its search's wait)
     return "waiting"
 
 
