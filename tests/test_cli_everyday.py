@@ -185,9 +185,9 @@ def test_export_refusals(cells, cli, tmp_path, case):
     elif case == "no_final":
         shutil.rmtree(cell / "final")
         needle = "has no final/ weights"
-    elif case == "not_a_cell":
-        cell = cell / "final"
-        needle = "not a cell folder"
+    elif case == "not_a_cell":  # (a cell's final/ stands for its cell: folders.targets)
+        cell = cell / "train"
+        needle = "`exp export` takes a cell"
     elif case == "exists":
         out.mkdir()
         needle = "already exists"
@@ -291,7 +291,8 @@ def test_chat_bad_options(cells, cli, args, needle):
 
 def test_chat_unknown_model(cli, tmp_path):
     code, out, err = cli("chat", str(tmp_path / "nope"), "--prompt", "x")
-    assert code == 2 and "not a catalog alias" in " ".join(err.split()) and "Traceback" not in err
+    said = " ".join(err.split())
+    assert code == 2 and "no such folder" in said and "a catalog alias" in said and "Traceback" not in err
 
 
 # ---- clean and status ----

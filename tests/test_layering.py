@@ -177,8 +177,10 @@ def _name(module: str) -> str:
 
 
 def test_config_is_pure_data():
-    """config reads the registries' names and facts for its defaults and help texts, no implementation."""
-    assert graph()["tunelab.core.config"] <= {"tunelab.core.errors", "tunelab.core.registry", "tunelab.core.registries"}
+    """config reads the registries' names and facts for its defaults and help texts, no implementation; and the
+    digest of a local task folder's files (core/taskfiles.py), which an evaluation's id covers."""
+    assert graph()["tunelab.core.config"] <= {"tunelab.core.errors", "tunelab.core.registry", "tunelab.core.registries",
+                                              "tunelab.core.taskfiles"}
     assert graph()["tunelab.core.registries"] <= {"tunelab.core.registry", "tunelab.core.errors"}
 
 

@@ -68,7 +68,8 @@ def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None =
     attempt = Attempt.open(run_dir, emit, cfg, layout)
     folder, cfg, main, evaluate_only = attempt.folder, attempt.cfg, attempt.rt.is_main, attempt.folder.is_trained()
     try:
-        if main:  # inside: a start-up that fails (env.json unwritable, W&B) fails the cell with its cause
+        if main:  # inside: a start-up that fails (env.json unwritable, W&B) fails the cell with its cause, and a
+                  # stop signal right after it says "running" still leaves the cell pending, not failed
             start(attempt, evaluate_only)
         check_host(cfg, file=folder.config_file)
         paused = None

@@ -19,7 +19,7 @@ import select
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,18 +71,6 @@ def evaluate_saved(folder: CellFolder, cfg: CellConfig, step_dir: Path, ecfg: Ev
     return out, datasets
 
 
-def checkpoint_of(path: Path) -> tuple[CellFolder, int] | None:
-    """(the cell, the step) when `path` is a checkpoint folder of a cell (runs/<matrix>/<cell>/checkpoints/step-N)."""
-    from tunelab.train.checkpoint import is_checkpoint
-
-    path = path.expanduser().resolve()
-    folder = CellFolder(path.parent.parent)
-    if not is_checkpoint(path) or folder.checkpoints != path.parent:
-        return None
-    step = next((s for s in folder.checkpoint_steps() if folder.checkpoint_dir(s) == path), None)
-    return (folder, step) if folder.exists() and step is not None else None
-
-
 def evaluate_checkpoint(folder: CellFolder, step: int, ecfg: EvalCfg, out_dir: Path, device: str,
                         emit: Emit = events.ignore) -> dict:
     """`exp eval run CELL/checkpoints/step-N`: one checkpoint alone, as its cell would score it -> results."""
@@ -93,6 +81,27 @@ def evaluate_checkpoint(folder: CellFolder, step: int, ecfg: EvalCfg, out_dir: P
     rt = runtime.resolve(cfg, Layout(device=runtime.device_of(device)))
     out, _ = evaluate_saved(folder, cfg, folder.checkpoint_dir(step), ecfg, out_dir, rt, emit)
     out = {**out, "step": step, "checkpoint": str(folder.checkpoint_dir(step)), "evaluated_by": "exp eval run"}
+    write_json(EvalFolder(out_dir).results_file, out)
+    return out
+
+
+def evaluate_final(folder: CellFolder, ecfg: EvalCfg, out_dir: Path, device: str, emit: Emit = events.ignore) -> dict:
+    """`exp eval run CELL`: its final/ weights (base + adapter for a PEFT cell), with its datasets where a task
+    needs them, as the cell's own evaluation loads them -> results."""
+    from tunelab import evals
+    from tunelab.machine import runtime
+    from tunelab.machine.runtime import Layout
+    from tunelab.train import peft
+
+    if not folder.is_trained():
+        raise UserError(f"the cell has no final/ weights yet (state {folder.state()}); `exp run` its matrix first, or "
+                        "evaluate one of its checkpoints (CELL/checkpoints/step-N)", file=folder.path)
+    cfg = folder.config()
+    rt = runtime.resolve(cfg, Layout(device=runtime.device_of(device)))
+    model, tokenizer = peft.load_trained(cfg, folder.final, rt)
+    datasets = cell_data(cfg, tokenizer) if needs_data(ecfg) else None
+    out = evals.run(peft.for_eval(model), tokenizer, ecfg, context(folder, out_dir, datasets), emit)
+    out = {**out, "cell": str(folder.path), "evaluated_by": "exp eval run"}
     write_json(EvalFolder(out_dir).results_file, out)
     return out
 
@@ -145,9 +154,12 @@ class Evaluator:
         with atomic_dir(self.folder.step_dir(self.ecfg.id(), step)) as tmp:
             mark = {"step": step, "checkpoint": str(self.folder.checkpoint_dir(step).relative_to(self.folder.path)),
                     "evaluated_by": self.by, "pid": os.getpid()}
+            def emit(ev: events.Event) -> None:  # its tasks say which checkpoint they score
+                self.emit(replace(ev, step=step) if isinstance(ev, events.EvalTask) else ev)
+
             try:
                 out, self._datasets = evaluate_saved(self.folder, self.cfg, self.folder.checkpoint_dir(step),
-                                                     self.ecfg, tmp, self.runtime(), self.emit, self._datasets)
+                                                     self.ecfg, tmp, self.runtime(), emit, self._datasets)
             except UserError as e:  # an unreadable checkpoint: no evaluator will do better, say so
                 out = self.unavailable(f"checkpoint unreadable: {e}")
             write_json(EvalFolder(tmp).results_file, {**out, **mark, "seconds": time.perf_counter() - t0})

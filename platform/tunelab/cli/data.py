@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tunelab import plan
-from tunelab.cli.common import INSPECT, app, out
+from tunelab.cli.common import INSPECT, app, out, print_wide
 from tunelab.core.config import DataCfg
 from tunelab.core.errors import UserError, explain
 from tunelab.core.paths import cache_dir as default_cache
@@ -89,7 +89,7 @@ def stats(recipe: Recipe, model: Model, max_length: MaxLength = 512, template: T
     from tunelab.data.preview import stats_tables
 
     for table in stats_tables(s):
-        out.print(table)
+        print_wide(table)
 
 
 @data_app.command()

@@ -13,8 +13,9 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from tunelab.cli.common import EVALUATE, RunsDir, Threads, app, err, interruptible, quiet_libraries
+from tunelab.cli.common import EVALUATE, RunsDir, Threads, app, err, interruptible, libraries_to, quiet_libraries
 from tunelab.core.errors import UserError
+from tunelab.folders.cell import EvalFolder
 
 eval_app = typer.Typer(no_args_is_help=True)
 app.add_typer(eval_app, name="eval", help="Evaluate any model on a suite; fetch offline eval data.",
@@ -23,10 +24,12 @@ app.add_typer(eval_app, name="eval", help="Evaluate any model on a suite; fetch 
 
 @eval_app.command("run")
 def run_cmd(
-    model: Annotated[str, typer.Argument(help="catalog alias, local folder (a cell's final/), a cell's checkpoint "
-                                              "(CELL/checkpoints/step-N) or hub id")],
+    model: Annotated[str, typer.Argument(help="what to evaluate: a catalog alias, a cell (its folder, its final/, or "
+                                              "its name as the leaderboard prints it), a cell's checkpoint "
+                                              "(CELL/checkpoints/step-N), a folder with a model, or a hub id")],
     suite: Annotated[str | None, typer.Option(help="suite in evals/ (paper, quick, full) or a suite YAML; default: "
-                                              "quick, and for a checkpoint its cell's checkpoint settings")] = None,
+                                              "quick, or with --tasks no suite (every item of each task); a cell "
+                                              "or checkpoint: its own eval settings")] = None,
     out: Annotated[Path, typer.Option(help="folder for results.json and samples.jsonl")] = Path("eval-out"),
     tasks: Annotated[str | None, typer.Option(help="comma-separated tasks (tunelab's, lm-eval's, include-path's), "
                                               "replacing the suite's")] = None,
@@ -37,6 +40,7 @@ def run_cmd(
     batch_size: Annotated[int | None, typer.Option(help="batch size, replacing the suite's")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
     threads: Threads = None,
+    runs_dir: RunsDir = Path("runs"),
 ) -> None:
     """Evaluate MODEL on a suite; writes OUT/results.json and OUT/samples.jsonl."""
     from tunelab.machine.threads import start_process
@@ -45,53 +49,73 @@ def run_cmd(
     from rich.console import Console
 
     from tunelab import plan
-    from tunelab.checkpoint_scores.evaluate import checkpoint_of
     from tunelab.core.config import EvalCfg
     from tunelab.core.errors import UserError, explain
+    from tunelab.folders.targets import resolve
 
+    if device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device {device!r}: allowed are auto, cpu, cuda")
+    target = resolve(model, "eval run", ("alias", "cell", "checkpoint", "model", "hub"), runs_dir)
     given = {"limit": limit, "data_dir": data_dir, "batch_size": batch_size, "include_path": include_path}
-    ckpt = checkpoint_of(Path(model))
-    raw: dict[str, object] = {**_settings_of(ckpt, suite), **{k: v for k, v in given.items() if v is not None}}
+    raw: dict[str, object] = {**_settings_of(target, suite, bool(tasks)),
+                              **{k: v for k, v in given.items() if v is not None}}
     if limit is not None:
         raw["limits"] = {}  # the suite's per-task limits too: --limit is the one limit
     if tasks:
         raw["tasks"] = [t.strip() for t in tasks.split(",") if t.strip()]
     try:
-        model_cfg = plan.section_config("model", {"name": model}) if ckpt is None else None
+        model_cfg = plan.section_config("model", {"name": target.model_name}) if target.kind in (
+            "alias", "model", "hub") else None
         cfg = plan.eval_config(raw)
     except plan.Invalid as e:
-        where = lambda loc: "--" + (".".join(map(str, loc)) or "suite")  # noqa: E731
+        where = lambda loc: "--" + (".".join(map(str, loc)).replace("_", "-") or "suite")  # noqa: E731
         raise explain(e, EvalCfg, file="command line", where=where) from None
-    if device not in ("auto", "cpu", "cuda"):
-        raise UserError(f"--device {device!r}: allowed are auto, cpu, cuda")
-    result = _evaluate(ckpt, model_cfg, cfg, out, device, console := Console())
+    quiet_libraries()
+    console = Console()
+    with interruptible(f"nothing was scored; {out} holds what was written so far"), \
+            libraries_to(EvalFolder(out).log_file):
+        result = _evaluate(target, model_cfg, cfg, out, device, console)
     _show(result, out, console)
 
 
-def _evaluate(ckpt: tuple[Any, int] | None, model_cfg: Any, cfg: Any, out: Path, device: str, console: Any) -> dict:
-    """A cell's checkpoint as its cell scores one (checkpoint_scores.evaluate), or any model by its name."""
+def _evaluate(target: Any, model_cfg: Any, cfg: Any, out: Path, device: str, console: Any) -> dict:
+    """A cell's checkpoint as its cell scores one, a cell's final/ weights as its cell evaluates them
+    (checkpoint_scores.evaluate), or any model by its name."""
     from tunelab import evals
+    from tunelab.checkpoint_scores.evaluate import evaluate_checkpoint, evaluate_final
     from tunelab.machine.runtime import device_of
     from tunelab.models import loading
 
-    if ckpt is not None:
-        from tunelab.checkpoint_scores.evaluate import evaluate_checkpoint
-
+    if target.kind == "checkpoint":
         with _bars(console) as emit:
-            return evaluate_checkpoint(ckpt[0], ckpt[1], cfg, out, device, emit)
-    lm, tok = loading.load(model_cfg, device_of(device))
+            return evaluate_checkpoint(target.cell, target.step, cfg, out, device, emit)
+    if target.kind == "cell":
+        with _bars(console) as emit:
+            return evaluate_final(target.cell, cfg, out, device, emit)
+    try:
+        lm, tok = loading.load(model_cfg, device_of(device))
+    except (OSError, ValueError) as e:  # a folder whose files transformers cannot read as a model
+        raise UserError(f"cannot load a model from it: {e}", file=target.given) from None
     with _bars(console) as emit:
         return evals.run(lm, tok, cfg, evals.Context(out_dir=out, model_note=loading.source_note(model_cfg.name)), emit)
 
 
 def _show(result: dict, out: Path, console: Any) -> None:
     from tunelab.core.errors import UserError
-    from tunelab.folders.cell import EvalFolder
-    from tunelab.report.scores import fmt
+    from tunelab.report.scores import Score, marked
 
-    for name, r in result["tasks"].items():
-        shown = fmt(r.get("value")) if r.get("status", "ok") == "ok" else f"unavailable: {r.get('reason')}"
-        console.print(f"{name:12s} {r.get('metric', ''):28s} {shown}", highlight=False, soft_wrap=True)
+    shown = [Score.of(name, r) for name, r in result["tasks"].items()]
+    for s in shown:
+        if not s.ok:
+            text = f"unavailable: {s.reason}"
+        else:
+            text = marked(s.value, s.subset) + (f" ± {s.stderr:.3g}" if s.stderr is not None else "") + f"  n={s.n}"
+        console.print(f"{s.task:12s} {s.metric or '':28s} {text}", highlight=False, soft_wrap=True)
+    limits = [f"{s.task} {lim}" for s in shown if (lim := result["tasks"][s.task].get("limit")) is not None]
+    if any(s.subset for s in shown):
+        console.print("*: a subset of the task (fewer items than its test set; see n)"
+                      + (f"; items per task at most: {', '.join(limits)}" if limits else ""), highlight=False,
+                      soft_wrap=True)
     console.print(f"wrote {EvalFolder(out).results_file}")
     if result.get("model_note"):
         console.print(f"note: the model's weights are {result['model_note']}", highlight=False, soft_wrap=True)
@@ -101,13 +125,15 @@ def _show(result: dict, out: Path, console: Any) -> None:
                         f"above and in {EvalFolder(out).results_file}")
 
 
-def _settings_of(ckpt, suite: str | None) -> dict:
-    """The settings --suite names; without it, a checkpoint's as its cell scores its checkpoints (or its eval
-    section's), anything else the quick suite's."""
-    if suite is not None or ckpt is None:
-        return {"suite": suite or "quick"}
-    cfg = ckpt[0].config()
-    return (cfg.eval.at_checkpoints() or cfg.eval).model_dump(mode="json", exclude={"checkpoints"})
+def _settings_of(target: Any, suite: str | None, tasks: bool) -> dict:
+    """The settings --suite names; without it, a checkpoint's as its cell scores its checkpoints, a cell's as its
+    eval section says; anything else the quick suite's, or none at all with --tasks (every item of those
+    tasks, as lm_eval runs them: a suite's limit is not taken silently)."""
+    if suite is not None or target.kind not in ("cell", "checkpoint"):
+        return {"suite": suite} if suite else {} if tasks else {"suite": "quick"}
+    cfg = target.cell.config()
+    ecfg = (cfg.eval.at_checkpoints() or cfg.eval) if target.kind == "checkpoint" else cfg.eval
+    return ecfg.model_dump(mode="json", exclude={"checkpoints"})
 
 
 @contextmanager
@@ -166,11 +192,11 @@ def chat_cmd(
     runs_dir: RunsDir = Path("runs"),
 ) -> None:
     """Talk to a model, its answers streamed token by token."""
-    from tunelab.folders.matrix import find_cells, resolve_cell
+    from tunelab.folders.targets import resolve
     from tunelab.tools import chat
 
-    if not Path(target).expanduser().exists() and runs_dir.is_dir() and find_cells(target, runs_dir):
-        target = str(resolve_cell(target, "chat", runs_dir))  # a cell's name, as the leaderboard prints it
+    found = resolve(target, "chat", ("cell", "model", "alias", "hub"), runs_dir)
+    target = str(found.cell.path) if found.kind == "cell" else found.model_name
 
     if device not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device {device!r}: allowed are auto, cpu, cuda")

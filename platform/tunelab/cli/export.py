@@ -23,10 +23,10 @@ def export_cmd(
     runs_dir: RunsDir = Path("runs"),
 ) -> None:
     """Write a finished cell as a Hugging Face folder: weights (or adapter), tokenizer, model card."""
-    from tunelab.folders.matrix import resolve_cell
+    from tunelab.folders.targets import resolve
     from tunelab.tools.export import export_cell
 
-    cell_dir = resolve_cell(cell, "export", runs_dir)
+    cell_dir = resolve(cell, "export", ("cell",), runs_dir).cell.path
 
     quiet_libraries()
     with interruptible(f"nothing was written to {out_dir}"):

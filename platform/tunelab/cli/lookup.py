@@ -4,37 +4,69 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import asdict
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from tunelab.cli.common import INSPECT, Json, app, out, print_json, print_wide
+from tunelab.cli.common import INSPECT, Json, app, err, out, print_json, print_wide
 from tunelab.core.errors import UserError
 from tunelab.core.registries import ENGINES, OPTIMIZERS
 from tunelab.train.parallel.memory import DTYPE_BYTES, GB, SHAPES, Estimate, Setup, devices_needed, estimate
 
 
+def _kinds_help() -> str:
+    from tunelab.tools.listing import KINDS
+
+    return f"{', '.join(KINDS[:-1])} or {KINDS[-1]}; all of them when left out"
+
+
+LINES_FROM = 200  # rows from which a kind is listed as plain lines: a box drawn around thousands of rows helps no one
+
+
 @app.command("ls", rich_help_panel=INSPECT)
-def ls(kind: Annotated[str | None, typer.Argument(help="models, recipes, suites, tasks, optimizers, peft, engines or "
-                                                  "experiments; all of them when left out")] = None,
+def ls(kind: Annotated[str | None, typer.Argument(help=_kinds_help(), show_default=False)] = None,
        as_json: Json = False,
        everything: Annotated[bool, typer.Option("--all", help="tasks: also every task and group of lm-eval, with "
-                                                "its output type")] = False) -> None:
+                                                "its output type (indexed once per lm-eval version, ~15 s)")] = False,
+       include_path: Annotated[str | None, typer.Option("--include-path", help="tasks: also the tasks and groups of "
+                                                        "this folder of lm-eval task YAMLs")] = None,
+       pattern: Annotated[str | None, typer.Option("--filter", help="only the names (or descriptions) that contain "
+                                                   "this text, or match it as a glob (arc_*)")] = None) -> None:
     """List what a matrix can name, one line each: registered names and the content folders' files."""
     from tunelab.tools.listing import KINDS, rows
 
     if kind is not None and kind not in KINDS:
         raise UserError(f"exp ls {kind!r}: allowed are {', '.join(KINDS)}")
+    if include_path is not None and not Path(include_path).expanduser().is_dir():
+        raise UserError(f"no such folder: {Path(include_path).expanduser().absolute()} (a folder of lm-eval task "
+                        f"YAMLs; a relative path is relative to the folder exp runs in, {Path.cwd()})",
+                        key="--include-path")
     kinds = [kind] if kind else list(KINDS)
+    if everything and "tasks" in kinds:
+        from tunelab.plan import lmtasks
+
+        if not lmtasks.index_file().is_file():
+            err.print(f"indexing lm-eval's ~15k task YAMLs once for lm-eval {lmtasks.lm_eval_version()} (10-20 s; "
+                      f"kept in {lmtasks.index_file()})", highlight=False, soft_wrap=True)
+    found = {k: rows(k, everything, include_path, pattern) for k in kinds}
     if as_json:
-        return print_json({k: dict(rows(k, everything)) for k in kinds})
-    for k in kinds:
+        return print_json({k: dict(v) for k, v in found.items()})
+    for k, listed in found.items():
+        if len(listed) >= LINES_FROM:
+            width = max(len(n) for n, _ in listed)
+            out.print(f"{k} ({len(listed)}; --filter TEXT narrows them)", highlight=False)
+            for name, what in listed:
+                out.print(f"  {name:{width}s}  {what}", highlight=False, markup=False, soft_wrap=True)
+            continue
         table = Table(title=k, title_justify="left")
         table.add_column("name")
         table.add_column("what")
-        for name, what in rows(k, everything):
+        for name, what in listed:
             table.add_row(name, what)
+        if not listed:
+            table.caption = f"none matches {pattern!r}" if pattern else "none"
         print_wide(table)
 
 
@@ -106,7 +138,7 @@ def _print_estimate(model: str, s: Setup, est: Estimate, need: int | None, devic
                         ("activations", "activations"), ("buffers", "engine buffers"), ("train", "training step"),
                         ("load", f"load (built {built})"), ("peak", "peak")):
         table.add_row(label, f"{getattr(est, name) / GB:.2f}")
-    out.print(table)
+    print_wide(table)
     fits = "fits" if est.peak <= device_gb * GB else "does NOT fit"
     out.print(f"this layout ({s.dp * s.tp * s.pp} devices) {fits} on {device_gb:g} GB devices")
     out.print(f"devices needed (growing dp, tp {s.tp} x pp {s.pp}, zero {s.zero}): "

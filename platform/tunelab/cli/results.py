@@ -43,11 +43,13 @@ def leaderboard_cmd(
                                                 "step N (eval.checkpoints) instead of its final evaluation")] = None,
     best: Annotated[bool, typer.Option("--best", help="the scores of the checkpoint train.select made final/ (a "
                                        "cell without a selection: its last step's)")] = False,
+    every: Annotated[bool, typer.Option("--all", help="every cell folder of the run folder, also those the matrix "
+                                        "as last run does not list (earlier runs with other --set values)")] = False,
     as_json: Json = False,
 ) -> None:
     from tunelab.folders.matrix import open_matrix
     from tunelab.report import leaderboard
-    from tunelab.report.records import collect
+    from tunelab.report.records import collect, left_out_notes
     from tunelab.report.table import build
 
     folder = open_matrix(matrix_dir, "leaderboard")
@@ -56,19 +58,36 @@ def leaderboard_cmd(
         raise UserError(f"--format {fmt_!r}: allowed are {', '.join(leaderboard.FORMATS)}")
     if best and at_step is not None:
         raise UserError("--at-step and --best each choose the checkpoint a row shows: give one of them")
-    records = collect(folder.path, "best" if best else at_step)
+    records = collect(folder.path, "best" if best else at_step, every=every)
+    if best and not any(r.curve for r in records):
+        raise UserError("--best: no cell of this matrix has scores of its checkpoints (eval.checkpoints scores "
+                        "them, train.select chooses one); without them the rows are the final evaluation: leave out "
+                        "--best", file=folder.path)
     if at_step is not None and not any(r.scores for r in records):
         scored = sorted({s for r in records for s in r.curve})
         raise UserError(f"--at-step {at_step}: no cell has scores of a checkpoint of that step; scored steps: "
                         f"{', '.join(map(str, scored)) or 'none (eval.checkpoints scores checkpoints)'}")
     board = build(records, aggregate=aggregate, by=by.split(",") if by else None, where=_where(where or []),
-                  sort=sort)
+                  sort=sort, notes=[] if every else left_out_notes(folder.path))
     leaderboard.write(folder.path)  # the files keep the default view; written once the options proved sound
     title = f"{folder.name} leaderboard" + (f" at step {at_step}" if at_step else " at the selected checkpoints"
                                             if best else "")
     if fmt_ is None:
-        return print_wide(leaderboard.to_rich(board, title))
+        print_wide(leaderboard.to_rich(board, title))
+        if not board.rows:
+            _say_empty(folder)
+        return
     print(leaderboard.render(board, fmt_, title), end="")
+
+
+def _say_empty(folder) -> None:
+    """A board with no row: why, and where to look (a search stopped before its winner, cells not run yet)."""
+    searches = folder.studies_file.is_file()
+    out.print(f"no results yet: no cell of {folder.path} has finished"
+              + (" and no search has chosen its winner" if searches else "")
+              + f"; `exp status {folder.path}` shows each cell's state"
+              + (f", `exp tune status {folder.path}` each search's trials" if searches else "")
+              + "; `exp run` the matrix file again to go on", highlight=False, soft_wrap=True)
 
 
 def _pct(p: float | None) -> str:
@@ -82,7 +101,7 @@ def _show(c: Comparison) -> None:
         table.add_column(col)
     for k, (va, vb) in c.config_diff.items():
         table.add_row(k, fmt(va), fmt(vb))
-    out.print(table if c.config_diff else "config: identical")
+    print_wide(table) if c.config_diff else out.print("config: identical")
     table = Table(title="scores: B - A, paired over the same items", title_justify="left")
     for col in ("task", "A", "B", "B - A", "95% CI", "p", "test", "items"):
         table.add_column(col, justify="left" if col in ("task", "test") else "right")
@@ -96,7 +115,7 @@ def _show(c: Comparison) -> None:
         else:
             table.add_row(t.task, fmt(r.a), fmt(r.b), f"{r.diff:+.4g}", f"[{r.ci[0]:+.3g}, {r.ci[1]:+.3g}]",
                           _pct(r.p), r.test, str(r.n))
-    out.print(table)
+    print_wide(table)
     table = Table(title="training", title_justify="left")
     for col in ("figure", "A", "B", "B - A", "B / A"):
         table.add_column(col, justify="left" if col == "figure" else "right")
@@ -104,7 +123,7 @@ def _show(c: Comparison) -> None:
         both = isinstance(va, (int, float)) and isinstance(vb, (int, float))
         table.add_row(name, fmt(va), fmt(vb), f"{vb - va:+.4g}" if both else "-",
                       f"{vb / va:.3g}x" if both and va else "-")
-    out.print(table)
+    print_wide(table)
 
 
 def _as_json(c: Comparison) -> dict:
@@ -116,15 +135,13 @@ def _as_json(c: Comparison) -> dict:
 
 
 def _named(arg: Path, runs_dir: Path) -> Path:
-    """A folder as given; else a matrix of the runs folder, a leaderboard row (runs/<matrix>/<label>, e.g. a tuned
-    group), or the cell the leaderboard names so."""
-    from tunelab.folders.matrix import MatrixFolder, resolve_cell
+    """A cell, a leaderboard row (runs/<matrix>/<label>: report.compare.pairs reads its cells from cells.json) or a
+    matrix, however the user names it (folders.targets)."""
+    from tunelab.folders.targets import resolve
 
-    if arg.exists() or (runs_dir / arg).is_dir():
-        return arg if arg.exists() else runs_dir / arg
-    if MatrixFolder(arg.parent).index_file.is_file():  # report.compare.pairs reads the row from cells.json
-        return arg
-    return resolve_cell(str(arg), "compare", runs_dir)
+    target = resolve(str(arg), "compare", ("cell", "row", "matrix"), runs_dir)
+    assert target.path is not None
+    return target.cell.path if target.kind == "cell" else target.path
 
 
 @app.command("compare", rich_help_panel=INSPECT, help="Compare two cells (or two matrices, cell by cell): config, "

@@ -31,6 +31,21 @@ def _plan_table(name: str, cells: list) -> Table:
     return table
 
 
+def _say_warnings(spec, file: Path, cells: list, groups: list) -> None:
+    """The plan's warnings (plan/warnings.py, a tune: section's): each once, with the cells or groups it concerns;
+    nothing stops."""
+    from tunelab.plan.warnings import cell_warnings
+    from tunelab.tune import plan as tune_plan
+
+    said: dict[str, list[str]] = {}
+    for name, config in [*((c.slug, c.config) for c in cells), *((f"{g.slug} (search)", g.config) for g in groups)]:
+        for w in cell_warnings(config):
+            said.setdefault(w, []).append(name)
+    lines = [f"{', '.join(names)}: {w}" for w, names in said.items()] + tune_plan.warnings(spec, file)
+    for line in lines:
+        err.print(f"[yellow]warning:[/] {escape(f'{file}: {line}')}", highlight=False, soft_wrap=True)
+
+
 def _along(cfg) -> str:
     """Which checkpoints a cell scores, and where: beside training or after it (eval.checkpoints.workers)."""
     ck, steps = cfg.eval.checkpoints, cfg.checkpoint_steps()
@@ -38,13 +53,23 @@ def _along(cfg) -> str:
         return "-"
     shown = ",".join(map(str, steps)) if len(steps) <= 6 else f"{steps[0]},{steps[1]},...,{steps[-1]}"
     select = f"; final/ = best {cfg.train.select.metric}" if cfg.train.select else ""
-    return f"steps {shown} ({len(steps)}): {ck.mode()}{select}"
+    return f"steps {shown} ({len(steps)}): {ck.mode(_cuda(cfg.train.device))}{select}"
+
+
+def _cuda(device: str) -> bool:
+    """Whether a cell of train.device runs on CUDA on this machine (what `exp plan` says it will do here)."""
+    if device != "auto":
+        return device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @app.command(rich_help_panel=RUN)
 def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets = None, as_json: Json = False,
          runs_dir: RunsDir = Path("runs")) -> None:
     """Expand a matrix file and print its cells; runs nothing."""
+    from tunelab.core.errors import Errors
     from tunelab.experiment import ownership
     from tunelab.folders.matrix import MatrixFolder
     from tunelab.matrix import expansion
@@ -53,15 +78,21 @@ def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets =
     from tunelab.tune import show
 
     overrides = parse_sets(sets or [])
-    spec, cells = expansion.load(file, overrides)
+    errors = Errors(file)  # every error of the file at once: its cells' and its searches' (tune.plan raises)
+    spec, cells = expansion.load(file, overrides, errors)
+    groups = tune_plan.groups(spec, file, overrides, errors)
     # The run folder this file would run in belongs to another file of its name: `exp run` would refuse it too.
     ownership.refuse(MatrixFolder(runs_dir / spec.name), file, file.read_text())
-    groups = tune_plan.groups(spec, file, overrides)
+    from tunelab.plan.warnings import cell_warnings
+
     rows = [{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
              "checkpoints": c.checkpoints and {**c.checkpoints, "mode": _along(c.config)},
-             "config": c.config.model_dump(mode="json")} for c in cells]
-    if as_json:  # a matrix with searches: {"cells": [...], "groups": [...]}
-        return print_json({"cells": rows, "groups": show.plan_rows(groups)} if groups else rows)
+             "config": c.config.model_dump(mode="json"), "warnings": cell_warnings(c.config)} for c in cells]
+    if as_json:  # a matrix with searches: {"cells": [...], "groups": [...], "warnings": [...]}
+        searches = [{**r, "warnings": cell_warnings(g.config)} for r, g in zip(show.plan_rows(groups), groups)]
+        return print_json({"cells": rows, "groups": searches, "warnings": tune_plan.warnings(spec, file)}
+                          if groups else rows)
+    _say_warnings(spec, file, cells, groups)
     if cells or not groups:
         print_wide(_plan_table(spec.name, cells))
     if groups:
@@ -112,6 +143,7 @@ def run(
         Launch(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, launcher=launcher, dry_run=dry_run),
         {k: v for k, v in flags.items() if v is not None}, replace=replace, workers=workers, threads=threads)
     planned = session.plan(req)
+    _say_warnings(planned.spec, file, planned.chosen, planned.chosen_groups)
     outcomes = session.run(req, planned, err)
     if planned.how.launcher == "slurm":
         raise typer.Exit(1 if any(o.state == "failed" for o in outcomes) else 0)
@@ -136,9 +168,10 @@ def _say_outcomes(planned, outcomes: list) -> int:
     if any(o.state == "skipped-failed" for o in failed):
         err.print("run again with --rerun-failed to retry failed cells")
     stopped = [o for o in outcomes if o.state == "interrupted"]
-    for o in stopped:
-        err.print(f"[yellow]{o.cell.dirname} stopped[/] ({escape(str(o.error))}): run again to resume it",
-                  soft_wrap=True)
+    for o in stopped:  # the cell's note says how it stopped, and often that a run resumes it
+        why = str(o.error or "stopped")
+        err.print(f"[yellow]{o.cell.dirname}[/]: {escape(why)}"
+                  + ("" if "resume" in why else "; the same `exp run` resumes it"), soft_wrap=True)
     killed = [o for o in outcomes if o.state == "killed"]  # from outside, alone: not this run's signal (exit 1)
     for o in killed:
         err.print(f"[yellow]{o.cell.dirname} was killed[/] ({escape(str(o.error))}): `exp run` resumes it from its "
@@ -191,7 +224,7 @@ def _status_table(matrix_dir: Path, found: list[dict]) -> Table:
                       *([r["slurm_job"] or "-"] if slurm else []),
                       f"{t['train_s']:.0f}" if "train_s" in t else "-",
                       f"{t['eval_s']:.0f}" if "eval_s" in t else "-", human_bytes(r["disk_bytes"]),
-                      escape(cause[:160]))
+                      escape(cause))
     return table
 
 
@@ -216,8 +249,8 @@ def clean(
             for i in items]
     from tunelab.cli.common import table
 
-    out.print(table(f"exp clean {root}", ["cell", "state", "delete", "bytes", "size"], rows,
-                    frozenset({"bytes", "size"})))
+    print_wide(table(f"exp clean {root}", ["cell", "state", "delete", "bytes", "size"], rows,
+                     frozenset({"bytes", "size"})))
     todo = [i for i in items if not i.skip]
     total = sum(i.size for i in todo)
     if not todo:

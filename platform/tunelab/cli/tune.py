@@ -13,20 +13,22 @@ from tunelab.report.scores import fmt
 tune_app = typer.Typer(no_args_is_help=True)
 app.add_typer(tune_app, name="tune", help="Hyperparameter searches of a matrix's tune: section: their state "
               "(docs/tuning.md).", rich_help_panel=INSPECT)
-COLORS = {"complete": "green", "pruned": "dim", "failed": "red", "running": "yellow", "waiting": "white"}
+COLORS = {"complete": "green", "pruned": "dim", "failed": "red", "running": "yellow", "stopped": "yellow",
+          "waiting": "white"}
 
 
 def _studies_table(title: str, rows: list[dict]) -> Table:
     table = Table(title=title, title_justify="left")
-    for col in ("group", "done", "pruned", "running", "waiting", "failed", "best so far", "steps", "study"):
-        table.add_column(col, justify="right" if col in ("done", "pruned", "running", "waiting", "failed", "steps")
-                         else "left")
+    counts = ("done", "pruned", "running", "stopped", "waiting", "failed")
+    for col in ("group", *counts, "best so far", "steps", "study"):
+        table.add_column(col, justify="right" if col in (*counts, "steps") else "left")
     for r in rows:
         best = r["best"]
         shown = f"{fmt(best['value'])} (trial {best['number']}: " + ", ".join(
             f"{k}={fmt(v)}" for k, v in best["params"].items()) + ")" if best else "-"
-        table.add_row(r["group"], str(r["complete"]), str(r["pruned"]), str(r["running"]), str(r["waiting"]),
-                      str(r["failed"]), shown, f"{r['steps']}/{r['planned_steps'] or '?'}", r["study"])
+        table.add_row(r["group"], str(r["complete"]), str(r["pruned"]), str(r["running"]), str(r["stopped"]),
+                      str(r["waiting"]), str(r["failed"]), shown, f"{r['steps']}/{r['planned_steps'] or '?'}",
+                      r["study"])
     return table
 
 

@@ -187,13 +187,16 @@ class CheckpointsCfg(Section):
     def workers_on(self, cuda: bool) -> int:
         return self.workers if self.workers is not None else int(cuda)
 
-    def mode(self) -> str:
-        """Where they run, in words (`exp plan`)."""
-        if self.workers is None:
+    def mode(self, cuda: bool | None = None) -> str:
+        """Where they run, in words (`exp plan`); `cuda`: whether the cell's device is CUDA, as the machine that
+        plans sees it (None: not known)."""
+        workers = self.workers if self.workers is not None or cuda is None else self.workers_on(cuda)
+        if workers is None:
             return "beside training (1 process) on CUDA, after training on CPU"
-        if self.workers == 0:
-            return "after training, in the cell's process"
-        return f"beside training ({self.workers} process{'es' if self.workers > 1 else ''})"
+        if workers == 0:
+            why = "" if self.workers is not None else " (no CUDA device here: evaluators would slow training)"
+            return f"after training, in the cell's process{why}"
+        return f"beside training ({workers} process{'es' if workers > 1 else ''})"
 
 
 class EvalCfg(Section):
@@ -203,7 +206,9 @@ class EvalCfg(Section):
                              f"tunelab's ({', '.join(TASKS)}), any lm-eval task or group (`exp ls tasks --all`), "
                              "or a task of include_path")
     include_path: str | None = Field(None, description="a folder of lm-eval task YAMLs (as lm_eval's --include_path): "
-                                     "its tasks and groups can be named in tasks; relative to where exp runs")
+                                     "its tasks and groups can be named in tasks; relative to where exp runs. A task's "
+                                     "relative data_files are found beside its YAML; the evaluation's id covers the "
+                                     "content of its files")
     limit: int | None = Field(None, gt=0, description="examples per task (per MMLU subject / BBH task); null = all")
     limits: dict[str, int] = Field(default_factory=dict, description="per-task limit, overriding `limit`")
     subtasks: dict[str, list[str]] = Field(default_factory=dict, description="run only these MMLU subjects / "
@@ -240,9 +245,15 @@ class EvalCfg(Section):
     def id(self) -> str:
         """Names this evaluation's results: eval/<id>/results.json in a cell's folder. Keys added later are left
         out while at their default, so evaluations made before them keep their ids (as LATER_KEYS below). The
-        checkpoints' evaluation is not part of it: adding one leaves the final evaluation where it is."""
+        checkpoints' evaluation is not part of it: adding one leaves the final evaluation where it is. With
+        include_path, the content of its task files is (core/taskfiles.py)."""
         dump = self.model_dump(mode="json", exclude={"checkpoints"})
-        return content_id({k: v for k, v in dump.items() if k not in EVAL_LATER_KEYS or v != EVAL_LATER_KEYS[k]})
+        ident = {k: v for k, v in dump.items() if k not in EVAL_LATER_KEYS or v != EVAL_LATER_KEYS[k]}
+        if self.include_path:  # the local tasks' YAMLs and data: a changed task is scored again
+            from tunelab.core import taskfiles
+
+            ident["include_path_content"] = taskfiles.digest(self.include_path)
+        return content_id(ident)
 
     def at_checkpoints(self) -> EvalCfg | None:
         """The evaluation each checkpoint gets: this section with the checkpoints' suite keys (put into

@@ -5,7 +5,8 @@ The CLI turns a `UserError` into that paragraph on stderr and exit code 2, never
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -15,11 +16,49 @@ from pydantic import BaseModel, ValidationError
 
 
 class UserError(Exception):
-    """Bad input from the user: a message meant to be read, not a bug."""
+    """Bad input from the user: a message meant to be read, not a bug. `lines`: its problems one by one (key path:
+    what), when it says several (`explain`), so that `Errors` can say each once."""
 
-    def __init__(self, message: str, *, file: str | Path | None = None, key: str | None = None):
+    def __init__(self, message: str, *, file: str | Path | None = None, key: str | None = None,
+                 lines: list[str] | None = None):
         where = ": ".join(str(p) for p in (file, key) if p)
         super().__init__(f"{where}: {message}" if where else message)
+        self.file = file
+        self.lines = lines or [f"{key}: {message}" if key else message]
+
+
+class Errors:
+    """Every bad-input error of one file found in one pass, said together as one paragraph (a user fixes three
+    typos in one go, not in three runs of `exp plan`): `with errors.collecting():` around each independent check,
+    then `raise_any()`."""
+
+    def __init__(self, file: str | Path):
+        self.file = file
+        self.lines: list[str] = []
+
+    def add(self, e: UserError) -> None:
+        same = e.file is None or str(e.file) == str(self.file)
+        for said in e.lines:
+            line = said if same else f"{e.file}: {said}"
+            if line not in self.lines:
+                self.lines.append(line)
+
+    @contextmanager
+    def collecting(self) -> Iterator[None]:
+        try:
+            yield
+        except UserError as e:
+            self.add(e)
+
+    def __bool__(self) -> bool:
+        return bool(self.lines)
+
+    def raise_any(self) -> None:
+        if len(self.lines) == 1:
+            raise UserError(self.lines[0], file=self.file)
+        if self.lines:
+            raise UserError(f"{len(self.lines)} problems: " + "; ".join(self.lines), file=self.file,
+                            lines=self.lines)
 
 
 def read_text(path: str | Path, what: str = "file") -> str:
@@ -126,4 +165,4 @@ def explain(
         got = p.value
         shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
         lines.append(f"{where(p.loc)}: {p.message}{shown}")
-    return UserError("; ".join(lines), file=file)
+    return UserError("; ".join(lines), file=file, lines=lines)

@@ -8,7 +8,7 @@ On the wire (the cell process's stdout, one JSON object per line) each event is 
      "metrics": {...}}                                         step's train/metrics.jsonl record
     {"stage": "resume", "step": 10, "checkpoint": "step-10",   Resumed: training continues from a checkpoint
      "skipped": "step-15: optimizer.pt is missing"}            (the newer incomplete ones it skipped, and why)
-    {"stage": "eval", "task": "mmlu"}                          EvalTask: an eval task began
+    {"stage": "eval", "task": "mmlu", "step": null}            EvalTask: an eval task began (of a checkpoint: its step)
     {"stage": "eval_progress", "task": "mmlu", "done": 40,     EvalProgress: items of the task scored so far
      "total": 57}
     {"stage": "data_progress", "done": 2000, "total": 5000}    DataProgress: examples tokenized so far
@@ -49,6 +49,7 @@ class Resumed:
 @dataclass(frozen=True)
 class EvalTask:
     task: str
+    step: int | None = None  # a checkpoint's evaluation (eval.checkpoints): its step; None: the final evaluation
 
 
 @dataclass(frozen=True)

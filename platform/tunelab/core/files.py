@@ -106,6 +106,11 @@ def make_dir(path: Path, what: str = "", advice: str | None = None) -> Path:
     except OSError as e:
         if e.errno in PLACE_ERRORS:
             raise cannot_write(path, e, advice) from None
+        if e.errno == errno.ENOENT:  # a parent that exists yet takes no new folder: /proc, /sys, some mounts
+            above = next((p for p in path.absolute().parents if p.exists()), Path("/"))
+            raise WriteFailed(f"cannot make this folder{named}: {above} exists but takes no new folders "
+                              f"({e.strerror}; a system folder such as /proc or /sys, or a mount that refuses "
+                              "them); choose a folder you can write, then run again", file=path) from None
         raise
     return path
 

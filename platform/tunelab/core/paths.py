@@ -1,8 +1,10 @@
-"""Where tunelab finds its content folders (data_recipes/, evals/, tasks/, experiments/)."""
+"""Where tunelab finds its content folders (data_recipes/, evals/, tasks/, experiments/), and what a model name that
+is a path or a hub id looks like."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 # An editable install or a checkout: platform/tunelab/core/paths.py -> the repository root.
@@ -37,3 +39,13 @@ def available(kind: str, suffix: str = ".yaml") -> list[str]:
 def cache_dir() -> Path:
     """tunelab's cache (models, built datasets, offline eval data): $TUNELAB_CACHE or ~/.cache/tunelab."""
     return Path(os.environ.get("TUNELAB_CACHE", Path.home() / ".cache" / "tunelab"))
+
+
+# A hub id is org/name: one slash. A name with more slashes, or that starts like a path, is a local folder.
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def looks_like_path(name: str) -> bool:
+    """Whether a model name is a local path rather than an alias or a hub id (runs/m/cell/final has two slashes,
+    so it is a path, though it starts with no ./)."""
+    return name.startswith(("/", ".", "~")) or name.count("/") >= 2 or os.sep + os.sep in name

@@ -66,6 +66,7 @@ class OptimizerSpec:
     fused: bool = False  # updates inside backward: no accumulation, clipping inside, no gradient set
     refresh: bool = False  # needs after_step(model, batch) between steps (Sophia's Hessian estimate)
     lr: str = ""  # the usual fine-tuning learning rates (docs)
+    relative_step: bool = False  # an update scaled by the weight's own size (RMS): a weight at zero hardly moves
 
     def load(self) -> type:
         return self.impl.load()
@@ -111,7 +112,8 @@ for _name, _spec in {
     "sgd": OptimizerSpec(Lazy("torch.optim:SGD"), "torch.optim.SGD", 0,
                          "plain SGD (1 state with momentum in optim.kwargs)", lr="1e-3 .. 1e-2"),
     "adafactor": OptimizerSpec(Lazy("torch.optim:Adafactor"), "torch.optim.Adafactor", "factored",
-                               "Adafactor: factored second moments, no first moment", lr="1e-4 .. 1e-3"),
+                               "Adafactor: factored second moments, no first moment", lr="1e-4 .. 1e-3",
+                               relative_step=True),
     "muon": OptimizerSpec(Lazy("tunelab.optimizers.muon:MuonAdamW"),
                           "torch.optim.Muon + torch.optim.AdamW (optimizers/muon.py)", 1,
                           "Muon on hidden matrices, AdamW on the rest (needs torch >= 2.9)", other_states=2,
@@ -126,7 +128,8 @@ for _name, _spec in {
     "lomo": OptimizerSpec(Lazy("tunelab.optimizers.lomo:Lomo"), "tunelab optimizers/lomo.py", 0,
                           "LOMO: SGD fused into backward, no gradients kept", fused=True, lr="1e-3 .. 3e-2"),
     "adalomo": OptimizerSpec(Lazy("tunelab.optimizers.adalomo:AdaLomo"), "tunelab optimizers/adalomo.py",
-                             "factored", "AdaLomo: LOMO with factored adaptive rates", fused=True, lr="1e-4 .. 1e-3"),
+                             "factored", "AdaLomo: LOMO with factored adaptive rates", fused=True, lr="1e-4 .. 1e-3",
+                             relative_step=True),
 }.items():
     OPTIMIZERS.add(_name, _spec)
 
@@ -141,14 +144,16 @@ class PeftSpec:
     load_kwargs: Lazy | None = None  # (PeftCfg, device) -> extra from_pretrained arguments
     needs_cuda: bool = False
     prompt_learning: bool = False  # virtual tokens: cannot merge into the weights
+    zero_init: str = ""  # the trained weights it starts at zero ("" none): a relative-step optimizer hardly moves them
 
 
 _LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
 PEFT: Registry[PeftSpec] = Registry("PEFT method")
 PEFT.add("none", PeftSpec(Lazy("tunelab.train.peft:full"), "full-parameter training"))
-PEFT.add("lora", PeftSpec(Lazy("tunelab.train.peft:lora"), "LoRA: low-rank updates of the linear layers", _LORA_KEYS))
+PEFT.add("lora", PeftSpec(Lazy("tunelab.train.peft:lora"), "LoRA: low-rank updates of the linear layers", _LORA_KEYS,
+                          zero_init="its B matrices"))
 PEFT.add("dora", PeftSpec(Lazy("tunelab.train.peft:dora"), "DoRA: LoRA with a learned magnitude per column",
-                          _LORA_KEYS))
+                          _LORA_KEYS, zero_init="its B matrices"))
 PEFT.add("ia3", PeftSpec(Lazy("tunelab.train.peft:ia3"), "IA3: learned scaling of keys, values and the MLP",
                          ("target_modules", "feedforward_modules")))
 PEFT.add("prefix", PeftSpec(Lazy("tunelab.train.peft:prefix"), "prefix tuning: trained key/value prefixes",
@@ -159,7 +164,8 @@ PEFT.add("p_tuning", PeftSpec(Lazy("tunelab.train.peft:p_tuning"), "P-tuning: so
                               ("num_virtual_tokens", "encoder_hidden_size"), prompt_learning=True))
 PEFT.add("qlora", PeftSpec(Lazy("tunelab.train.peft:qlora"), "QLoRA: LoRA on a 4-bit base (CUDA, bitsandbytes)",
                            (*_LORA_KEYS, "quant_type", "double_quant"),
-                           load_kwargs=Lazy("tunelab.train.peft:qlora_load_kwargs"), needs_cuda=True))
+                           load_kwargs=Lazy("tunelab.train.peft:qlora_load_kwargs"), needs_cuda=True,
+                           zero_init="its B matrices"))
 
 # -- parallel engines ----------------------------------------------------------------------------------------
 

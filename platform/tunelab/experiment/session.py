@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from tunelab.core.config import world_size
-from tunelab.core.errors import UserError
+from tunelab.core.errors import Errors, UserError
 from tunelab.core.files import make_dir
 from tunelab.experiment import ownership
 from tunelab.folders.matrix import MatrixFolder
@@ -65,9 +65,10 @@ class Planned:
 def plan(req: Request) -> Planned:
     """The cells to run, every check that can fail before a file is written done."""
     req.how.check()
-    spec, cells = expansion.load(req.file, req.sets)
+    errors = Errors(req.file)  # every error of the file at once: its cells' and its searches' (tune.plan raises)
+    spec, cells = expansion.load(req.file, req.sets, errors)
     how = replace(req.how, slurm=launcher.with_overrides(spec.launcher, req.slurm_flags))
-    groups, chosen_groups = _searches(spec, req, how)
+    groups, chosen_groups = _searches(spec, req, how, errors)
     chosen = runner.select(cells, req.only)
     if not chosen and not chosen_groups:
         names = [c.slug for c in cells] + [f"{g.slug} (a search)" for g in groups]
@@ -116,11 +117,11 @@ def _shares(req: Request, how: Launch, configs: list) -> tuple[tuple[Share, ...]
     return tuple(shares(workers, req.threads)), notes
 
 
-def _searches(spec: MatrixFile, req: Request, how: Launch) -> tuple[list[Group], list[Group]]:
+def _searches(spec: MatrixFile, req: Request, how: Launch, errors: Errors) -> tuple[list[Group], list[Group]]:
     """The method groups of the file's tune: sections, and those --only chooses (docs/tuning.md)."""
     from tunelab.tune import plan as tune_plan
 
-    groups = tune_plan.groups(spec, req.file, req.sets)
+    groups = tune_plan.groups(spec, req.file, req.sets, errors)
     chosen = tune_plan.select(groups, req.only)
     if chosen and (how.launcher != "local" or how.nnodes > 1):
         raise UserError("a matrix with a tune: section runs its searches with the local launcher on one node per "

@@ -84,6 +84,7 @@ class EvalFolder:
 
     results_file = At("results.json")  # written last: complete results mark a finished evaluation
     samples_file = At("samples.jsonl")
+    log_file = At("eval.log")  # `exp eval run`: what the libraries print (bars, warnings), not the terminal
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from tunelab.core.errors import UserError, did_you_mean
+from tunelab.core.errors import UserError
 from tunelab.core.files import read_json, write_json, write_text
 from tunelab.core.locks import CellLock
 from tunelab.folders.cell import LAYOUT, At, CellFolder
@@ -158,39 +158,3 @@ def open_matrix(path: Path, command: str) -> MatrixFolder:
             if inside else "")
     raise UserError(f"not a matrix run folder: it holds neither cells.json nor cell folders (<slug>-<id>/cell.json)"
                     f"; `exp {command}` takes runs/<matrix>, the folder `exp run` writes{hint}", file=path)
-
-
-def find_cells(name: str, runs: Path = Path("runs")) -> list[CellFolder]:
-    """The cells a user may mean by `name` as the leaderboard and `exp status` print it: a slug, `matrix/slug`, an
-    id or the start of one, under the runs folder (every matrix in it)."""
-    matrix, _, slug = name.rpartition("/")
-    matrices = [MatrixFolder(runs / matrix)] if matrix else [MatrixFolder(p) for p in sorted(runs.glob("*"))
-                                                              if p.is_dir()]
-    found = []
-    for m in matrices:
-        for f in m.cells():
-            meta = f.meta()
-            ident, cell_slug = str(meta.get("id", "")), str(meta.get("slug", f.path.name))
-            if slug in (cell_slug, f.path.name) or (len(slug) >= 4 and ident.startswith(slug)):
-                found.append(f)
-    return found
-
-
-def resolve_cell(arg: str, what: str, runs: Path = Path("runs")) -> Path:
-    """A cell folder's path as given, else the one cell `arg` names (find_cells); UserError listing the
-    candidates when it names several or none."""
-    path = Path(arg).expanduser()
-    if path.exists() or not runs.is_dir():
-        return path
-    found = find_cells(arg, runs)
-    if len(found) == 1:
-        return found[0].path.resolve()
-    if found:
-        raise UserError(f"{arg!r} names {len(found)} cells; give one of: "
-                        + ", ".join(f"{f.label} ({f.path})" for f in found), key=what)
-    every = [f.label for p in sorted(runs.glob("*")) if p.is_dir() for f in MatrixFolder(p).cells()]
-    names = list(dict.fromkeys(every + [e.rpartition("/")[2] for e in every]))
-    raise UserError(f"{arg!r} is no folder, and no cell under {runs}/ has that name or id"
-                    + did_you_mean(arg, names)
-                    + (f"; cells: {', '.join(every[:12])}" + (" ..." if len(every) > 12 else "") if every else ""),
-                    key=what)

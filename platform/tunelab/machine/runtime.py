@@ -226,8 +226,11 @@ def catch_stop_signals() -> None:
     SIGUSR1 and SIGTERM (a scheduler, the runner passing on a Ctrl-C) and a first SIGINT (Ctrl-C) ask for a
     stop at the next step boundary, with a checkpoint; a second SIGINT stops at once (KeyboardInterrupt)."""
     def handler(signum: int, frame: object) -> None:
-        STOP.signal = signal.Signals(signum).name
-        if not STOP.armed:
+        first = STOP.signal is None
+        STOP.signal = STOP.signal or signal.Signals(signum).name
+        # Only the first request raises: a terminal's Ctrl-C reaches the cell and the runner, which passes it on as
+        # SIGTERM, and a second Preempted would cut short the handling of the first (the cell's status unwritten).
+        if not STOP.armed and first:
             raise Preempted(STOP.signal)
 
     def interrupt(signum: int, frame: object) -> None:

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from tunelab import plan
 from tunelab.core.config import CellConfig, world_size
-from tunelab.core.errors import UserError, explain, load_yaml
+from tunelab.core.errors import Errors, UserError, explain, load_yaml
 from tunelab.core.keys import flatten, get_dotted, set_dotted
 from tunelab.matrix import input_checks
 from tunelab.matrix.schema import MatrixFile
@@ -79,22 +79,47 @@ def _slug_part(key: str, value: Any) -> str:
     return "".join(c if c.isalnum() or c in ".+-" else "_" for c in text).strip("_") or "x"
 
 
-def load(path: str | Path, sets: dict[str, Any] | None = None) -> tuple[MatrixFile, list[Cell]]:
-    """The cells of a matrix file; `sets` (from --set) override every cell's keys, matrix axes included."""
+def load(path: str | Path, sets: dict[str, Any] | None = None,
+         errors: Errors | None = None) -> tuple[MatrixFile, list[Cell]]:
+    """The cells of a matrix file; `sets` (from --set) override every cell's keys, matrix axes included. Every
+    error of the file is said at once: the schema's, every cell's; `errors` given, they are left in it for the
+    caller to add its own (a tune: section's) and raise, and the cells that are sound are returned."""
     path = Path(path)
+    own = errors is None
+    errors = Errors(path) if errors is None else errors
     raw = load_yaml(path)
     if not isinstance(raw, dict):
         raise UserError("a matrix file is a mapping with keys name, base, matrix, include, exclude, seeds",
                         file=path)
-    try:
-        spec = MatrixFile.model_validate(raw)
-    except ValidationError as e:
-        raise explain(e, MatrixFile, file=path) from None
+    spec = _schema(raw, path, errors)
     sets = dict(sets or {})
     spec = matrix_sets(spec, sets, path)
-    cells = expand(spec, path, sets)
-    input_checks.check([c.config for c in cells], path)
+    cells = expand(spec, path, sets, errors)
+    if not errors:
+        input_checks.check([c.config for c in cells], path)
+    if own:
+        errors.raise_any()
     return spec, cells
+
+
+SALVAGED = ("tune", "launcher", "include", "exclude", "seeds", "description")  # keys the cells can be read without
+
+
+def _schema(raw: dict, path: Path, errors: Errors) -> MatrixFile:
+    """The file's top-level schema; when only keys the cells do not need are wrong (a typo in tune:), their
+    errors are collected and the cells are still checked without them."""
+    try:
+        return MatrixFile.model_validate(raw)
+    except ValidationError as e:
+        wrong = {str(err["loc"][0]) for err in e.errors() if err["loc"]}
+        if not wrong or not wrong <= set(SALVAGED):
+            raise explain(e, MatrixFile, file=path) from None
+        errors.add(explain(e, MatrixFile, file=path))
+        try:
+            return MatrixFile.model_validate({k: v for k, v in raw.items() if k not in wrong})
+        except ValidationError:
+            errors.raise_any()
+            raise
 
 
 @dataclass(frozen=True)
@@ -186,14 +211,18 @@ def checked(raw: dict, path: Path, where: dict[str, str], label: str) -> CellCon
 
 
 def _configs(spec: MatrixFile, path: Path, combos: list[tuple[dict[str, Any], dict[str, str]]],
-             sets: dict[str, Any]) -> list[tuple[CellConfig, dict]]:
-    """Each combination checked by the planner (errors name the place in the file); the same training and
-    evaluation twice is one cell."""
+             sets: dict[str, Any], errors: Errors) -> list[tuple[CellConfig, dict]]:
+    """Each combination checked by the planner (errors name the place in the file, each once in `errors`); the
+    same training and evaluation twice is one cell."""
     out, seen = [], set()
     for picks, origins in combos:
         where = {**origins, **{k: f"--set {k}" for k in sets}}
         label = "cell " + ", ".join(f"{k}={v}" for k, v in picks.items()) if picks else "base"
-        config = checked(raw_cell(spec, picks, sets), path, where, label)
+        try:
+            config = checked(raw_cell(spec, picks, sets), path, where, label)
+        except UserError as e:
+            errors.add(e)
+            continue
         key = (config.id(), config.eval.id(), config.checkpoint_eval_id(), config.checkpoint_steps())
         if key not in seen:
             seen.add(key)
@@ -201,8 +230,13 @@ def _configs(spec: MatrixFile, path: Path, combos: list[tuple[dict[str, Any], di
     return out
 
 
-def expand(spec: MatrixFile, path: Path, sets: dict[str, Any] | None = None) -> list[Cell]:
-    return named(spec.name, _configs(spec, path, _combos(spec, path), sets or {}))
+def expand(spec: MatrixFile, path: Path, sets: dict[str, Any] | None = None,
+           errors: Errors | None = None) -> list[Cell]:
+    own = Errors(path) if errors is None else errors
+    cells = named(spec.name, _configs(spec, path, _combos(spec, path), sets or {}, own))
+    if errors is None:
+        own.raise_any()
+    return cells
 
 
 def named(name: str, configs: list[tuple[CellConfig, dict]]) -> list[Cell]:

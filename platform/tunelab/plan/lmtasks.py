@@ -16,10 +16,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tunelab.core import taskfiles
 from tunelab.core.files import read_json, write_json
 from tunelab.core.paths import cache_dir
 
 KINDS = {"TASK": "task", "PY_TASK": "task", "GROUP": "group", "TAG": "tag"}
+# datasets' builders that read local files: their data_files are paths on this machine (a hub dataset's are its own)
+LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,10 @@ def convert(entries: dict[str, Any]) -> dict[str, LmTask]:
     out = {}
     for name, e in entries.items():
         kind = KINDS.get(e.kind.name, "task")
-        output = str((e.cfg or {}).get("output_type") or "") if kind == "task" else ""
+        cfg = e.cfg or {}
+        # a YAML that names none runs lm-eval's default; a Python class task says nothing in its YAML
+        output = (str(cfg.get("output_type") or ("python class" if "class" in cfg else "generate_until"))
+                  if kind == "task" else "")
         out[name] = LmTask(name, kind, output, str(e.yaml_path) if e.yaml_path else None, _members(kind, e))
     return out
 
@@ -60,10 +66,16 @@ def lm_eval_version() -> str:
     return importlib.metadata.version("lm_eval")
 
 
+def index_file() -> Path:
+    """Where lm-eval's own index is kept, one file per lm-eval version (and per layout of this cache: -2 added the
+    output type of tasks whose YAML names none)."""
+    return cache_dir() / "lm-eval-index" / f"{lm_eval_version()}-2.json"
+
+
 @functools.cache
 def builtin() -> dict[str, LmTask]:
     """Every task lm-eval ships, from the cache when this lm-eval version was indexed before."""
-    path = cache_dir() / "lm-eval-index" / f"{lm_eval_version()}.json"
+    path = index_file()
     cached = read_json(path, dict)  # damaged: indexed again
     if cached:
         return {n: LmTask(**{**v, "members": tuple(v["members"])}) for n, v in cached.items()}
@@ -123,3 +135,45 @@ def unknown(names: list[str], include_path: str | None, known: list[str]) -> str
     where = ", nor of eval.include_path" if include_path else ""
     return (f"unknown task(s) {names}: not tunelab's ({', '.join(known)}), nor lm-eval's tasks or groups{where}"
             f"{'; ' + hint if hint else ''} (`exp ls tasks --all` lists lm-eval's)")
+
+
+def local_data(tm: Any, leaves: list[str], root: Path) -> dict[str, list[tuple[str, str, Path]]]:
+    """task -> (split, data file as written, where it is: core.taskfiles.data_file) of each leaf of an
+    include_path folder (lm-eval's TaskManager `tm` over it) that reads local files."""
+    out: dict[str, list[tuple[str, str, Path]]] = {}
+    for leaf in leaves:
+        entry = tm.task_index[leaf]
+        cfg = entry.cfg or {}
+        if cfg.get("dataset_path") not in LOCAL_BUILDERS or entry.yaml_path is None:
+            continue
+        here = Path(entry.yaml_path).parent
+        out[leaf] = [(split, name, taskfiles.data_file(name, here, root)) for split, name in
+                     taskfiles.written_files(cfg)]
+    return out
+
+
+def missing_data(tm: Any, leaves: list[str], root: Path) -> list[str]:
+    """Each data file an include_path task names that is not there, in words."""
+    out = []
+    for leaf, found in local_data(tm, leaves, root).items():
+        yaml_file = Path(tm.task_index[leaf].yaml_path)
+        for split, name, path in found:
+            if not path.is_file():
+                looked = [path] if Path(name).expanduser().is_absolute() else [
+                    yaml_file.parent.absolute() / name, root.absolute() / name, Path.cwd() / name]
+                where = ", ".join(map(str, dict.fromkeys(looked)))
+                out.append(f"task {leaf}: data_files{f' {split}' if split else ''}: {name!r} is no file (looked for "
+                           f"{where}); a relative name is found beside the task's YAML")
+    return out
+
+
+def local_problems(names: list[str], include_path: str) -> list[str]:
+    """What `exp plan` can say of the include_path tasks among `names` without loading a dataset: the data files
+    their YAMLs name that are missing."""
+    from lm_eval.tasks import TaskManager
+
+    root = Path(include_path).expanduser()
+    tm = TaskManager(include_path=[str(root)], include_defaults=False)
+    index = convert(tm.task_index)
+    ran = sorted({t.name for n in names if n in index for t in leaves(n, index)})
+    return missing_data(tm, ran, root)

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import re
 from pathlib import Path
 
 from tunelab.core import paths
 from tunelab.core.config import CellConfig, DataCfg, EvalCfg, ModelCfg
 from tunelab.core.errors import Problem, did_you_mean, load_yaml
+from tunelab.core.paths import HUB_ID, looks_like_path  # noqa: F401 - the plan's other modules read them here
 from tunelab.core.registries import MODELS, PEFT, TASKS, TEMPLATES
 from tunelab.plan import lmtasks
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SUITE_DOC_KEYS = {"description"}  # keys a suite file may carry that are not eval settings
-
-
-def looks_like_path(name: str) -> bool:
-    return name.startswith(("/", ".", "~")) or os.sep + os.sep in name
 
 
 def model_section(cfg: ModelCfg) -> list[Problem]:
@@ -71,14 +65,19 @@ def eval_section(cfg: EvalCfg) -> list[Problem]:
     """Every task name is tunelab's (the TASKS registry), or lm-eval's, or one of eval.include_path's: the latter
     two checked against lm-eval's task index (plan/lmtasks.py), which reads YAML and loads no data."""
     if cfg.include_path and not Path(cfg.include_path).expanduser().is_dir():
-        return [Problem(("eval", "include_path"), "no such folder (a folder of lm-eval task YAMLs, as lm_eval's "
-                        "--include_path)", cfg.include_path)]
+        where = Path(cfg.include_path).expanduser()
+        return [Problem(("eval", "include_path"), f"no such folder: {where.absolute()} (a folder of lm-eval task "
+                        "YAMLs, as lm_eval's --include_path; a relative path is relative to the folder exp runs in, "
+                        f"{Path.cwd()})", cfg.include_path)]
     out = []
     for key, names in (("tasks", cfg.tasks), ("limits", list(cfg.limits)), ("subtasks", list(cfg.subtasks))):
         why = {n: lmtasks.refused(n, cfg.include_path) for n in names if n not in TASKS}
         out += [Problem(("eval", key), w) for w in why.values() if w]
         if missing := [n for n, w in why.items() if w == ""]:
             out.append(Problem(("eval", key), lmtasks.unknown(missing, cfg.include_path, TASKS.names())))
+    if cfg.include_path and not out:
+        ours = [n for n in cfg.tasks if n not in TASKS and n in lmtasks.local(cfg.include_path)]
+        out += [Problem(("eval", "tasks"), w) for w in lmtasks.local_problems(ours, cfg.include_path)]
     return out
 
 

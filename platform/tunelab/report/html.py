@@ -21,7 +21,7 @@ from tunelab import __version__
 from tunelab.folders.matrix import MatrixFolder
 from tunelab.report import plots, provenance, search_plots
 from tunelab.report.leaderboard import FIGURES_NOTE, to_html
-from tunelab.report.records import Record
+from tunelab.report.records import Record, left_out_notes
 from tunelab.report.scores import fmt
 from tunelab.report.table import build
 
@@ -114,7 +114,7 @@ def _searches(matrix_dir: Path) -> list[str]:
 
 def page(matrix_dir: Path, records: list[Record], generated: float | None = None) -> str:
     generated = time.time() if generated is None else generated
-    board = build(records)
+    board = build(records, notes=left_out_notes(matrix_dir))
     body = [
         _header(matrix_dir, records, generated),
         f'<div class="scroll">{to_html(board, "Leaderboard")}</div>' if board.rows

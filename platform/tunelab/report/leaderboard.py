@@ -18,7 +18,7 @@ from rich.table import Table
 
 from tunelab.core.files import write_text
 from tunelab.folders.matrix import MatrixFolder
-from tunelab.report.records import collect
+from tunelab.report.records import collect, left_out_notes
 from tunelab.report.scores import MARKS, TEST_SELECTED, fmt, marked
 from tunelab.report.table import Board, Stat, build
 
@@ -134,20 +134,28 @@ def render(board: Board, fmt_name: str, title: str) -> str:
 
 
 def to_rich(board: Board, title: str) -> Table:
-    """The terminal is narrow: dotted config keys stay in the files; the cell label names each row."""
-    df = frame(board, bold=lambda t: f"[bold]{t}[/]", spread=False)
-    df = df[[c for c in df.columns if "." not in c]]
+    """The terminal's table: the .md file's columns (config keys, each score's ±), every value in full; a board
+    with no row says why (cli.common.print_wide fits it to the terminal)."""
+    from rich.markup import escape
+
+    df = frame(board, bold=lambda t: f"[bold]{escape(t)}[/]")
     table = Table(title=title)
-    for c in df.columns:
-        table.add_column(str(c), justify="left" if c in ("cell", "status") else "right")
+    columns = list(df.columns) or ["cell", "status"]
+    numeric = {c.name for c in board.columns} | {f"{c.name} ±" for c in board.columns} | {"runs"}
+    for c in columns:
+        table.add_column(str(c), justify="right" if c in numeric else "left")
     for row in df.itertuples(index=False):
-        table.add_row(*(str(v) for v in row))
+        table.add_row(*(v if str(v).startswith("[bold]") else escape(str(v)) for v in row))
+    if not board.rows:
+        table.caption = "no results yet"
+    elif board.notes:  # what this board says of itself (cells left out, weights that are stand-ins): not the legend
+        table.caption, table.caption_justify = escape(" ".join(board.notes)), "left"
     return table
 
 
 def write(matrix_dir: Path, **options) -> Board:
     """leaderboard.md, .csv, .tex and .json of a matrix's run folder (seeds folded unless aggregate=False)."""
-    board = build(collect(matrix_dir), **options)
+    board = build(collect(matrix_dir), notes=left_out_notes(matrix_dir), **options)
     title = f"Leaderboard: {matrix_dir.name}"
     for ext, name in (("md", "md"), ("csv", "csv"), ("tex", "latex"), ("json", "json")):
         write_text(MatrixFolder(matrix_dir).leaderboard_file(ext), render(board, name, title))

@@ -110,7 +110,46 @@ def at_step(records: list[Record], step: int | str) -> list[Record]:
     return out
 
 
-def collect(matrix_dir: Path, step: int | str | None = None) -> list[Record]:
-    """The cells of a matrix's run folder; `step`: with a checkpoint's scores (at_step)."""
+def collect(matrix_dir: Path, step: int | str | None = None, every: bool = False) -> list[Record]:
+    """The cells of a matrix's run folder; `step`: with a checkpoint's scores (at_step); `every`: with the cell
+    folders the matrix as last run does not list (left_out), the keys that tell them all apart as varying."""
     records = [read(f, meta) for f, meta in _entries(MatrixFolder(matrix_dir))]
+    if every:
+        records += [read(f, {**f.meta(), "eval_id": None}) for f in left_out(matrix_dir)]
+        records = _apart(records)
     return records if step is None else at_step(records, step)
+
+
+def left_out(matrix_dir: Path) -> list[CellFolder]:
+    """Cell folders of the run folder that the matrix as last run (cells.json) does not list, a search's trials
+    aside: earlier runs with other settings (`--set`), or cells the file no longer has."""
+    from tunelab.report.status import search_trials
+
+    m = MatrixFolder(matrix_dir)
+    index = m.index()
+    if index is None:
+        return []
+    listed = {str(e.get("id")) for e in index if isinstance(e, dict)} | set(search_trials(m))
+    return [f for f in m.cells() if str(f.meta().get("id")) not in listed]
+
+
+def left_out_notes(matrix_dir: Path) -> list[str]:
+    """What the leaderboard says of the folders it does not show (left_out), in every format."""
+    found = left_out(matrix_dir)
+    if not found:
+        return []
+    return [f"Not in this table: {len(found)} cell folder(s) that the matrix as last run does not list (earlier "
+            f"runs with other settings, e.g. `--set`): {', '.join(f.path.name for f in found)}; `exp leaderboard "
+            f"{matrix_dir} --all` shows every cell folder."]
+
+
+def _apart(records: list[Record]) -> list[Record]:
+    """Records of several runs: varying = the config keys whose values differ among them; a slug two of them share
+    becomes their folders' names."""
+    from collections import Counter
+
+    keys = sorted({k for r in records for k in r.config if not k.startswith("tracking.")})
+    differ = [k for k in keys if len({repr(r.config.get(k)) for r in records}) > 1]
+    slugs = Counter(r.slug for r in records)
+    return [replace(r, varying={k: r.config.get(k) for k in differ}, slug=r.slug if slugs[r.slug] == 1
+                    else r.dir.name) for r in records]

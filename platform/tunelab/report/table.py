@@ -164,10 +164,10 @@ def _mark_best(board: Board) -> None:
 
 
 def build(records: list[Record], *, aggregate: bool = True, by: list[str] | None = None,
-          where: dict[str, str] | None = None, sort: str | None = None) -> Board:
+          where: dict[str, str] | None = None, sort: str | None = None, notes: list[str] | None = None) -> Board:
     """The leaderboard of `records`: rows grouped by `by` (default: every varying key but the seed when
-    `aggregate`, else one row per cell), filtered by `where` (key -> value as written in YAML). An unknown key,
-    or a filter no cell matches, is a UserError naming it."""
+    `aggregate`, else one row per cell), filtered by `where` (key -> value as written in YAML), `notes` said
+    under it. An unknown key, or a filter no cell matches, is a UserError naming it."""
     known = sorted({k for r in records for k in r.config})
     for option, keys in (("--where", list(where or {})), ("--by", by or [])):
         for key in keys:
@@ -185,7 +185,8 @@ def build(records: list[Record], *, aggregate: bool = True, by: list[str] | None
     if any(r.tune.get("role") in ("tuned", "default") for r in records):
         keys = [*keys, *(k for k in TUNE_KEYS if k not in keys)]
     columns = _columns(records)
-    notes = _model_notes(records) + ([TEST_SELECTED_NOTE] if any(r.tune.get("test_selected") for r in records) else [])
+    notes = (_model_notes(records) + ([TEST_SELECTED_NOTE] if any(r.tune.get("test_selected") for r in records)
+                                      else []) + list(notes or []))
     board = Board(keys, columns, aggregated=aggregate or bool(by), notes=notes)
     board.rows = [_row(g, keys, columns, label) for label, g in grouped(records, aggregate, by)]
     _mark_best(board)

@@ -6,6 +6,7 @@ import re
 import signal
 from dataclasses import dataclass
 
+from tunelab.folders.cell import CellFolder
 from tunelab.matrix.expansion import Cell
 
 
@@ -59,3 +60,17 @@ def exit_cause(rc: int, log_tail: list[str] | tuple[str, ...] = ()) -> str:
            "SIGABRT": "a crash: native code aborted", "SIGILL": "a crash: an instruction this CPU lacks",
            "SIGFPE": "a crash in native code"}.get(name)
     return f"killed by {name}" + (f": usually {why}" if why else "")
+
+
+def said_stop(folder: CellFolder, status: dict, rc: int, by: str | None) -> str:
+    """How a cell that stopped in order stopped, in words (its status note, else its exit). The runner passes a
+    Ctrl-C on to the cell as SIGTERM (its stop request: a checkpoint at the next step); when the runner got the
+    Ctrl-C, the note says Ctrl-C, in status.json too (the runner still holds the cell's lock)."""
+    note = status.get("note") or f"stopped ({exit_cause(rc)})"
+    if by != "SIGINT":
+        return note
+    said = re.sub(r"^stopped by SIG(TERM|INT)\b", "stopped by Ctrl-C", note) if status.get("note") else \
+        "stopped by Ctrl-C"
+    if said != status.get("note"):
+        folder.write_status("pending", note=said)
+    return said

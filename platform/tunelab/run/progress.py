@@ -48,7 +48,7 @@ def shown(ev: events.Event, machine: str | None = None) -> dict[str, Any]:
     if isinstance(ev, events.DataProgress):
         return {"info": f"tokenizing {ev.done}/{ev.total}"}
     if isinstance(ev, events.EvalTask):
-        return {"info": f"eval {ev.task}"}
+        return {"info": f"eval {ev.task}" + (f" of the checkpoint of step {ev.step}" if ev.step is not None else "")}
     if isinstance(ev, events.Resumed):
         skipped = f" (not from {ev.skipped})" if ev.skipped else ""
         return {"completed": ev.step, "info": f"resumed from {ev.checkpoint}{skipped}"}

@@ -38,7 +38,7 @@ from tunelab.machine.threads import OWN_ENV, Share
 from tunelab.matrix.expansion import Cell
 from tunelab.run import slurm
 from tunelab.run.launch import STOP_AT_ENV, VALIDATE_AT_ENV, Launch, cell_command, procs_per_node, run_env, threads_env
-from tunelab.run.outcome import Outcome, exit_cause, killed_from_outside
+from tunelab.run.outcome import Outcome, exit_cause, killed_from_outside, said_stop
 from tunelab.run.progress import RunView
 
 
@@ -51,12 +51,14 @@ class Interrupts:
     a cell stops at once at its second SIGINT, marking itself pending without a new checkpoint)."""
 
     count: int = 0
+    by: str | None = None  # the first signal's name: SIGINT is the user's Ctrl-C, passed on to the cell as SIGTERM
     proc: subprocess.Popen | None = None
     _saved: dict[signal.Signals, object] = field(default_factory=dict)
     running: set[subprocess.Popen] = field(default_factory=set)  # the cell processes started (--workers: several)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.count += 1
+        self.by = self.by or signal.Signals(signum).name
         for proc in {p for p in (self.proc, *self.running) if p is not None}:
             if proc.poll() is None:
                 try:
@@ -203,8 +205,9 @@ class Runner:
         if status.get("state") == "pending":
             self.view.end_cell(handle, "[yellow]interrupted: resumes on the next exp run")
             # "interrupted" (exit 130) when this runner was stopped; a cell killed from outside alone is "killed"
-            how = "interrupted" if self.stop.stopping else "killed"
-            return Outcome(cell, how, status.get("note") or exit_cause(rc))
+            if self.stop.stopping:
+                return Outcome(cell, "interrupted", said_stop(folder, status, rc, self.stop.by))
+            return Outcome(cell, "killed", status.get("note") or exit_cause(rc))
         self.view.end_cell(handle, f"[red]failed: {escape(str(status.get('error', ''))[:80])}")
         return Outcome(cell, "failed", status.get("error"))
 
@@ -265,7 +268,8 @@ class Runner:
         def record(outcome: Outcome | None) -> bool:
             if outcome is not None:
                 outcomes.append(outcome)
-                self.view.advance()
+                if outcome.state != "interrupted":  # it resumes on the next run: not finished
+                    self.view.advance()
             return outcome is not None and self.fail_fast and outcome.state == "failed"
 
         with self.view, self.stop.installed():

@@ -18,6 +18,7 @@ from tunelab.core.errors import UserError
 from tunelab.core.locks import Locked, lock
 from tunelab.folders.cell import CellFolder
 from tunelab.folders.matrix import MatrixFolder
+from tunelab.folders.targets import names
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ def find_cells(root: Path) -> list[CellFolder]:
 
 def plan(root: Path, *, checkpoints: bool, failed: bool) -> list[Item]:
     items = []
-    for cell in find_cells(root):
+    cells = find_cells(root)
+    label = names(cells, qualified=True)  # a slug two cells share: their folders' names
+    for cell in cells:
         state = cell.status().get("state", "?")
         if checkpoints and state == "done" and cell.checkpoints.is_dir():
             target = cell.checkpoints
@@ -55,7 +58,7 @@ def plan(root: Path, *, checkpoints: bool, failed: bool) -> list[Item]:
         else:
             continue
         skip = "locked: a process is working in it" if cell.is_locked() else None
-        items.append(Item(cell, cell.label, state, target, cell.disk_usage(target), skip))
+        items.append(Item(cell, label[cell.path], state, target, cell.disk_usage(target), skip))
     return items
 
 

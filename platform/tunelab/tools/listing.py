@@ -31,51 +31,72 @@ def _content(kind: str) -> list[tuple[str, str]]:
     return out
 
 
-def lm_eval_rows(include_path: str | None = None) -> list[tuple[str, str]]:
-    """(name, kind and output type) of every task and group lm-eval ships (and include_path holds), for
-    `exp ls tasks --all`: what `eval.tasks` can name besides tunelab's own. Tags are left out: they are not
-    runnable as one task."""
+def lm_eval_rows(include_path: str | None = None, builtin: bool = True) -> list[tuple[str, str]]:
+    """(name, kind and output type) of every task and group lm-eval ships (`builtin`) and include_path holds, for
+    `exp ls tasks --all` / `--include-path`: what `eval.tasks` can name besides tunelab's own. Tags are left out:
+    they are not runnable as one task."""
     from tunelab.plan import lmtasks
 
-    index = {**lmtasks.builtin(), **lmtasks.local(include_path)}
+    local = lmtasks.local(include_path)
+    index = {**(lmtasks.builtin() if builtin else {}), **local}
     out = []
     for name in sorted(set(index) - set(registries.TASKS)):  # a name tunelab's tasks take means tunelab's
-        t = index[name]
+        t, whose = index[name], f"{include_path}: " if name in local else "lm-eval "
         if t.kind == "task":
-            out.append((name, f"lm-eval task, {t.output_type or '?'}"))
-        elif t.kind == "group":
-            out.append((name, f"lm-eval group of {len(lmtasks.leaves(name, index))} tasks, "
-                              f"{lmtasks.output_types(name, index)}"))
+            out.append((name, f"{whose}task, {t.output_type or '?'}"))
+        elif t.kind == "group" and (n := len(lmtasks.leaves(name, index))):
+            out.append((name, f"{whose}group of {n} tasks, {lmtasks.output_types(name, index)}"))
+        elif t.kind == "group":  # its members are made by lm-eval when it loads the group (not in the index)
+            out.append((name, f"{whose}group, members made when lm-eval loads it"))
     return out
+
+
+def matching(found: list[tuple[str, str]], pattern: str | None) -> list[tuple[str, str]]:
+    """The rows whose name or description holds `pattern` (any case), or match it as a glob (`arc_*`)."""
+    import fnmatch
+
+    if not pattern:
+        return found
+    p = pattern.lower()
+    glob = any(c in p for c in "*?[")
+    return [(n, w) for n, w in found if (fnmatch.fnmatch(n.lower(), p) if glob else p in n.lower() or p in w.lower())]
 
 
 def _registered(registry: registries.Registry) -> list[tuple[str, str]]:
     return [(n, entry.description) for n, entry in registry.items()]
 
 
-# kind -> its (name, one-line description) rows; everything: lm-eval's tasks and groups after tunelab's tasks
-ROWS: dict[str, Callable[[bool], list[tuple[str, str]]]] = {
-    "models": lambda _: _registered(registries.MODELS),
-    "recipes": lambda _: _content("data_recipes"),
-    "suites": lambda _: _content("evals"),
-    "tasks": lambda everything: _registered(registries.TASKS) + (lm_eval_rows() if everything else []),
-    "optimizers": lambda _: _registered(registries.OPTIMIZERS),
-    "peft": lambda _: _registered(registries.PEFT),
-    "engines": lambda _: _registered(registries.ENGINES),
-    "samplers": lambda _: _registered(registries.SAMPLERS),  # tune.sampler (docs/tuning.md)
-    "pruners": lambda _: _registered(registries.PRUNERS),
-    "intermediates": lambda _: _registered(registries.INTERMEDIATES),  # tune.intermediate
-    "experiments": lambda _: _content("experiments"),
+def _tasks(everything: bool, include_path: str | None) -> list[tuple[str, str]]:
+    own = _registered(registries.TASKS)
+    return own + (lm_eval_rows(include_path, builtin=everything) if everything or include_path else [])
+
+
+# kind -> its (name, one-line description) rows, given (everything: lm-eval's tasks and groups after tunelab's
+# tasks, an include_path folder's tasks)
+ROWS: dict[str, Callable[[bool, str | None], list[tuple[str, str]]]] = {
+    "models": lambda *_: _registered(registries.MODELS),
+    "recipes": lambda *_: _content("data_recipes"),
+    "suites": lambda *_: _content("evals"),
+    "tasks": _tasks,
+    "optimizers": lambda *_: _registered(registries.OPTIMIZERS),
+    "peft": lambda *_: _registered(registries.PEFT),
+    "engines": lambda *_: _registered(registries.ENGINES),
+    "samplers": lambda *_: _registered(registries.SAMPLERS),  # tune.sampler (docs/tuning.md)
+    "pruners": lambda *_: _registered(registries.PRUNERS),
+    "intermediates": lambda *_: _registered(registries.INTERMEDIATES),  # tune.intermediate
+    "experiments": lambda *_: _content("experiments"),
 }
 KINDS = tuple(ROWS)
 
 
-def rows(kind: str, everything: bool = False) -> list[tuple[str, str]]:
+def rows(kind: str, everything: bool = False, include_path: str | None = None,
+         pattern: str | None = None) -> list[tuple[str, str]]:
     """(name, one-line description) of every choice of `kind` (one of KINDS); `everything`: with lm-eval's tasks
-    and groups after tunelab's tasks."""
+    and groups after tunelab's tasks; `include_path`: with that folder's tasks; `pattern`: only the rows that
+    match it (`matching`)."""
     if kind not in ROWS:
         raise ValueError(f"unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
-    return ROWS[kind](everything)
+    return matching(ROWS[kind](everything, include_path), pattern)
 
 
 def optimizer_table() -> str:

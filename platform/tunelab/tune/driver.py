@@ -52,6 +52,10 @@ class _Run:
     stop: runner.Interrupts = field(default_factory=runner.Interrupts)  # one Ctrl-C stops every stage after it
     shares: tuple[Share, ...] = ()  # --workers: a rung's trials side by side, each on its CPUs
 
+    def say(self, text: str) -> None:
+        """A runner's word while it waits (for the search's lock: for whom, and what that process is doing)."""
+        self.console.print(escape(text), highlight=False)
+
     def go(self, cells: list[Cell]) -> bool:
         """Run cells (skipping what is done); False when --fail-fast or a stop signal should end everything."""
         if self.stop.stopping:
@@ -87,7 +91,8 @@ def run(groups: list[Group], chosen: list[Group], cells: list[Cell], plain: list
     ours = [c for s in running for c in finals.get(s.group.study, [])]
     if ours and not r.go(ours):
         return Result(list(r.last.values()), waiting)
-    r.go(plain)
+    if plain:  # none: no word of an empty batch
+        r.go(plain)
     return Result(list(r.last.values()), waiting)
 
 
@@ -109,15 +114,26 @@ def _stages(searches: list[Search], r: _Run | None) -> bool:
             if r is not None:
                 r.console.print(f"[bold]tune[/]: bracket {b + 1}/{len(brackets)}, rung {i + 1} (step {step}): "
                                 f"{len(cells)} trial runs over {len(live)} group(s)", highlight=False)
+                _record_progress(live, b, i, False, r.say)
                 if not r.go(cells):
+                    _record_progress(live, b, i, True, r.say)
                     return False
             for s in live:
                 s.collect(b, i)
                 s.decide(b, i)
                 if r is not None:
-                    _write_record(s, s.matrix_dir, lambda text: r.console.print(escape(text), highlight=False))
+                    _write_record(s, s.matrix_dir, r.say)
                     _free_pruned(s, s.matrix_dir)
     return True
+
+
+def _record_progress(live: list[Search], b: int, i: int, collect: bool, say: Callable[[str], None]) -> None:
+    """A stage about to run, or stopped before its end (Ctrl-C): the study says so already, each trial with its
+    point and, stopped, the values and steps its cells have (`exp tune status` reads it), no decision taken."""
+    for s in live:
+        if collect:
+            s.collect(b, i)
+        _write_record(s, s.matrix_dir, say)
 
 
 def _unseeded(config: CellConfig) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tunelab.core.config import CellConfig, content_id
-from tunelab.core.errors import UserError
+from tunelab.core.errors import Errors, UserError
 from tunelab.core.keys import set_dotted
 from tunelab.core.registries import INTERMEDIATES, PRUNERS
 from tunelab.matrix import expansion, input_checks
@@ -73,31 +73,48 @@ class _Tuned:
     config: CellConfig
 
 
-def groups(spec: MatrixFile, path: Path, sets: dict[str, Any] | None = None) -> list[Group]:
-    """The method groups of a matrix file (none without a `tune:` section); bad sections raise UserError. `spec`
-    is expansion.load's (with --set's matrix-level keys applied); `sets` every --set."""
+def groups(spec: MatrixFile, path: Path, sets: dict[str, Any] | None = None,
+           errors: Errors | None = None) -> list[Group]:
+    """The method groups of a matrix file (none without a `tune:` section); bad sections raise UserError, every
+    one of the file at once (`errors`: expansion.load's, raised here with these added). `spec` is
+    expansion.load's (with --set's matrix-level keys applied); `sets` every --set."""
+    errors = Errors(path) if errors is None else errors
+    found = _groups(spec, path, sets, errors)
+    errors.raise_any()
+    return found
+
+
+def _groups(spec: MatrixFile, path: Path, sets: dict[str, Any] | None, errors: Errors) -> list[Group]:
     built: list[_Tuned] = []
     seen: set[str] = set()
     for combo in expansion.combos(spec, path):
         if combo.tune is None:
             continue
-        raw, config = _group_cell(spec, combo, combo.tune, path, cell_sets(sets))
+        try:
+            raw, config = _group_cell(spec, combo, combo.tune, path, cell_sets(sets), errors)
+        except UserError as e:
+            errors.add(e)
+            continue
         key = content_id({"cell": _without(config, combo.tune), "tune": combo.tune.model_dump(mode="json")})
         if key not in seen:  # two combos that differ only in searched keys (the base, an include) are one group
             seen.add(key)
             built.append(_Tuned(combo, combo.tune, raw, config))
     if not built:
         return []
-    _same_budget(built, path)
+    with errors.collecting():
+        _same_budget(built, path)
+    if errors:
+        return []
     input_checks.check([t.config for t in built], path)
     cells = [(t.config, {k: v for k, v in t.combo.picks.items() if k not in t.spec.space}) for t in built]
     out = []
     for t, cell in zip(built, expansion.named(spec.name, cells)):
         seeds = tuple(spec.seeds) if spec.seeds is not None else (t.config.train.seed,)
-        schedule = _schedule(t.spec, t.config, path, t.combo.tune_at)
-        if INTERMEDIATES[t.spec.intermediate].checkpoints:
-            _check_rung_checkpoints(t, schedule, path)
-        out.append(Group(cell.slug, t.spec, t.combo.tune_at, t.raw, t.config, cell.varying, seeds, schedule))
+        with errors.collecting():
+            schedule = _schedule(t.spec, t.config, path, t.combo.tune_at)
+            if INTERMEDIATES[t.spec.intermediate].checkpoints:
+                _check_rung_checkpoints(t, schedule, path)
+            out.append(Group(cell.slug, t.spec, t.combo.tune_at, t.raw, t.config, cell.varying, seeds, schedule))
     return out
 
 
@@ -135,8 +152,9 @@ def _without(config: CellConfig, spec: TuneSpec) -> dict:
 
 
 def _group_cell(spec: MatrixFile, combo: expansion.Combo, tune: TuneSpec, path: Path,
-                sets: dict[str, Any]) -> tuple[dict, CellConfig]:
-    """The group's cell as written (at the search seed), and every searched key checked at its bounds."""
+                sets: dict[str, Any], errors: Errors) -> tuple[dict, CellConfig]:
+    """The group's cell as written (at the search seed), and every searched key checked at its bounds (each
+    bound's problem into `errors`)."""
     at = combo.tune_at
     for key in tune.space:
         if key in spec.matrix:
@@ -152,12 +170,21 @@ def _group_cell(spec: MatrixFile, combo: expansion.Combo, tune: TuneSpec, path: 
     raw = expansion.raw_cell(spec, picks, sets)
     where = {**combo.origins, "train.seed": "seeds[0]", **{k: f"--set {k}" for k in sets}}
     label = "cell " + ", ".join(f"{k}={v}" for k, v in combo.picks.items()) if combo.picks else "base"
-    config = expansion.checked(raw, path, where, label)
+    try:
+        config = expansion.checked(raw, path, where, label)
+    except UserError as e:
+        config, failed = None, e  # its bounds are still checked: their own problems are said with it
     for key, dist in tune.space.items():
-        for value in dist.values():
+        for value in dist.values():  # a key's first bad bound says what is wrong with it
             probe = copy.deepcopy(raw)
             set_dotted(probe, key, value)
-            expansion.checked(probe, path, {**where, key: f"{at}.space.{key} (at {json.dumps(value)})"}, label)
+            try:
+                expansion.checked(probe, path, {**where, key: f"{at}.space.{key} (at {json.dumps(value)})"}, label)
+            except UserError as e:
+                errors.add(e)
+                break
+    if config is None:
+        raise failed
     if PRUNERS[tune.pruner].rungs and not config.train.resume:
         raise UserError(f"pruner {tune.pruner} continues promoted trials from their rung checkpoints: "
                         "train.resume must stay true", file=path, key=f"{at}.pruner")
@@ -192,3 +219,21 @@ def select(groups_: list[Group], only: str | None) -> list[Group]:
     if not only:
         return groups_
     return [g for g in groups_ if fnmatch.fnmatch(g.slug, only) or fnmatch.fnmatch(g.study, only)]
+
+
+def warnings(spec: MatrixFile, path: Path) -> list[str]:
+    """What a tune: section does that the file may not mean: an include entry's (or axis's) own value of a searched
+    key never runs while tune.baseline is off (the search replaces it)."""
+    unused: dict[str, list[str]] = {}
+    for combo in expansion.combos(spec, path):
+        if combo.tune is None or combo.tune.baseline:
+            continue
+        for key in combo.tune.space:
+            if key in combo.picks:
+                unused.setdefault(combo.tune_at, []).append(f"{combo.origins[key]} = {combo.picks[key]}")
+    out = []
+    for at, values in unused.items():
+        never = "these values never run" if len(values) > 1 else "this value never runs"
+        out.append(f"{', '.join(values)}: searched by {at}.space, so {never} (the search replaces it); "
+                   "tune.baseline: true also runs each group with its own value (the leaderboard's `default` rows)")
+    return out

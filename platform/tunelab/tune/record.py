@@ -231,7 +231,7 @@ def _state(view: TrialView) -> str:
 def _finish(storage: BaseStorage, trial: FrozenTrial, view: TrialView) -> None:
     state = _state(view)
     storage.set_trial_user_attr(trial._trial_id, "reached", view.reached)
-    if view.note:
+    if view.note or trial.user_attrs.get("note"):  # a note of a stop that no longer holds is cleared
         storage.set_trial_user_attr(trial._trial_id, "note", view.note)
     if view.pruned_at is not None:
         storage.set_trial_user_attr(trial._trial_id, "pruned_at", view.pruned_at)

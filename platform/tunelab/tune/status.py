@@ -9,6 +9,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from tunelab.core.errors import UserError
 from tunelab.core.files import read_json
+from tunelab.folders.cell import CellFolder
 from tunelab.folders.matrix import REWRITE, MatrixFolder
 from tunelab.tune import record
 
@@ -21,12 +22,25 @@ def trial_row(matrix_dir: Path, t: FrozenTrial) -> dict[str, Any]:
     state = STATE.get(t.state, t.state.name.lower())
     cell = t.user_attrs.get("cell")
     d = MatrixFolder(matrix_dir).find(cell) if cell else None
-    if state == "waiting" and d is not None and d.is_locked():
-        state = "running"
+    if state == "waiting" and d is not None:
+        state = _waiting(d)
     return {"number": t.number, "bracket": t.user_attrs.get("bracket"), "params": t.params, "state": state,
             "intermediate": {int(k): v for k, v in sorted(t.intermediate_values.items())},
             "value": t.value, "reached": t.user_attrs.get("reached", 0), "pruned_at": t.user_attrs.get("pruned_at"),
             "note": t.user_attrs.get("note"), "cell": cell, "dir": str(d.path) if d else None}
+
+
+def _waiting(d: CellFolder) -> str:
+    """A trial in the search, not finished: running (a process holds its cell), stopped (Ctrl-C, a kill: it resumes
+    on the next `exp run`), failed (its cell), or waiting (paused at its rung for the decision, or not started)."""
+    if d.is_locked():
+        return "running"
+    status = d.status()
+    if d.state() in ("failed", "interrupted"):
+        return "failed" if d.state() == "failed" else "stopped"
+    if status.get("state") == "pending" and status.get("paused_at") is None and status.get("note"):
+        return "stopped"  # it said how it stopped (paused at a rung it would not: that is its search's wait)
+    return "waiting"
 
 
 def study_row(matrix_dir: Path, entry: dict[str, Any]) -> dict[str, Any]:
@@ -41,7 +55,8 @@ def study_row(matrix_dir: Path, entry: dict[str, Any]) -> dict[str, Any]:
     rows = [trial_row(matrix_dir, t) for t in stored]
     done = [r for r in rows if r["state"] == "complete" and r["value"] is not None]
     best = (max if info.get("direction") == "maximize" else min)(done, key=lambda r: r["value"], default=None)
-    count = {s: sum(r["state"] == s for r in rows) for s in ("complete", "pruned", "failed", "running", "waiting")}
+    count = {s: sum(r["state"] == s for r in rows)
+             for s in ("complete", "pruned", "failed", "running", "stopped", "waiting")}
     return {"group": entry["group"], "study": entry["study"], "storage": record.shown_url(entry["storage"]),
             "metric": info.get("metric"), "schedule": info.get("schedule"), "trials": rows, **count,
             "best": best and {"number": best["number"], "value": best["value"], "params": best["params"]},

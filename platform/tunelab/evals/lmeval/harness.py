@@ -130,7 +130,13 @@ def _setup(name: str, h: Harness, cfg: EvalCfg, scratch: Path) -> Setup | str:
     extra = [Path(cfg.include_path).expanduser()] if cfg.include_path else []
     tm = task_manager(builtin=builtin, extra=extra, own=not h.builtin)
     setup = Setup(name, h, select(h, name, tm, cfg.subtasks.get(name), scratch))
-    if h.builtin:
+    if cfg.include_path and name in lmtasks.local(cfg.include_path):  # the user's own task: its data beside it
+        index = lmtasks.convert(tm.task_index)
+        ran = sorted({t.name for member in setup.chosen for t in lmtasks.leaves(member, index)})
+        if why := lmdata.anchored(tm, ran, Path(cfg.include_path).expanduser(), scratch):
+            return why
+        setup.local = cfg.include_path
+    elif h.builtin:
         root = sources.user_root(cfg.data_dir)
         if root is not None and name not in lmtasks.local(cfg.include_path):
             index = lmtasks.convert(tm.task_index)
@@ -161,6 +167,10 @@ def _load(setup: Setup) -> Setup | str:
             raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         ran = [t.name for t in lmtasks.leaves(setup.h.lm_task, lmtasks.convert(setup.tm.task_index))]
+        if setup.local:  # the user's own task: eval.data_dir plays no part in it
+            return (f"lm-eval could not load {setup.h.lm_task}'s data ({type(e).__name__}: {first}); check its "
+                    f"YAML's dataset_path and dataset_kwargs in {setup.local} (relative data_files are found "
+                    "beside the YAML)")
         files = lmdata.expected(setup.tm, ran)
         return (f"lm-eval could not load {setup.h.lm_task}'s data ({type(e).__name__}: {first}); offline, put "
                 f"{', '.join(files[:3])}{', ...' if len(files) > 3 else ''} under eval.data_dir "

@@ -84,3 +84,26 @@ def described(configs: dict[str, dict]) -> str:
         names = sorted({n for n in found if n})
         shown.append(where + (f" ({names[0]})" if len(names) == 1 else f" ({len(names)} configs)" if names else ""))
     return "; ".join(shown)
+
+
+def anchored(tm: Any, leaves: list[str], root: Path, scratch: Path) -> str | None:
+    """Point the include_path tasks' relative data_files where they are (beside their YAML: core.taskfiles), through
+    a YAML in `scratch` that includes theirs; returns why not (a missing file), or None. lm-eval's datasets would
+    look for them in the folder exp runs in."""
+    if problems := lmtasks.missing_data(tm, leaves, root):
+        return "; ".join(problems)
+    for leaf, found in lmtasks.local_data(tm, leaves, root).items():
+        cfg = tm.task_index[leaf].cfg or {}
+        where = {name: str(path.absolute()) for _, name, path in found}
+        if all(Path(name).expanduser().is_absolute() for name in where):
+            continue
+        files = cfg["dataset_kwargs"]["data_files"]
+        moved = {k: _moved(v, where) for k, v in files.items()} if isinstance(files, dict) else _moved(files, where)
+        spec = {"include": str(Path(tm.task_index[leaf].yaml_path).absolute()), "task": leaf,
+                "dataset_kwargs": {**cfg["dataset_kwargs"], "data_files": moved}}
+        (scratch / f"{leaf}_anchored.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    return None
+
+
+def _moved(names: Any, where: dict[str, str]) -> Any:
+    return [where.get(n, n) for n in names] if isinstance(names, list) else where.get(names, names)

@@ -32,6 +32,7 @@ class Setup:
     source: str = ""  # data_source; "" = read from the tasks' configs after the run
     loaded: Any = None  # the Task or Group built by lm-eval (its data loaded)
     tm: Any = None  # lm-eval's TaskManager: tunelab's tasks, the folders above, include_path, the scratch folder
+    local: str | None = None  # the include_path folder of a task of the user's own
 
 
 def num(x: Any) -> float | None:
@@ -127,7 +128,8 @@ def collect(setup: Setup, out: dict, base: dict, cfg: EvalCfg, samples_path: Pat
         "lm_eval_metric": f"{metric},{filt}", "status": "ok", "value": value, "stderr": stderr,
         "n": sum(v["n"] for v in per_leaf.values()),
         "shots": shots[0] if len(shots) == 1 else shots, "limit": cfg.limit_for(setup.name),
-        "subset": bool(cfg.subtasks.get(setup.name)) or cfg.limit_for(setup.name) is not None or cut,
+        # a limit that cut nothing (limit 8 over 8 items) scored the whole test set: no subset
+        "subset": bool(cfg.subtasks.get(setup.name)) or cut,
         "macro": statistics.fmean(values) if values else None, "average": _average(setup, metric),
         "higher_is_better": (out.get("higher_is_better") or {}).get(setup.h.lm_task, {}).get(metric, True),
         "also": _also(setup, head, metric, filt), "subtasks": per_leaf if grouped else {},
