@@ -73,15 +73,24 @@ class Attempt:
             self.tracker.finish(failed=failed)
 
 
-def start(attempt: Attempt, evaluate_only: bool) -> None:
-    """The main process says the cell runs, keeps the machine's description and opens the W&B run."""
+def start(attempt: Attempt, evaluate_only: bool, together: dict | None = None) -> None:
+    """The main process says the cell runs, keeps the machine's description and opens the W&B run. `together`:
+    the together-group it runs in (cell/group.py), None alone."""
     folder = attempt.folder
     if evaluate_only:  # keep the training's timings beside this evaluation's
         attempt.timings.update(folder.status().get("timings") or {})
     write_json(folder.env_file, environment.snapshot(attempt.cfg.model.name))
-    folder.write_status("running", started_at=time.time(), pid=os.getpid(), timings=attempt.timings,
-                        world_size=attempt.rt.world_size, evaluating_only=evaluate_only, paused_at=None, note=None)
+    folder.write_status("running", started_at=time.time(), pid=os.getpid(), process_started_at=_process_start(),
+                        timings=attempt.timings, world_size=attempt.rt.world_size, evaluating_only=evaluate_only,
+                        paused_at=None, note=None, together=together)
     attempt.track(resuming=evaluate_only or _has_checkpoint(folder, attempt.cfg))
+
+
+def _process_start() -> float:
+    """When this process started (its imports and start-up come before `started_at`)."""
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 def _has_checkpoint(folder: CellFolder, cfg: CellConfig) -> bool:

@@ -17,6 +17,9 @@ LOCKED_EXIT = 3  # a cell process's exit code when another process holds its fol
 # The launcher holds the cell folder's lock for the cell process it starts (and hands it the descriptor):
 # the cell must not lock again. The value names the folder, so it cannot apply to any other one.
 LOCK_HELD_ENV = "TUNELAB_LOCK_HELD"
+# A together-group's worker (cell/group.py) holds several: {folder: descriptor} as JSON, each descriptor inherited
+# (the runner's pass_fds keeps its number), so the worker can let one member's folder go (close it) and keep the rest.
+LOCK_FDS_ENV = "TUNELAB_LOCK_FDS"
 
 
 class Locked(Exception):

@@ -9,6 +9,8 @@
       slurm-array-<world>x<nodes>.sbatch   a job array's script (a cell's own job: <cell>/slurm.sbatch)
       tune/studies.json              the searches of its tune: section (tunelab.tune), each a study:
       tune/<study>/trials.json       its trials, rung by rung; tune/optuna.journal: the Optuna studies
+      .together/<key>-<pid>.log      a together-group's worker (cell/group.py): its log, and where its time
+      .together/<key>-<pid>.json     and memory went (each member's own files stay in its folder)
 """
 
 from __future__ import annotations
@@ -58,6 +60,17 @@ class MatrixFolder:
     studies_file = At("tune", "studies.json")
     journal_file = At("tune", "optuna.journal")
     journal_lock_file = At("tune", "optuna.journal.lock")  # Optuna's own lock of the journal (tune/record.py)
+
+    together_dir = At(".together")
+
+    def together_log(self, key: str, pid: int) -> Path:
+        return self.together_dir / f"{key}-{pid}.log"
+
+    def together_record(self, key: str, pid: int) -> Path:
+        return self.together_dir / f"{key}-{pid}.json"
+
+    def together_records(self) -> list[Path]:
+        return sorted(self.together_dir.glob("*.json"))
 
     def leaderboard_file(self, suffix: str) -> Path:
         return self.path / f"leaderboard.{suffix}"

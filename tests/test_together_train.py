@@ -1,0 +1,222 @@
+"""Together-groups, training (#46): several cells' adapters over one base in one process (cell/group.py,
+train/members.py), each member exactly the cell alone.
+
+The reference is each cell run alone in this process (`run_cell`, the cell process's own stages). Against it, the
+group's worker process (`python -m tunelab.cell.group`) steered as the runner steers it: every step's loss, grad
+norm, learning rate and validation loss, every checkpoint's model.pt, optimizer.pt and state.pt (random states
+included) and final/'s adapter file are equal bit for bit, for LoRA with dropout, LoRA of another rank, targets,
+seed and schedule, DoRA with Lion and LoRA with AdaLomo (updates inside backward) in one group, and IA3 in another.
+Then: a rung and in-memory promotion equal the unpruned twin; a group-written checkpoint resumed alone, and an
+alone-written one in a group; a member that fails fails alone; kill -9 of the worker and a stop signal resume
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import write
+from processes import wait_for
+
+from tunelab.cell.stages import run_cell
+from tunelab.core import events
+from tunelab.core.files import read_json, read_jsonl
+from tunelab.core.locks import is_locked
+from tunelab.folders.cell import CellFolder
+from tunelab.matrix import expansion
+from tunelab.run import runner
+
+BASE = """name: NAME
+base:
+  model: {name: tiny-random-llama}
+  data: {recipe: arithmetic, max_length: 48}
+  train: {steps: STEPS, batch_size: 4, warmup_steps: 1, device: cpu, save_every: 3, keep_checkpoints: 3}
+  eval: {tasks: [val_loss], val_batches: 2}
+  tracking: {wandb: false}
+include:
+"""
+LORA_DORA = [
+    "{peft.method: lora, peft.dropout: 0.1, optim.lr: 1.0e-3}",
+    "{peft.method: lora, peft.r: 4, peft.alpha: 8, peft.dropout: 0.2, peft.target_modules: [q_proj, v_proj], "
+    "optim.lr: 3.0e-3, optim.weight_decay: 0.1, train.seed: 1, train.schedule: linear}",
+    "{peft.method: dora, peft.dropout: 0.05, optim.name: lion, optim.lr: 1.0e-4}",
+    "{peft.method: lora, peft.dropout: 0.1, optim.name: adalomo, optim.lr: 1.0e-2}",
+]
+IA3 = ["{peft.method: ia3, optim.lr: 1.0e-2}", "{peft.method: ia3, optim.lr: 3.0e-2, train.seed: 2}"]
+
+
+def matrix(tmp: Path, name: str, entries: list[str], steps: int = 6, extra: str = "") -> tuple[Path, list]:
+    text = BASE.replace("NAME", name).replace("STEPS", str(steps)) + "".join(f"  - {e}\n" for e in entries) + extra
+    path = write(tmp / f"{name}.yaml", text)
+    return path, [c for c in expansion.load(path)[1] if c.config.peft.method != "none"]  # the includes only
+
+
+def prepared(root: Path, name: str, cells: list) -> list[Path]:
+    """The cells' folders as the runner prepares them (config, cell.json, status pending)."""
+    out = []
+    for cell in cells:
+        folder = CellFolder(root / name / cell.dirname)
+        runner.prepare(folder, cell, name)
+        out.append(folder.path)
+    return out
+
+
+def alone(root: Path, name: str, cells: list, **env: str) -> list[Path]:
+    dirs = prepared(root, name, cells)
+    for d in dirs:
+        run_cell(d)
+    return dirs
+
+
+class Worker:
+    """The group's process, steered as the runner does: ops on stdin, events (tagged by member) on stdout."""
+
+    def __init__(self, dirs: list[Path], log: Path):
+        self.dirs = dirs
+        self.proc = subprocess.Popen([sys.executable, "-m", "tunelab.cell.group", "--key", "g", *map(str, dirs)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("a"),
+                                     text=True, start_new_session=True)
+        self.events: list[tuple[int | None, object]] = []
+
+    def send(self, op: dict) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(op) + "\n")
+        self.proc.stdin.flush()
+
+    def until_ready(self) -> events.Ready:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            event, member = events.decode_tagged(line)
+            if isinstance(event, events.Ready):
+                return event
+            self.events.append((member, event))
+        raise AssertionError(f"the worker ended (code {self.proc.wait()}) before it was ready")
+
+    def train(self, stops: dict[int, int | None] | None = None, validate_at: tuple[int, ...] = ()) -> None:
+        stops = stops if stops is not None else {k: None for k in range(len(self.dirs))}
+        self.send({"op": "train", "members": {str(k): {"stop_at": s, "validate_at": list(validate_at)}
+                                              for k, s in stops.items()}})
+        self.until_ready()
+
+    def end(self) -> int:
+        self.send({"op": "end"})
+        return self.proc.wait(timeout=120)
+
+
+def together(root: Path, name: str, cells: list, tmp: Path) -> list[Path]:
+    dirs = prepared(root, name, cells)
+    w = Worker(dirs, tmp / f"{name}-worker.log")
+    w.train()
+    assert w.end() == 0, (tmp / f"{name}-worker.log").read_text()[-3000:]
+    return dirs
+
+
+def numbers(d: Path) -> list[tuple]:
+    return [(r["step"], r["loss"], r.get("grad_norm"), r["lr"], r.get("val_loss"))
+            for r in read_jsonl(d / "train" / "metrics.jsonl")]
+
+
+def same(a, b) -> bool:
+    """Equal bit for bit: tensors by torch.equal, numpy arrays, containers recursively."""
+    import numpy as np
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    return a == b
+
+
+def checkpoints_equal(a: Path, b: Path) -> list[str]:
+    """What differs between two cells' checkpoints (state.pt's wall-clock seconds aside)."""
+    bad = []
+    sa, sb = CellFolder(a).checkpoint_steps(), CellFolder(b).checkpoint_steps()
+    if sa != sb:
+        return [f"checkpoints {sa} != {sb}"]
+    for step in sa:
+        for f in ("model.pt", "optimizer.pt", "state.pt"):
+            pa, pb = CellFolder(a).checkpoint_dir(step) / f, CellFolder(b).checkpoint_dir(step) / f
+            if not pa.exists() and not pb.exists():
+                continue
+            x, y = torch.load(pa, weights_only=False), torch.load(pb, weights_only=False)
+            if f == "state.pt":
+                x["loop"].pop("seconds"), y["loop"].pop("seconds")
+            if not same(x, y):
+                bad.append(f"step-{step}/{f}")
+    return bad
+
+
+def assert_same_cell(a: Path, b: Path, final: bool = True) -> None:
+    assert numbers(a) == numbers(b), (a.name, numbers(a), numbers(b))
+    assert checkpoints_equal(a, b) == [], a.name
+    if final:
+        fa, fb = a / "final" / "adapter_model.safetensors", b / "final" / "adapter_model.safetensors"
+        assert fa.read_bytes() == fb.read_bytes(), a.name
+        ra, rb = (next((d / "eval").glob("*/results.json")) for d in (a, b))
+        assert read_json(ra)["tasks"]["val_loss"]["value"] == read_json(rb)["tasks"]["val_loss"]["value"]
+        assert read_json(b / "status.json")["state"] == "done"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Every cell alone, once, for the tests below."""
+    tmp = tmp_path_factory.mktemp("alone")
+    out = {}
+    for name, entries in (("ld", LORA_DORA), ("ia", IA3)):
+        _, cells = matrix(tmp, name, entries)
+        out[name] = (cells, alone(tmp / "runs", name, cells))
+    return tmp, out
+
+
+@pytest.mark.parametrize("name", ["ld", "ia"])
+def test_a_group_trains_each_member_bit_for_bit_as_alone(reference, tmp_path, name):
+    _, ref = reference
+    cells, alone_dirs = ref[name]
+    dirs = together(tmp_path / "runs", name, cells, tmp_path)
+    for a, b in zip(alone_dirs, dirs):
+        assert_same_cell(a, b)
+        status = read_json(b / "status.json")
+        assert status["together"]["members"] == len(cells) and status["together"]["group"] == "g"
+        assert read_json(b / "train" / "summary.json")["together"]["member"] == dirs.index(b)
+        assert not is_locked(b)
+
+
+def test_a_member_paused_at_its_rung_goes_on_in_memory_as_its_unpruned_twin(reference, tmp_path):
+    """Rung at step 2 for all (validated, checkpointed, pending), one released (pruned: its lock let go), the
+    others go on without a checkpoint read to the end: the twins' numbers, resumed_from None."""
+    _, ref = reference
+    cells, alone_dirs = ref["ld"]
+    dirs = prepared(tmp_path / "runs", "ld", cells)
+    w = Worker(dirs, tmp_path / "w.log")
+    w.train({k: 2 for k in range(4)}, validate_at=(2,))
+    for d in dirs:
+        status = read_json(d / "status.json")
+        assert status["state"] == "pending" and status["paused_at"] == 2
+        assert CellFolder(d).checkpoint_steps() == [2] and is_locked(d)
+    w.send({"op": "release", "members": [2]})
+    w.until_ready()
+    assert not is_locked(dirs[2]) and is_locked(dirs[0])
+    w.train({0: None, 1: None, 3: None}, validate_at=(2,))
+    assert w.end() == 0
+    for k in (0, 1, 3):
+        summary = read_json(dirs[k] / "train" / "summary.json")
+        assert summary["resumed_from"] is None and summary["continued_in_memory_from"] == [2]
+        ours = [r for r in numbers(dirs[k])]
+        theirs = numbers(alone_dirs[k])
+        # The twin did not validate at step 2; every other number is the twin's.
+        assert [r[:4] for r in ours] == [r[:4] for r in theirs] and ours[-1] == theirs[-1]
+        fa = (alone_dirs[k] / "final" / "adapter_model.safetensors").read_bytes()
+        assert (dirs[k] / "final" / "adapter_model.safetensors").read_bytes() == fa
+    assert [r["step"] for r in read_jsonl(dirs[2] / "train" / "metrics.jsonl")] == [1, 2]
