@@ -220,3 +220,97 @@ def test_a_member_paused_at_its_rung_goes_on_in_memory_as_its_unpruned_twin(refe
         fa = (alone_dirs[k] / "final" / "adapter_model.safetensors").read_bytes()
         assert (dirs[k] / "final" / "adapter_model.safetensors").read_bytes() == fa
     assert [r["step"] for r in read_jsonl(dirs[2] / "train" / "metrics.jsonl")] == [1, 2]
+
+
+FAILING = '''import torch
+
+
+class FailsAtTwo(torch.optim.AdamW):
+    """AdamW whose second step raises: a member that breaks mid-training."""
+
+    def step(self, closure=None):
+        self.taken = getattr(self, "taken", 0) + 1
+        if self.taken == 2:
+            raise RuntimeError("this optimizer fails at its second step")
+        return super().step(closure)
+'''
+
+
+def test_a_member_that_fails_fails_alone(reference, tmp_path, monkeypatch):
+    _, ref = reference
+    cells, alone_dirs = ref["ld"]
+    write(tmp_path / "pkg" / "failing_optim.py", FAILING)
+    monkeypatch.syspath_prepend(str(tmp_path / "pkg"))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'pkg'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    _, bad = matrix(tmp_path, "f", ["{peft.method: lora, optim.name: 'failing_optim:FailsAtTwo', optim.lr: 1.0e-3}"])
+    dirs = prepared(tmp_path / "runs", "ld", [cells[0], bad[0], cells[2]])
+    w = Worker(dirs, tmp_path / "w.log")
+    w.train()
+    assert w.end() == 0
+    status = read_json(dirs[1] / "status.json")
+    assert status["state"] == "failed" and status["error"] == "RuntimeError: this optimizer fails at its second step"
+    assert "failing_optim.py" in status["traceback"] and "fails at its second step" in (dirs[1] / "cell.log").read_text()
+    assert [r["step"] for r in read_jsonl(dirs[1] / "train" / "metrics.jsonl")] == [1]
+    for a, b in ((alone_dirs[0], dirs[0]), (alone_dirs[2], dirs[2])):
+        assert_same_cell(a, b)
+
+
+STEPS = 12
+TWO = LORA_DORA[:1] + LORA_DORA[2:3]  # LoRA with dropout, DoRA with Lion
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory):
+    """The two cells of TWO, 12 steps, alone."""
+    tmp = tmp_path_factory.mktemp("twins")
+    _, cells = matrix(tmp, "k", TWO, steps=STEPS)
+    return cells, alone(tmp / "runs", "k", cells)
+
+
+def _last(d: Path) -> int:
+    return max((r["step"] for r in read_jsonl(d / "train" / "metrics.jsonl")), default=0)
+
+
+def test_a_worker_killed_mid_training_resumes_each_member_bit_for_bit_in_a_group_or_alone(twins, tmp_path):
+    cells, alone_dirs = twins
+    dirs = prepared(tmp_path / "runs", "k", cells)
+    w = Worker(dirs, tmp_path / "w.log")
+    w.send({"op": "train", "members": {"0": {"stop_at": None}, "1": {"stop_at": None}}})
+    wait_for(lambda: _last(dirs[1]) >= 5, "both members past their step-3 checkpoint", w.proc)
+    os.killpg(w.proc.pid, signal.SIGKILL)
+    w.proc.wait(timeout=60)
+    for d in dirs:  # killed while training: its last word says running, under a free lock
+        assert read_json(d / "status.json")["state"] == "running" and CellFolder(d).state() == "interrupted"
+        assert _last(d) < STEPS and CellFolder(d).checkpoint_steps()
+    copy = tmp_path / "runs" / "k-alone" / dirs[1].name
+    shutil.copytree(dirs[1], copy)  # the same folder resumed alone by the cell's own stages
+    run_cell(copy)
+    w = Worker(dirs, tmp_path / "w2.log")
+    w.train()
+    assert w.end() == 0
+    for a, b in ((alone_dirs[0], dirs[0]), (alone_dirs[1], dirs[1]), (alone_dirs[1], copy)):
+        assert_same_cell(a, b)
+        resumed = read_json(b / "train" / "summary.json")["resumed_from"]
+        assert resumed is not None and resumed % 3 == 0
+
+
+def test_a_stop_signal_checkpoints_every_member_and_the_next_run_goes_on_bit_for_bit(twins, tmp_path):
+    cells, alone_dirs = twins
+    dirs = prepared(tmp_path / "runs", "k", cells)
+    w = Worker(dirs, tmp_path / "w.log")
+    w.send({"op": "train", "members": {"0": {"stop_at": None}, "1": {"stop_at": None}}})
+    wait_for(lambda: _last(dirs[1]) >= 4, "both members training", w.proc)
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.proc.wait(timeout=120) == 0, (tmp_path / "w.log").read_text()[-3000:]
+    stopped = []
+    for d in dirs:
+        status = read_json(d / "status.json")
+        assert status["state"] == "pending" and "stopped by SIGTERM" in status["note"], status
+        stopped.append(CellFolder(d).checkpoint_steps()[-1])
+        assert stopped[-1] == _last(d) < STEPS  # its checkpoint is where it stopped
+    w = Worker(dirs, tmp_path / "w2.log")
+    w.train()
+    assert w.end() == 0
+    for a, b, at in zip(alone_dirs, dirs, stopped):
+        assert_same_cell(a, b)
+        assert read_json(b / "train" / "summary.json")["resumed_from"] == at
