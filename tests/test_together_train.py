@@ -81,7 +81,7 @@ class Worker:
 
     def __init__(self, dirs: list[Path], log: Path):
         self.dirs = dirs
-        self.proc = subprocess.Popen([sys.executable, "-m", "tunelab.cell.group", "--key", "g", *map(str, dirs)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tunelab.cell.group", "--name", "g", *map(str, dirs)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("a"),
                                      text=True, start_new_session=True)
         self.events: list[tuple[int | None, object]] = []
@@ -249,7 +249,8 @@ def test_a_member_that_fails_fails_alone(reference, tmp_path, monkeypatch):
     assert w.end() == 0
     status = read_json(dirs[1] / "status.json")
     assert status["state"] == "failed" and status["error"] == "RuntimeError: this optimizer fails at its second step"
-    assert "failing_optim.py" in status["traceback"] and "fails at its second step" in (dirs[1] / "cell.log").read_text()
+    assert "failing_optim.py" in status["traceback"]
+    assert "fails at its second step" in (dirs[1] / "cell.log").read_text()
     assert [r["step"] for r in read_jsonl(dirs[1] / "train" / "metrics.jsonl")] == [1]
     for a, b in ((alone_dirs[0], dirs[0]), (alone_dirs[2], dirs[2])):
         assert_same_cell(a, b)

@@ -1,4 +1,4 @@
-"""A together-group's process, `python -m tunelab.cell.group --key KEY RUN_DIR...`: several cells' adapters
+"""A together-group's process, `python -m tunelab.cell.group --name NAME RUN_DIR...`: several cells' adapters
 trained over one base model loaded once (run/together.py plans the groups; the runner starts this process, hands it
 the members' folder locks and steers it).
 
@@ -21,7 +21,8 @@ and answers with events on stdout, each member's tagged with its number (core/ev
 operation is done. A member that fails fails alone: status failed with its traceback (in its cell.log too), its
 adapter dropped, the others go on. A stop signal (Ctrl-C, SIGTERM: the runner passes them on) ends the round:
 each member in training checkpoints where it is and says pending, and the process exits. Its own log (stderr) is
-runs/<matrix>/.together/<key>-<pid>.log; where its time and memory went, .together/<key>-<pid>.json.
+runs/<matrix>/.together/NAME/worker.log (NAME: the group's key, the runner's pid and a count); where its time and
+memory went, .together/NAME/record.json.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from tunelab.folders.cell import CellFolder
 from tunelab.folders.matrix import MatrixFolder
 from tunelab.machine.runtime import STOP, Paused, Preempted, stop_agreed
 
-USAGE = "usage: python -m tunelab.cell.group --key KEY RUN_DIR [RUN_DIR ...]"
+USAGE = "usage: python -m tunelab.cell.group --name NAME RUN_DIR [RUN_DIR ...]"
 
 
 @dataclass
@@ -71,7 +72,7 @@ class Seat:
 
 @dataclass
 class Group:
-    key: str
+    name: str  # <key>-<runner pid>-<n>: its log and record under runs/<matrix>/.together/
     seats: list[Seat]
     write: Any  # a line to the runner
     model: Any = None
@@ -80,7 +81,7 @@ class Group:
     rt: Any = None
     peak: float | None = None  # the device's peak FLOPs (metrics' MFU)
     shared: dict = field(default_factory=dict)  # what members share on the output head (train/members.py)
-    record: dict = field(default_factory=dict)  # .together/<key>-<pid>.json
+    record: dict = field(default_factory=dict)  # .together/<name>/record.json
     rss_before: float = 0.0
 
     def emit(self, k: int) -> Emit:
@@ -92,8 +93,8 @@ class Group:
 
     def info(self, seat: Seat) -> dict:
         """What status.json and the summary say of the group a member runs in."""
-        return {"group": self.key, "member": seat.k, "members": len(self.seats), "pid": os.getpid(),
-                "log": str(self.matrix.together_log(self.key, os.getpid()))}
+        return {"group": self.name, "member": seat.k, "members": len(self.seats), "pid": os.getpid(),
+                "log": str(self.matrix.together_log(self.name))}
 
     # -- operations ------------------------------------------------------------------------------------------
     def train(self, asks: dict[int, tuple[int | None, tuple[int, ...]]]) -> None:
@@ -192,10 +193,11 @@ class Group:
         t0 = time.perf_counter()
         try:
             if seat.member is None:
-                cfg = seat.cfg
+                cfg, datasets = seat.cfg, self.datasets
+                assert datasets is not None
 
                 def make_loop(names):
-                    return loop.setup(self.model, self.tokenizer, self.datasets, cfg, seat.folder, attempt.emit,
+                    return loop.setup(self.model, self.tokenizer, datasets, cfg, seat.folder, attempt.emit,
                                       runtime=attempt.rt, validation=Validation.of(cfg.eval),
                                       retention=StepScores(seat.folder, cfg), stop_at=attempt.stop_at,
                                       validate_at=attempt.validate_at, names=names)
@@ -289,6 +291,7 @@ class Group:
             except Exception as e:  # noqa: BLE001
                 self._fail(seat, e)
             self._drop(seat)
+            _let_go(seat)  # done: its folder is free (the runner closes its own copy too)
 
     def _pause(self, seat: Seat, step: int) -> None:
         """At its rung: pending with paused_at (the cell's own `pause`), kept in memory."""
@@ -312,6 +315,7 @@ class Group:
             stages.failed(seat.attempt, e)
         seat.state = "failed"
         self._drop(seat)
+        _let_go(seat)
 
     def _stop(self, seats: list[Seat]) -> None:
         """A stop signal: each member in training checkpoints where it is (in its turn) and says pending."""
@@ -359,18 +363,18 @@ class Group:
         return emit
 
     def write_record(self, started: float) -> None:
-        """.together/<key>-<pid>.json: where the process's time and memory went."""
+        """.together/<name>/record.json: where the process's time and memory went."""
         import psutil
 
         from tunelab.train.metrics import peak_memory_mb
 
         steps = {s.k: s.train_s for s in self.seats}
         peak, kind = peak_memory_mb(self.rt.device) if self.rt is not None else (None, None)
-        self.record.update(key=self.key, pid=os.getpid(), members=[str(s.folder.path) for s in self.seats],
+        self.record.update(name=self.name, pid=os.getpid(), members=[str(s.folder.path) for s in self.seats],
                            states={s.k: s.state for s in self.seats}, turns_s=steps,
                            import_s=started - psutil.Process().create_time(), wall_s=time.time() - started,
                            peak_mb=peak, peak_kind=kind)
-        write_json(self.matrix.together_record(self.key, os.getpid()), self.record)
+        write_json(self.matrix.together_record(self.name), self.record)
 
 
 def _let_go(seat: Seat) -> None:
@@ -414,13 +418,13 @@ def _asks(body: dict) -> dict[int, tuple[int | None, tuple[int, ...]]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 3 or argv[0] != "--key":
+    if len(argv) < 3 or argv[0] != "--name":
         print(USAGE, file=sys.stderr)
         return 2
     from tunelab.machine.runtime import catch_stop_signals
 
     started = time.time()
-    key, dirs = argv[1], [Path(p).resolve() for p in argv[2:]]
+    name, dirs = argv[1], [Path(p).resolve() for p in argv[2:]]
     write = line_stream()
     catch_stop_signals()
     try:
@@ -429,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{e.args[0]} is locked by {lock_holder(e.args[0])}", file=sys.stderr)
         return LOCKED_EXIT
     folders = [CellFolder(d) for d in dirs]
-    group = Group(key, [Seat(k, f, f.config(), lock) for k, (f, lock) in enumerate(zip(folders, held))], write)
+    group = Group(name, [Seat(k, f, f.config(), lock) for k, (f, lock) in enumerate(zip(folders, held))], write)
     code = 0
     try:
         while line := sys.stdin.readline():

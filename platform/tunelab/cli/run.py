@@ -27,6 +27,13 @@ def _plan_table(name: str, cells: list) -> Table:
     return table
 
 
+def _joins(n: int, unit) -> dict:
+    """A cell's part in the run's together-groups, for `exp plan --json`."""
+    if unit.together:
+        return {"group": n, "key": unit.key, "members": [c.slug for c in unit.cells]}
+    return {"alone": unit.why}
+
+
 def _along(cfg) -> str:
     """Which checkpoints a cell scores, and where: beside training or after it (eval.checkpoints.workers)."""
     ck, steps = cfg.eval.checkpoints, cfg.checkpoint_steps()
@@ -38,25 +45,34 @@ def _along(cfg) -> str:
 
 
 @app.command(rich_help_panel=RUN)
-def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets = None, as_json: Json = False) -> None:
-    """Expand a matrix file and print its cells; runs nothing."""
+def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets = None, as_json: Json = False,
+         together: Annotated[str | None, typer.Option(help="as `exp run --together`: which cells would train in "
+                                                           "one process")] = None) -> None:
+    """Expand a matrix file and print its cells (and which train together); runs nothing."""
     from tunelab.matrix import expansion
     from tunelab.matrix.sets import parse_sets
+    from tunelab.run import together as joining
     from tunelab.tune import plan as tune_plan
     from tunelab.tune import show
 
     overrides = parse_sets(sets or [])
     spec, cells = expansion.load(file, overrides)
     groups = tune_plan.groups(spec, file, overrides)
+    setting = joining.Setting.parse(together if together is not None else spec.run.together,
+                                    spec.run.together_mode)
+    units = joining.plan(cells, setting)
+    unit_of = {id(c): (n, u) for n, u in enumerate(units) for c in u.cells}
     rows = [{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
              "checkpoints": c.checkpoints and {**c.checkpoints, "mode": _along(c.config)},
-             "config": c.config.model_dump(mode="json")} for c in cells]
+             "together": _joins(*unit_of[id(c)]), "config": c.config.model_dump(mode="json")} for c in cells]
     if as_json:  # a matrix with searches: {"cells": [...], "groups": [...]}
         return print_json({"cells": rows, "groups": show.plan_rows(groups)} if groups else rows)
     if cells or not groups:
         print_wide(_plan_table(spec.name, cells))
     if groups:
         print_wide(show.plan_table(spec.name, groups))
+    for line in joining.describe(units, setting, groups):
+        out.print(escape(line), highlight=False, soft_wrap=True)
     from tunelab.matrix.input_checks import offline_problems
     from tunelab.plan.later import run_time_checks
 
@@ -87,6 +103,12 @@ def run(
     qos: Annotated[str | None, typer.Option(help="slurm: --qos (overrides launcher.qos)")] = None,
     gpus_per_node: Annotated[int | None, typer.Option(help="slurm: --gpus-per-node (overrides the file's)")] = None,
     dry_run: Annotated[bool, typer.Option(help="slurm: write the sbatch scripts, do not submit")] = False,
+    together: Annotated[str | None, typer.Option(
+        help="cells that share a frozen base train in one process: auto (as many as memory fits), off, or at most N "
+             "members (overrides the file's run.together; docs/training.md)")] = None,
+    together_mode: Annotated[str | None, typer.Option(
+        help="exact: each member steps alone over the shared base, bit for bit the cell alone (batched: not yet)")
+                             ] = None,
     sets: Sets = None,
 ) -> None:
     from tunelab.experiment import session
@@ -97,7 +119,7 @@ def run(
     req = session.Request(
         file, parse_sets(sets or []), only, rerun_failed, fail_fast, runs_dir,
         Launch(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, launcher=launcher, dry_run=dry_run),
-        {k: v for k, v in flags.items() if v is not None})
+        {k: v for k, v in flags.items() if v is not None}, together, together_mode)
     planned = session.plan(req)
     outcomes = session.run(req, planned, err)
     if planned.how.launcher == "slurm":

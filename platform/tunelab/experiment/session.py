@@ -22,6 +22,7 @@ from tunelab.matrix.schema import MatrixFile
 from tunelab.run import runner
 from tunelab.run.launch import Launch, procs_per_node
 from tunelab.run.outcome import Outcome
+from tunelab.run.together import Setting
 
 if TYPE_CHECKING:
     from tunelab.tune.plan import Group
@@ -37,6 +38,8 @@ class Request:
     runs_dir: Path = Path("runs")
     how: Launch = field(default_factory=Launch)
     slurm_flags: dict[str, Any] = field(default_factory=dict)  # --partition, --time, ... over launcher:
+    together: str | None = None  # --together, over the file's run.together
+    together_mode: str | None = None  # --together-mode
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Planned:
     chosen: list[Cell]  # the ones this run runs (--only)
     how: Launch
     runs_dir: Path
+    together: Setting = field(default_factory=Setting)  # together-groups (run/together.py)
     groups: list[Group] = field(default_factory=list)  # every method group of a tune: section (tunelab.tune)
     chosen_groups: list[Group] = field(default_factory=list)  # the ones this run searches (--only)
     waiting: list[str] = field(default_factory=list)  # after run: searches that cannot go on yet, and why
@@ -83,7 +87,18 @@ def plan(req: Request) -> Planned:
     tracking.check_env()
     make_dir(cache_dir(), "the cache: $TUNELAB_CACHE, else ~/.cache/tunelab")
     make_dir(req.runs_dir / spec.name, "--runs-dir")
-    return Planned(spec, cells, chosen, how, req.runs_dir, groups, chosen_groups)
+    return Planned(spec, cells, chosen, how, req.runs_dir, together_setting(req, spec), groups, chosen_groups)
+
+
+def together_setting(req: Request, spec: MatrixFile) -> Setting:
+    """--together over the file's `run.together` (and the modes likewise); refused values are exit 2."""
+    if req.together is not None or req.together_mode is not None:
+        return Setting.parse(req.together if req.together is not None else spec.run.together,
+                             req.together_mode or spec.run.together_mode)
+    try:
+        return Setting.parse(spec.run.together, spec.run.together_mode, ("run.together", "run.together_mode"))
+    except UserError as e:
+        raise UserError(str(e), file=req.file) from None
 
 
 def _searches(spec: MatrixFile, req: Request, how: Launch) -> tuple[list[Group], list[Group]]:
@@ -116,13 +131,14 @@ def run(req: Request, planned: Planned, console: Console) -> list[Outcome]:
         from tunelab.tune import driver
 
         result = driver.run(planned.groups, planned.chosen_groups, planned.cells, planned.chosen, folder,
-                            console=console, how=planned.how, rerun_failed=req.rerun_failed, fail_fast=req.fail_fast)
+                            console=console, how=planned.how, rerun_failed=req.rerun_failed, fail_fast=req.fail_fast,
+                            together=planned.together)
         planned.waiting = result.waiting
         return result.outcomes
     cells = planned.chosen
     with_view = view(console, planned.spec.name, len(cells))
     return runner.Runner(folder, with_view, planned.how, rerun_failed=req.rerun_failed,
-                         fail_fast=req.fail_fast).run(cells)
+                         fail_fast=req.fail_fast, together=planned.together).run(cells)
 
 
 def write_results(folder: MatrixFolder) -> Any:

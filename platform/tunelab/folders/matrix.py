@@ -9,8 +9,8 @@
       slurm-array-<world>x<nodes>.sbatch   a job array's script (a cell's own job: <cell>/slurm.sbatch)
       tune/studies.json              the searches of its tune: section (tunelab.tune), each a study:
       tune/<study>/trials.json       its trials, rung by rung; tune/optuna.journal: the Optuna studies
-      .together/<key>-<pid>.log      a together-group's worker (cell/group.py): its log, and where its time
-      .together/<key>-<pid>.json     and memory went (each member's own files stay in its folder)
+      .together/<name>/worker.log    a together-group's process (cell/group.py): its log, and where its time
+      .together/<name>/record.json   and memory went (each member's own files stay in its folder)
 """
 
 from __future__ import annotations
@@ -63,14 +63,13 @@ class MatrixFolder:
 
     together_dir = At(".together")
 
-    def together_log(self, key: str, pid: int) -> Path:
-        return self.together_dir / f"{key}-{pid}.log"
+    def together_log(self, name: str) -> Path:
+        """A together-group's process's log; `name` = <key>-<runner pid>-<n> (run/workers.py names it)."""
+        return self.together_dir / name / "worker.log"
 
-    def together_record(self, key: str, pid: int) -> Path:
-        return self.together_dir / f"{key}-{pid}.json"
-
-    def together_records(self) -> list[Path]:
-        return sorted(self.together_dir.glob("*.json"))
+    def together_record(self, name: str) -> Path:
+        """Where that process's time and memory went (cell/group.py writes it)."""
+        return self.together_dir / name / "record.json"
 
     def leaderboard_file(self, suffix: str) -> Path:
         return self.path / f"leaderboard.{suffix}"

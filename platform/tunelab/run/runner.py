@@ -35,10 +35,11 @@ from tunelab.core.locks import LOCK_HELD_ENV, LOCKED_EXIT, CellLock
 from tunelab.folders.cell import CellFolder
 from tunelab.folders.matrix import MatrixFolder
 from tunelab.matrix.expansion import Cell
-from tunelab.run import slurm
+from tunelab.run import groups, slurm, together, workers
 from tunelab.run.launch import STOP_AT_ENV, VALIDATE_AT_ENV, Launch, cell_command, run_env
 from tunelab.run.outcome import Outcome, exit_cause
 from tunelab.run.progress import RunView
+from tunelab.run.together import Setting, Unit
 
 
 @dataclass
@@ -112,14 +113,18 @@ def launch(folder: CellFolder, on_event: Callable[[events.Event], None], command
         return proc.wait()
 
 
-def settle(folder: CellFolder, rc: int) -> dict:
+def settle(folder: CellFolder, rc: int | None) -> dict:
     """The cell process ended: its status as it left it, or failed with the cause when it died without
-    finishing (a status still "running"), always with the exit and the log's last lines when not done."""
+    finishing (a status still "running"), always with the exit and the log's last lines when not done.
+    rc None: a together-group's member whose process goes on (run/groups.py): its status as it left it."""
     status = folder.status()
-    if rc == 0 and status.get("state") == "done":
+    if rc in (0, None) and status.get("state") == "done":
         return status
     if status.get("state") == "pending":  # it stopped itself in order (Ctrl-C, preemption): it will resume
         return status
+    if rc is None and status.get("state") == "failed":  # it said why itself, its traceback is in its cell.log
+        return folder.write_status("failed", log_tail=folder.log_tail())
+    rc = 1 if rc is None else rc
     tail = folder.log_tail()
     cause = exit_cause(rc, tail)
     if status.get("state") == "failed":  # it said why itself; the exit and the log go beside it
@@ -138,6 +143,8 @@ class Runner:
     rerun_failed: bool = False
     fail_fast: bool = False
     stop: Interrupts = field(default_factory=Interrupts)
+    together: Setting = field(default_factory=Setting)  # cells sharing a base in one process (run/together.py)
+    pool: workers.Pool | None = None  # together-groups' processes kept between calls (a search's rungs)
 
     @property
     def claims(self) -> bool:
@@ -175,7 +182,7 @@ class Runner:
             return Outcome(cell, "skipped-locked", f"locked by another process ({folder.lock_holder()})")
         return self._ended(folder, cell, handle, rc)
 
-    def _ended(self, folder: CellFolder, cell: Cell, handle: int, rc: int) -> Outcome:
+    def _ended(self, folder: CellFolder, cell: Cell, handle: int, rc: int | None) -> Outcome:
         status = settle(folder, rc)
         if status.get("state") == "done":
             self.view.end_cell(handle, "[green]done")
@@ -185,7 +192,7 @@ class Runner:
             return Outcome(cell, "paused")
         if status.get("state") == "pending":
             self.view.end_cell(handle, "[yellow]interrupted: resumes on the next exp run")
-            return Outcome(cell, "interrupted", status.get("note") or exit_cause(rc))
+            return Outcome(cell, "interrupted", status.get("note") or exit_cause(rc or 0))
         self.view.end_cell(handle, f"[red]failed: {escape(str(status.get('error', ''))[:80])}")
         return Outcome(cell, "failed", status.get("error"))
 
@@ -206,10 +213,15 @@ class Runner:
         prepare(folder, cell, self.matrix.name)
         return self.run_here(folder, cell, held)
 
-    def wait_for(self, folder: CellFolder, cell: Cell) -> CellLock:
+    def wait_for(self, folder: CellFolder, cell: Cell) -> CellLock | None:
+        """The folder's lock once free, or None once the cell got where this run wants it elsewhere (done, or paused
+        at its rung: another runner's together-group may hold it paused in memory, lock and all, for its next rung)."""
         self.view.say(f"{cell.dirname}: waiting for the process that holds its lock ({folder.lock_holder()})")
         held = folder.lock()
-        held.acquire(wait=None)
+        while not held.acquire(wait=CellLock.POLL_S * 5):
+            if self.stop.stopping or self.skip_reason(folder, cell, probe_lock=False) in ("skipped-done",
+                                                                                          "skipped-reached"):
+                return None
         return held
 
     def first_pass(self, cell: Cell, later: list[tuple[Cell, CellFolder]],
@@ -248,19 +260,48 @@ class Runner:
             return outcome is not None and self.fail_fast and outcome.state == "failed"
 
         with self.view, self.stop.installed():
-            for cell in cells:
-                if self.stop.stopping or record(self.first_pass(cell, later, to_submit)):
+            for unit in self.units(cells):
+                if not (unit.together or self._held_here(unit)):
+                    if self.stop.stopping or record(self.first_pass(unit.cells[0], later, to_submit)):
+                        return outcomes
+                    continue
+                if self.stop.stopping:
+                    return outcomes
+                if [o for o in groups.run_unit(self, unit, later) if record(o)]:
                     return outcomes
             for cell, folder in later:
                 if self.stop.stopping:
                     return outcomes
-                with self.wait_for(folder, cell) as held:
+                held = self.wait_for(folder, cell)
+                if held is None and self.stop.stopping:
+                    return outcomes
+                if held is None:
+                    self.view.say(f"{cell.dirname}: {'done' if folder.status().get('state') == 'done' else 'paused'} "
+                                  "by another process")
+                    if record(Outcome(cell, "done-elsewhere")):
+                        break
+                    continue
+                with held:
                     if record(self.claimed(folder, cell, held, waited=True)):
                         break
             for outcome in slurm.submit(to_submit, self.how, self.matrix) if to_submit else []:
                 self.view.say(f"{outcome.cell.dirname}: {outcome.error}")
                 record(outcome)
         return outcomes
+
+
+    def _held_here(self, unit: Unit) -> bool:
+        """A cell of the unit is held, paused in memory, by a together-group process of this runner's pool."""
+        return self.pool is not None and any(self.pool.holding(self.matrix.folder(c).path) for c in unit.cells)
+
+    def prepared(self, folder: CellFolder, cell: Cell) -> None:
+        prepare(folder, cell, self.matrix.name)
+
+    def units(self, cells: list[Cell]) -> list[Unit]:
+        """The cells as they run: together-groups and cells alone (run/together.py); none joins unless this runner
+        holds its cells' locks here (the local launcher, node 0)."""
+        setting = self.together if self.claims else together.Setting("off")
+        return together.plan(cells, setting, alone=lambda c: groups.alone_now(self, c))
 
 
 def prepare(folder: CellFolder, cell: Cell, matrix: str) -> None:
