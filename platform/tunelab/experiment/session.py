@@ -63,6 +63,7 @@ def plan(req: Request) -> Planned:
     """The cells to run, every check that can fail before a file is written done."""
     req.how.check()
     spec, cells = expansion.load(req.file, req.sets)
+    setting = together_setting(req, spec)
     how = replace(req.how, slurm=launcher.with_overrides(spec.launcher, req.slurm_flags))
     groups, chosen_groups = _searches(spec, req, how)
     chosen = runner.select(cells, req.only)
@@ -87,7 +88,7 @@ def plan(req: Request) -> Planned:
     tracking.check_env()
     make_dir(cache_dir(), "the cache: $TUNELAB_CACHE, else ~/.cache/tunelab")
     make_dir(req.runs_dir / spec.name, "--runs-dir")
-    return Planned(spec, cells, chosen, how, req.runs_dir, together_setting(req, spec), groups, chosen_groups)
+    return Planned(spec, cells, chosen, how, req.runs_dir, setting, groups, chosen_groups)
 
 
 def together_setting(req: Request, spec: MatrixFile) -> Setting:
