@@ -27,6 +27,21 @@ def _plan_table(name: str, cells: list) -> Table:
     return table
 
 
+def _group_peaks(units: list) -> None:
+    """Each together-group's peak by the memory model (`exp memory --together`), and its device's memory."""
+    from tunelab.train.parallel import capacity
+
+    for n, u in enumerate(units, 1):
+        cfgs = [c.config for c in u.cells]
+        peak = capacity.peak_mb(cfgs)
+        device = capacity.device_memory_mb(cfgs[0].train.device)
+        said = f"predicted peak {peak:,.0f} MB (the memory model, tensors only)" if peak is not None else \
+            f"peak not predicted (a method or optimizer the memory model does not cover: auto takes at most " \
+            f"{capacity.FALLBACK} members)"
+        out.print(f"[dim]together group {n}: {said}; {device:,.0f} MB on this machine's device", highlight=False,
+                  soft_wrap=True)
+
+
 def _joins(n: int, unit) -> dict:
     """A cell's part in the run's together-groups, for `exp plan --json`."""
     if unit.together:
@@ -73,6 +88,7 @@ def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets =
         print_wide(show.plan_table(spec.name, groups))
     for line in joining.describe(units, setting, groups):
         out.print(escape(line), highlight=False, soft_wrap=True)
+    _group_peaks([u for u in units if u.together])
     from tunelab.matrix.input_checks import offline_problems
     from tunelab.plan.later import run_time_checks
 

@@ -19,7 +19,7 @@ from tunelab.core.locks import CellLock
 from tunelab.folders.cell import CellFolder
 from tunelab.folders.matrix import MatrixFolder
 from tunelab.matrix.expansion import Cell
-from tunelab.run import workers
+from tunelab.run import together, workers
 from tunelab.run.outcome import Outcome, exit_cause
 from tunelab.run.progress import RunView
 from tunelab.run.together import Unit
@@ -41,6 +41,14 @@ class Runner(Protocol):
     def claimed(self, folder: CellFolder, cell: Cell, held: CellLock, waited: bool) -> Outcome: ...
     def prepared(self, folder: CellFolder, cell: Cell) -> None: ...
     def _ended(self, folder: CellFolder, cell: Cell, handle: int, rc: int | None) -> Outcome: ...
+
+
+def auto_cap(cells: list[Cell]) -> int:
+    """`--together auto`: how many of these cells (one base) fit one group on this machine, by the memory model
+    (train/parallel/capacity.py: reads the model's config and the device's memory)."""
+    from tunelab.train.parallel import capacity
+
+    return capacity.members([c.config for c in cells], together.AUTO_MAX)
 
 
 def alone_now(runner: Runner, cell: Cell) -> str | None:
