@@ -91,8 +91,8 @@ def test_a_killed_group_process_fails_each_member_with_its_cause_and_they_rerun_
     path, cells = matrix_file(tmp_path, "tk", steps=40)
     lora = cells[:3]
     proc = start_exp("run", path, "--runs-dir", tmp_path / "runs", log=tmp_path / "run.log")
-    pid = wait_for(lambda: all(read_jsonl(d / "train" / "metrics.jsonl") for d in lora)
-                   and read_json(lora[0] / "status.json")["pid"], "the group to train", proc)
+    pid = wait_for(lambda: all(CellFolder(d).checkpoint_steps() for d in lora)
+                   and read_json(lora[0] / "status.json")["pid"], "the group past its first checkpoints", proc)
     os.kill(pid, signal.SIGKILL)
     assert proc.wait(timeout=600) == 1, (tmp_path / "run.log").read_text()[-3000:]
     for d in lora:
