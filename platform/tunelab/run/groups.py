@@ -20,7 +20,7 @@ from tunelab.folders.cell import CellFolder
 from tunelab.folders.matrix import MatrixFolder
 from tunelab.matrix.expansion import Cell
 from tunelab.run import together, workers
-from tunelab.run.outcome import Outcome, exit_cause
+from tunelab.run.outcome import Outcome, exit_cause, killed_from_outside
 from tunelab.run.progress import RunView
 from tunelab.run.together import Unit
 
@@ -57,9 +57,9 @@ def alone_now(runner: Runner, cell: Cell) -> str | None:
     status = folder.status()
     if folder.is_trained():
         return "trained already: it evaluates its final/ weights alone"
-    if status.get("state") == "failed" and status.get("together"):
-        return ("it failed in a together-group: it runs alone now (a member that breaks its group's process cannot "
-                "take a group down twice)")
+    if status.get("state") == "failed" and status.get("together") or status.get("group_died"):
+        return ("its last attempt failed in a together-group, or its group's process died: it runs alone now (a "
+                "member that breaks its group's process cannot take a group down twice)")
     return None
 
 
@@ -151,14 +151,20 @@ def _turn(runner: Runner, w: workers.Worker, members: list[tuple[Cell, CellFolde
 
 
 def _died(runner: Runner, w: workers.Worker, folder: CellFolder, cell: Cell, handle: int) -> Outcome:
-    """The group's process ended before it said it was done: each member as it left it, or failed with the cause
-    when it was still running."""
+    """The group's process ended before it said it was done: each member as it left it, or, when it was still
+    running, interrupted (killed from outside: the next `exp run` resumes it, as a killed cell) or failed with the
+    cause (a crash). Either way `group_died` says so, and the member runs alone from then on."""
     rc = w.rc if w.rc is not None else w.proc.wait()
     status = folder.status()
-    if status.get("state") == "running":
-        cause = exit_cause(rc, w.log_tail())
-        folder.write_status("failed", error=f"its together-group's process {cause}", exit=cause,
-                            log_tail=w.log_tail(), finished_at=time.time())
-        runner.view.end_cell(handle, f"[red]failed: {escape(cause[:80])}")
-        return Outcome(cell, "failed", f"its together-group's process {cause}")
-    return runner._ended(folder, cell, handle, None if status.get("state") in ("done", "pending") else rc)
+    if status.get("state") != "running":
+        return runner._ended(folder, cell, handle, None if status.get("state") in ("done", "pending") else rc)
+    tail = w.log_tail()
+    cause = exit_cause(rc, tail)
+    said = f"its together-group's process {cause}"
+    if killed_from_outside(rc, tail):
+        folder.write_status("pending", note=f"interrupted: {said}", exit=cause, log_tail=tail, group_died=cause,
+                            finished_at=time.time())
+        return runner._ended(folder, cell, handle, rc)
+    folder.write_status("failed", error=said, exit=cause, log_tail=tail, group_died=cause, finished_at=time.time())
+    runner.view.end_cell(handle, f"[red]failed: {escape(said[:80])}")
+    return Outcome(cell, "failed", said)

@@ -122,7 +122,8 @@ class LocalStepper(Stepper):
         saved = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
         ours = {self.names(n): n for n, p in self._model.named_parameters() if p.requires_grad}
         copy_trainable(self._model, {ours.get(k, k): v for k, v in saved.items()}, path)
-        if (path / "optimizer.pt").is_file() and callable(getattr(self.optimizer, "load_state_dict", None)):
+        if callable(getattr(self.optimizer, "load_state_dict", None)):  # saved whenever it has a state: required
+            # (a missing one would restart the optimizer from zero under a run that says it resumed)
             self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
 
     def _load_distributed(self, path: Path) -> None:
