@@ -58,7 +58,9 @@ def assemble(attempt: Attempt) -> Assembly:
     set_seed(cfg.train.seed)
     with torch.random.fork_rng(devices=[]):
         model, tokenizer, files = load_model(attempt)
+        t1 = time.perf_counter()
         datasets = build_data(attempt, tokenizer)
+        attempt.timings.update(load_s=t1 - t0, data_s=time.perf_counter() - t1)
     weights = None
     if files is None:
         model = peft.apply(model, cfg.peft)

@@ -83,6 +83,7 @@ class Group:
     shared: dict = field(default_factory=dict)  # what members share on the output head (train/members.py)
     record: dict = field(default_factory=dict)  # .together/<name>/record.json
     rss_before: float = 0.0
+    longest: int | None = None  # the longest training row (the memory model's sequence length)
 
     def emit(self, k: int) -> Emit:
         return lambda event: self.write(events.encode(event, member=k))
@@ -204,7 +205,7 @@ class Group:
 
                 assert seat.rng is not None
                 seat.member = members.setup(seat.k, self.model, seat.rng, self.shared, make_loop)
-                seat.rng = None
+                seat.rng, self.longest = None, seat.member.loop.longest
             else:  # continues in memory: no process start, no checkpoint read
                 m = seat.member
                 m.loop.emit, m.loop.stop_at, m.loop.validate_at = attempt.emit, attempt.stop_at, \
@@ -214,8 +215,7 @@ class Group:
                     m.paused_at = None
             m = seat.member
             m.loop.together = self.info(seat)
-            attempt.timings["setup_s"] = self.record.get("load_s", 0.0) + self.record.get("data_s", 0.0) + \
-                time.perf_counter() - t0
+            attempt.timings["setup_s"] = time.perf_counter() - t0  # its own (the group's load: record.json)
             seat.trained_from = m.next
             paused = loop.paused_before(m.loop, m.next)
             if paused is not None:
@@ -367,13 +367,18 @@ class Group:
         import psutil
 
         from tunelab.train.metrics import peak_memory_mb
+        from tunelab.train.parallel.predict import group_peak_mb
 
         steps = {s.k: s.train_s for s in self.seats}
         peak, kind = peak_memory_mb(self.rt.device) if self.rt is not None else (None, None)
+        predicted = None
+        if self.model is not None and self.rt is not None:  # what `exp memory --together` predicts for it
+            predicted = group_peak_mb(self.model.config, [s.cfg for s in self.seats],
+                                      str(self.rt.dtype).removeprefix("torch."), seq=self.longest)
         self.record.update(name=self.name, pid=os.getpid(), members=[str(s.folder.path) for s in self.seats],
                            states={s.k: s.state for s in self.seats}, turns_s=steps,
                            import_s=started - psutil.Process().create_time(), wall_s=time.time() - started,
-                           peak_mb=peak, peak_kind=kind)
+                           peak_mb=peak, peak_kind=kind, predicted_peak_mb=predicted)
         write_json(self.matrix.together_record(self.name), self.record)
 
 

@@ -3,7 +3,7 @@ chat and clean all read and write it through `CellFolder`.
 
     runs/<matrix>/<slug>-<id>/       id = CellConfig.id(): a hash of the training config only
       config.yaml cell.json status.json env.json cell.log .lock
-      train/metrics.jsonl train/summary.json train/memory.json
+      train/metrics.jsonl train/summary.json train/memory.json train/attempts.jsonl
       final/                         the trained model (or adapter)
       checkpoints/step-N/            what a resume needs (train/checkpoint.py writes inside)
       eval/<eval-id>/results.json    eval-id = EvalCfg.id(): each evaluation config names its results
@@ -100,6 +100,7 @@ class CellFolder:
     metrics_file = At("train", "metrics.jsonl")
     summary_file = At("train", "summary.json")
     memory_file = At("train", "memory.json")
+    attempts_file = At("train", "attempts.jsonl")  # one record per attempt: where its time went (cell/attempt.py)
     selection_file = At("train", "selection.json")
     final = At("final")
     checkpoints = At("checkpoints")
