@@ -134,3 +134,26 @@ def test_bad_together_settings_are_one_paragraph_and_exit_2(cli, tmp_path, args,
     text = " ".join(err.split())
     assert all(w in text for w in words), text
     assert not (tmp_path / "runs" / "tg").exists()  # nothing half-written
+
+
+def test_a_groups_memory_counts_the_base_once_and_one_members_step_at_a_time():
+    from tunelab.train.parallel.memory import MEMBER_OVERHEAD, SHAPES, Setup, estimate, estimate_group
+
+    shape, lora = SHAPES["llama-7b"], Setup(peft="lora", lora_r=16, seq=512, batch=4, dp=1)
+    rank64 = Setup(peft="lora", lora_r=64, seq=1024, batch=4, dp=1)
+    one, big = estimate(shape, lora), estimate(shape, rank64)
+    group = estimate_group(shape, [lora] * 7 + [rank64])
+    base = one.params - (one.trainable * 2)  # bfloat16 weights: 2 bytes a value
+    assert group.params == base + 7 * (one.params - base) + (big.params - base) + 8 * MEMBER_OVERHEAD
+    assert group.optimizer == 7 * one.optimizer + big.optimizer
+    assert group.activations == big.activations and group.grads == big.grads  # one member steps at a time
+    assert big.peak < group.peak < 1.1 * big.peak  # 7 more adapters and their state: small beside the base
+
+
+def test_exp_memory_predicts_a_group_and_refuses_what_cannot_join(cli):
+    code, out, err = cli("memory", "--model", "llama-7b", "--peft", "lora", "--together", "8", "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["together"] == 8 and got["group_bytes"]["peak"] > got["estimate_bytes"]["peak"]
+    code, _, err = cli("memory", "--model", "llama-7b", "--together", "8")
+    assert code == 2 and "--together N" in err and "--peft lora" in " ".join(err.split())
