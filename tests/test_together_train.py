@@ -315,3 +315,14 @@ def test_a_stop_signal_checkpoints_every_member_and_the_next_run_goes_on_bit_for
     for a, b, at in zip(alone_dirs, dirs, stopped):
         assert_same_cell(a, b)
         assert read_json(b / "train" / "summary.json")["resumed_from"] == at
+
+
+def test_lora_dora_and_ia3_members_nest_over_one_base_each_as_alone(reference, tmp_path):
+    """peft holds one tuner type per model: IA3 joins a LoRA group by injection beside it (its layers wrap the LoRA
+    layers: `.base_layer` segments in its names, which its checkpoints drop), each member still the cell alone."""
+    _, ref = reference
+    (ld, ld_alone), (ia, ia_alone) = ref["ld"], ref["ia"]
+    cells, alone_dirs = [ld[0], ia[0], ld[2], ia[1]], [ld_alone[0], ia_alone[0], ld_alone[2], ia_alone[1]]
+    dirs = together(tmp_path / "runs", "mixed", cells, tmp_path)
+    for a, b in zip(alone_dirs, dirs):
+        assert_same_cell(a, b)

@@ -142,8 +142,9 @@ class PeftSpec:
     needs_cuda: bool = False
     prompt_learning: bool = False  # virtual tokens: cannot merge into the weights
     # Adapters beside a frozen base that a together-group can hold several of (run/together.py): the peft config
-    # builder, (model, PeftCfg) -> config, and the tuner type the members of one group share (LoRA and DoRA are one
-    # peft type; a method without one trains alone, for `why`).
+    # builder, (model, PeftCfg) -> config, and its peft tuner type (LoRA and DoRA are one; a member of another type
+    # than the group's first is injected beside it: train/members.py); a method without one trains alone, for
+    # `alone_because`.
     config: Lazy | None = None
     joins: str | None = None
     alone_because: str = "it trains the base model itself"

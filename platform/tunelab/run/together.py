@@ -4,11 +4,12 @@ says why. Pure planning: no torch, no model, nothing read but the configs.
 
 A group's members share everything the base and its batches are made of, the grouping `key`: the model section,
 the data section (recipe, order, max_length, packing), the batch shape (train.batch_size, grad_accum), precision,
-device, gradient checkpointing and the process layout, and one peft tuner type (LoRA and DoRA are one; IA3 is
-another: peft holds one type per model, so they group apart). What rides on the base is each member's own: seed,
-steps, schedule, warmup, clipping, the optimizer and its settings, the PEFT method's settings (rank, alpha, dropout,
-targets), loss_chunk, validation and checkpoint settings, the eval section, tracking. In exact mode (the default)
-each member steps alone, in turn, with the shapes it has alone, so its numbers are the alone cell's bit for bit.
+device, gradient checkpointing and the process layout. What rides on the base is each member's own: seed, steps,
+schedule, warmup, clipping, the optimizer and its settings, the PEFT method (LoRA, DoRA and IA3 mix: peft holds one
+tuner type per model, so another type is injected beside it, train/members.py) and its settings (rank, alpha,
+dropout, targets), loss_chunk, validation and checkpoint settings, the eval section, tracking. In exact mode (the
+default) each member steps alone, in turn, with the shapes it has alone, so its numbers are the alone cell's bit for
+bit.
 
 How cells are grouped is a run setting (`exp run --together auto|N|off`, the matrix file's `run:` section), never
 part of a cell's id. `auto` takes as many members as the device's memory fits by the memory model, at most
@@ -67,8 +68,7 @@ def key(cfg: CellConfig) -> str:
     shared = {"model": cfg.model.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"),
               "parallel": cfg.parallel.model_dump(mode="json"),
               "train": {"batch_size": t.batch_size, "grad_accum": t.grad_accum, "precision": t.precision,
-                        "device": t.device, "gradient_checkpointing": t.gradient_checkpointing},
-              "tuner": PEFT[cfg.peft.method].joins}
+                        "device": t.device, "gradient_checkpointing": t.gradient_checkpointing}}
     return content_id(shared)
 
 
