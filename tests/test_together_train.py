@@ -272,12 +272,18 @@ def _last(d: Path) -> int:
     return max((r["step"] for r in read_jsonl(d / "train" / "metrics.jsonl")), default=0)
 
 
-def test_a_worker_killed_mid_training_resumes_each_member_bit_for_bit_in_a_group_or_alone(twins, tmp_path):
+def training(twins, tmp_path: Path, past: int) -> tuple[list[Path], list[Path], Worker]:
+    """The twins' cells in a group's process that trains them to the end, once both are past step `past`."""
     cells, alone_dirs = twins
     dirs = prepared(tmp_path / "runs", "k", cells)
     w = Worker(dirs, tmp_path / "w.log")
     w.send({"op": "train", "members": {"0": {"stop_at": None}, "1": {"stop_at": None}}})
-    wait_for(lambda: _last(dirs[1]) >= 5, "both members past their step-3 checkpoint", w.proc)
+    wait_for(lambda: _last(dirs[1]) >= past, f"both members past step {past}", w.proc)
+    return alone_dirs, dirs, w
+
+
+def test_a_worker_killed_mid_training_resumes_each_member_bit_for_bit_in_a_group_or_alone(twins, tmp_path):
+    alone_dirs, dirs, w = training(twins, tmp_path, 5)  # past their step-3 checkpoint
     os.killpg(w.proc.pid, signal.SIGKILL)
     w.proc.wait(timeout=60)
     for d in dirs:  # killed while training: its last word says running, under a free lock
@@ -296,11 +302,7 @@ def test_a_worker_killed_mid_training_resumes_each_member_bit_for_bit_in_a_group
 
 
 def test_a_stop_signal_checkpoints_every_member_and_the_next_run_goes_on_bit_for_bit(twins, tmp_path):
-    cells, alone_dirs = twins
-    dirs = prepared(tmp_path / "runs", "k", cells)
-    w = Worker(dirs, tmp_path / "w.log")
-    w.send({"op": "train", "members": {"0": {"stop_at": None}, "1": {"stop_at": None}}})
-    wait_for(lambda: _last(dirs[1]) >= 4, "both members training", w.proc)
+    alone_dirs, dirs, w = training(twins, tmp_path, 4)
     w.proc.send_signal(signal.SIGTERM)
     assert w.proc.wait(timeout=120) == 0, (tmp_path / "w.log").read_text()[-3000:]
     stopped = []
