@@ -1,7 +1,8 @@
 """How many members `--together auto` puts in one together-group (run/together.py): as many as fit the device by
 the memory model (memory.estimate_group, through predict.members_that_fit), in 85% of its memory: a CUDA device's
-whole memory, or the memory this machine has available for a CPU run. Reads the model's config, never its weights.
-Where the memory model does not cover a member (a PEFT method or optimizer it does not model), FALLBACK members."""
+whole memory, or the memory this machine has available for a CPU run. Reads the model's config (files already on
+this machine: a hub model not downloaded yet is not predicted), never its weights. Where the memory model does not
+cover a member (a PEFT method or optimizer it does not model) or its config is not here, FALLBACK members."""
 
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ def _model(cfg: CellConfig) -> tuple[object, str] | None:
     from tunelab.models.loading import resolve
 
     dtype, _ = model_settings(cfg.model, device_of(cfg.train.device))
-    try:
-        config = AutoConfig.from_pretrained(resolve(cfg.model.name), revision=cfg.model.revision)
+    try:  # files already here only: sizing a group never waits for the hub (a hub model not yet downloaded: None)
+        config = AutoConfig.from_pretrained(resolve(cfg.model.name), revision=cfg.model.revision,
+                                            local_files_only=True)
     except (OSError, ValueError):  # the cell itself will say why it cannot load its model
         return None
     return config, str(dtype).removeprefix("torch.")
