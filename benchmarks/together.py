@@ -1,6 +1,6 @@
 """Together-groups against one process per trial and rung (#46), side by side in one invocation.
 
-    python benchmarks/together.py [--out DIR] [--scenarios a,b,c] [--repeats 1] [--threads 2]
+    python benchmarks/together.py [--out DIR] [--scenarios a,b,c] [--repeats 1] [--threads 1]
 
 Scenarios (each run twice per repeat, `exp run --together off` and `exp run` with the default `auto`, in separate
 runs folders, the order alternating from repeat to repeat):
@@ -206,7 +206,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("bench-together"))
     p.add_argument("--scenarios", default="a,b,c")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="threads a process (on a shared 2-core machine, 2 spin)")
     a = p.parse_args()
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     print(f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "

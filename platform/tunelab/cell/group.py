@@ -67,7 +67,8 @@ class Seat:
     attempt: Attempt | None = None  # this operation's attempt (status, events, W&B)
     val_loss: float | None = None  # its final validation loss, for its evaluation
     trained_from: int = 1  # its first step in this operation
-    train_s: float = 0.0  # seconds of its own turns (steps, validation, checkpoints)
+    train_s: float = 0.0  # seconds of its own turns in this attempt (steps, validation, checkpoints)
+    turns_s: float = 0.0  # and in all its attempts in this process
 
 
 @dataclass
@@ -144,6 +145,7 @@ class Group:
         rt = self.rt or runtime.resolve(seat.cfg)
         attempt = seat.attempt = Attempt(seat.folder, seat.cfg, rt, self.emit(seat.k), stop_at=stop_at,
                                          validate_at=validate_at)
+        seat.train_s = 0.0
         try:
             start(attempt, evaluate_only=False, together=self.info(seat))
             runtime.check_host(seat.cfg, file=seat.folder.config_file)
@@ -250,7 +252,8 @@ class Group:
                     raise
                 except Exception as e:  # noqa: BLE001 - this member fails, the group goes on
                     self._fail(seat, e)
-                seat.train_s += time.perf_counter() - t0
+                spent = time.perf_counter() - t0
+                seat.train_s, seat.turns_s = seat.train_s + spent, seat.turns_s + spent
             if stop_agreed(self.rt.layout):
                 self._stop(seats)
                 raise Preempted(STOP.signal or "a stop signal")
@@ -369,7 +372,7 @@ class Group:
         from tunelab.train.metrics import peak_memory_mb
         from tunelab.train.parallel.predict import group_peak_mb
 
-        steps = {s.k: s.train_s for s in self.seats}
+        steps = {s.k: s.turns_s for s in self.seats}
         peak, kind = peak_memory_mb(self.rt.device) if self.rt is not None else (None, None)
         predicted = None
         if self.model is not None and self.rt is not None:  # what `exp memory --together` predicts for it
