@@ -50,15 +50,17 @@ def assemble(attempt: Attempt) -> Assembly:
     from tunelab.train.validation import Validation
 
     cfg, rt, t0 = attempt.cfg, attempt.rt, time.perf_counter()
-    rss_before = _rss_mb()
+    rss_before = rss_mb()
     attempt.emit(Stage("load"))
     # The one seed of a cell. Loading and data building run on forks of it: what a layout's way of building
     # the model draws, or a data cache miss (a hit draws nothing), leaves the adapters' init and the training's
     # draws the same on every layout and every run.
     set_seed(cfg.train.seed)
     with torch.random.fork_rng(devices=[]):
-        model, tokenizer, files = _load(attempt)
-        datasets = _build_data(attempt, tokenizer)
+        model, tokenizer, files = load_model(attempt)
+        t1 = time.perf_counter()
+        datasets = build_data(attempt, tokenizer)
+        attempt.timings.update(load_s=t1 - t0, data_s=time.perf_counter() - t1)
     weights = None
     if files is None:
         model = peft.apply(model, cfg.peft)
@@ -73,7 +75,7 @@ def assemble(attempt: Attempt) -> Assembly:
                     evaluators=cell_side.evaluators(attempt.folder, cfg, rt), rss_before_mb=rss_before)
 
 
-def _load(attempt: Attempt) -> tuple[Any, Any, Any]:
+def load_model(attempt: Attempt) -> tuple[Any, Any, Any]:
     """The model as the layout builds it (train.parallel.init_mode) and the tokenizer -> (model, tokenizer,
     checkpoint files when the model is on the meta device). The model is built from the same files either way."""
     from tunelab.models import loading
@@ -92,7 +94,7 @@ def _load(attempt: Attempt) -> tuple[Any, Any, Any]:
     return (*loading.load(cfg.model, rt, **peft.load_kwargs(cfg.peft, rt.device)), None)
 
 
-def _build_data(attempt: Attempt, tokenizer: Any) -> dict:
+def build_data(attempt: Attempt, tokenizer: Any) -> dict:
     """The cell's datasets: the main process builds the cache once, the others read it."""
     from tunelab.core.paths import cache_dir
     from tunelab.data.build import build as build_data
@@ -114,7 +116,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-def _rss_mb() -> float:
+def rss_mb() -> float:
     """This process's resident memory now (the baseline its load and training add to)."""
     import psutil
 

@@ -33,15 +33,18 @@ def load_trained(attempt: Attempt) -> tuple[Any, Any, dict | None, float | None]
     return model, tokenizer, datasets, summary.get("val_loss") if same else None
 
 
-def run(attempt: Attempt, model: Any, tokenizer: Any, datasets: dict | None, val_loss: float | None) -> None:
-    """The eval section's suite on the model into eval/<eval-id>/; its scores to W&B (marks included)."""
+def run(attempt: Attempt, model: Any, tokenizer: Any, datasets: dict | None, val_loss: float | None,
+        unmerged: bool = False) -> None:
+    """The eval section's suite on the model into eval/<eval-id>/; its scores to W&B (marks included).
+    `unmerged`: the model is evaluated as given, its adapter not merged (a together-group's member: the base
+    is shared, cell/group.py)."""
     from tunelab import evals
     from tunelab.report.scores import Score, wandb_key, wandb_value
     from tunelab.train import peft
 
     folder, t0 = attempt.folder, time.perf_counter()
     ctx = evaluate.context(folder, folder.eval_dir(attempt.cfg.eval.id()), datasets, val_loss)
-    scores = evals.run(peft.for_eval(model), tokenizer, attempt.cfg.eval, ctx, attempt.emit)
+    scores = evals.run(model if unmerged else peft.for_eval(model), tokenizer, attempt.cfg.eval, ctx, attempt.emit)
     attempt.timings["eval_s"] = time.perf_counter() - t0
     shown = [Score.of(task, res) for task, res in scores["tasks"].items()]  # marks travel to W&B too
     attempt.summary({wandb_key(s): v for s in shown if (v := wandb_value(s)) is not None})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from tunelab.cell.stages import requeue, run_cell
@@ -18,22 +19,27 @@ from tunelab.machine.runtime import Preempted
 LOCK_WAIT_S = 10.0
 
 
-def _event_stream() -> Emit:
-    """Keep the real stdout for events and point fd 1 at stderr for everything else."""
+def line_stream() -> Callable[[str], None]:
+    """Keep the real stdout for event lines and point fd 1 at stderr for everything else -> write(line)."""
     stream = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     listening = True
 
-    def emit(event) -> None:
+    def write(line: str) -> None:
         nonlocal listening
         if listening:
             try:
-                stream.write(events.encode(event) + "\n")
+                stream.write(line + "\n")
             except BrokenPipeError:  # the launcher went away: the work (and its files) still count
                 listening = False
 
-    return emit
+    return write
+
+
+def _event_stream() -> Emit:
+    write = line_stream()
+    return lambda event: write(events.encode(event))
 
 
 def main(argv: list[str] | None = None) -> int:

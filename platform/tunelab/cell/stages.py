@@ -33,20 +33,30 @@ def _train(attempt: Attempt) -> tuple[Any, Any, dict, float | None]:
     from tunelab.train import loop
 
     run = assemble(attempt)
-    cfg, rt, t0 = attempt.cfg, attempt.rt, time.perf_counter()
+    t0 = time.perf_counter()
     with run.evaluators:  # checkpoint evaluators beside training (eval.checkpoints)
         result = loop.train(run.training)
         attempt.timings["train_s"] = time.perf_counter() - t0
-    before = _gather(run.rss_before_mb)
-    selected = False  # final/ holds another step's weights than the last (train.select)
-    if rt.is_main:
-        write_json(attempt.folder.memory_file, {
-            "kind": result.peak_mem_kind, "peak_mb": result.peak_mem_mb_ranks, "rss_before_load_mb": before})
-        selected = cell_side.after_training(attempt.folder, cfg, rt, attempt.emit, result.model, run.tokenizer,
-                                            attempt.timings)
-        attempt.folder.write_status("running", timings=attempt.timings, trained=cfg.train.save_final)
-        attempt.summary({f"train/{k}": v for k, v in result.summary().items()})
-    return result.model, run.tokenizer, run.datasets, None if selected else result.val_loss
+        attempt.timings["checkpoint_s"] = run.training.spent.get("checkpoint_s", 0.0)
+    val_loss = trained(attempt, result, run.tokenizer, _gather(run.rss_before_mb))
+    return result.model, run.tokenizer, run.datasets, val_loss
+
+
+def trained(attempt: Attempt, result: Any, tokenizer: Any, rss_before: list[float], **memory: Any) -> float | None:
+    """What the main process does once training ended: memory.json (the process's peak, what it held before the
+    model, and `memory`'s more), the checkpoints' scores and selection, status trained, the summary to W&B.
+    -> the final validation loss, unless final/ holds another step's weights (train.select)."""
+    cfg, rt = attempt.cfg, attempt.rt
+    if not rt.is_main:
+        return result.val_loss
+    write_json(attempt.folder.memory_file, {
+        "kind": result.peak_mem_kind, "peak_mb": result.peak_mem_mb_ranks, "rss_before_load_mb": rss_before,
+        **memory})
+    selected = cell_side.after_training(attempt.folder, cfg, rt, attempt.emit, result.model, tokenizer,
+                                        attempt.timings)
+    attempt.folder.write_status("running", timings=attempt.timings, trained=cfg.train.save_final)
+    attempt.summary({f"train/{k}": v for k, v in result.summary().items()})
+    return None if selected else result.val_loss
 
 
 def _gather(value: float) -> list[float]:
@@ -78,31 +88,40 @@ def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None =
         except Paused as e:  # a search's rung: validated and checkpointed there
             paused = e.step  # (handled once the exception, and the training model its frames hold, are gone)
         if paused is not None:
-            _pause(attempt, paused)
+            pause(attempt, paused)
         elif main:  # evaluation needs the whole model: one process does it while the others wait
             if stages is not None:  # None: only checkpoints were left to score (load_trained did)
                 evaluation.run(attempt, *stages)
-            attempt.finish()
-            folder.write_status("done", finished_at=time.time(), timings=attempt.timings)
+            done(attempt)
         barrier()
     except Preempted as e:  # a stop signal: checkpoint written (when training), run again later
         _preempted(attempt, e)
         raise
     except KeyboardInterrupt:
-        if main:  # interrupted, not broken: the next `exp run` picks it up (from its last checkpoint)
-            attempt.finish(failed=True)
-            folder.write_status("pending", finished_at=time.time(), timings=attempt.timings, note="interrupted")
+        if main:
+            interrupted(attempt)
         raise
     except BaseException as e:
         if main:
-            _failed(attempt, e)
+            failed(attempt, e)
         raise
 
 
-def _failed(attempt: Attempt, e: BaseException) -> None:
+def done(attempt: Attempt) -> None:
+    attempt.finish()
+    attempt.folder.write_status("done", finished_at=time.time(), timings=attempt.timings)
+
+
+def interrupted(attempt: Attempt) -> None:
+    """Interrupted, not broken: the next `exp run` picks it up (from its last checkpoint)."""
+    attempt.finish(failed=True)
+    attempt.folder.write_status("pending", finished_at=time.time(), timings=attempt.timings, note="interrupted")
+
+
+def failed(attempt: Attempt, e: BaseException) -> None:
     """status.json says failed, why, and, when a write failed, which limit it met (a full disk, a quota, a
     read-only folder, `ulimit -f`: a plain `exp run` retries such a cell). When even that cannot be written (the
-    disk still full), cell.log says so and the runner records the failure."""
+    disk still full), cell.log says so and the runner records the failure. Call it while handling `e`."""
     cause = write_failure(e, attempt.folder.path)
     fields: dict[str, Any] = {"finished_at": time.time(), "timings": attempt.timings,
                               "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
@@ -117,7 +136,7 @@ def _failed(attempt: Attempt, e: BaseException) -> None:
             print(f"could not {what}: {type(again).__name__}: {again}", file=sys.stderr)
 
 
-def _pause(attempt: Attempt, step: int) -> None:
+def pause(attempt: Attempt, step: int) -> None:
     """Stopped at a search's rung: the checkpoints up to it scored (a search that ranks its rungs by a checkpoint
     score reads them; W&B gets them when training ends), then pending until the search decides it goes on."""
     if not attempt.rt.is_main:
@@ -129,14 +148,19 @@ def _pause(attempt: Attempt, step: int) -> None:
                                      "promoted")
 
 
+def stopped(attempt: Attempt, e: Preempted) -> None:
+    """Stopped by a signal, its checkpoint written: pending, to resume (requeued under SLURM)."""
+    attempt.finish(failed=True)
+    job = requeue_target()
+    again = f"requeued (SLURM job {job})" if job else "run it again to resume"
+    attempt.folder.write_status("pending", finished_at=time.time(), timings=attempt.timings, note=f"{e}; {again}")
+
+
 def _preempted(attempt: Attempt, e: Preempted) -> None:
     _stopping()
     main = attempt.rt.is_main
     if main:
-        attempt.finish(failed=True)
-        job = requeue_target()
-        again = f"requeued (SLURM job {job})" if job else "run it again to resume"
-        attempt.folder.write_status("pending", finished_at=time.time(), timings=attempt.timings, note=f"{e}; {again}")
+        stopped(attempt, e)
     if e.step is not None:  # every rank stopped at the same step: leave together, then requeue
         barrier()
     if main:

@@ -16,7 +16,7 @@ import sys
 import threading
 from types import TracebackType
 
-from tunelab.core.locks import LOCK_HELD_ENV
+from tunelab.core.locks import LOCK_FDS_ENV, LOCK_HELD_ENV
 from tunelab.folders.cell import CellFolder
 from tunelab.machine.threads import beside_env
 
@@ -24,7 +24,7 @@ RESTARTS = 3  # per evaluator, while training goes on
 EVALUATE = "tunelab.checkpoint_scores.evaluate"  # an evaluator's module (python -m)
 # What a process of torchrun's group carries: an evaluator is a process of its own, in no process group.
 NOT_INHERITED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", LOCK_HELD_ENV)
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", LOCK_HELD_ENV, LOCK_FDS_ENV)
 
 
 class Beside:

@@ -96,10 +96,12 @@ def memory(
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16")] = "bfloat16",
     activation_checkpointing: Annotated[bool, typer.Option(help="recompute each layer in backward")] = False,
     device_gb: Annotated[float, typer.Option(help="memory of one device, GB")] = 80.0,
+    together: Annotated[int, typer.Option(help="members of a together-group with this setup each (one process, one "
+                                               "device): the base once, adapters and optimizer state per member")] = 1,
     as_json: Json = False,
 ) -> None:
     """Predict per-device memory (parameters, gradients, optimizer state, activations) from the model's config."""
-    from tunelab.train.parallel.memory import load_shape
+    from tunelab.train.parallel.memory import estimate_group, load_shape
 
     allowed: dict[str, tuple[object, Collection]] = {
         "--optim": (optim, OPTIMIZERS), "--peft": (peft, ("none", "lora")), "--dtype": (dtype, DTYPE_BYTES),
@@ -110,8 +112,12 @@ def memory(
             raise UserError(f"{flag} {value!r} is not one of {', '.join(map(str, choices))}")
     if not 0 <= lora_dropout < 1:
         raise UserError(f"--lora-dropout {lora_dropout} is not in [0, 1)")
-    if min(dp, tp, pp, microbatches, seq, batch, lora_r) < 1 or device_gb <= 0:
-        raise UserError("--dp, --tp, --pp, --microbatches, --seq, --batch, --lora-r and --device-gb must be positive")
+    if min(dp, tp, pp, microbatches, seq, batch, lora_r, together) < 1 or device_gb <= 0:
+        raise UserError("--dp, --tp, --pp, --microbatches, --seq, --batch, --lora-r, --together and --device-gb must "
+                        "be positive")
+    if together > 1 and (peft == "none" or dp * tp * pp > 1):
+        raise UserError("--together N: members of a together-group share a frozen base on one process: give --peft "
+                        "lora and no --dp, --tp or --pp")
     try:
         shape = load_shape(model)
     except (OSError, ValueError) as err:
@@ -120,11 +126,19 @@ def memory(
               zero=zero, seq=seq, batch=batch, microbatches=microbatches, pp_schedule=pp_schedule,
               activation_checkpointing=activation_checkpointing, backend=backend)
     est, need = estimate(shape, s), devices_needed(shape, s, device_gb)
+    group = estimate_group(shape, [s] * together) if together > 1 else None
     if as_json:
         return print_json({"model": model, "setup": asdict(s), "estimate_bytes": est.as_dict(),
                            "devices": dp * tp * pp, "device_gb": device_gb, "fits": est.peak <= device_gb * GB,
-                           "devices_needed": need})
+                           "devices_needed": need, **({"together": together, "group_bytes": group.as_dict(),
+                                                       "group_fits": group.peak <= device_gb * GB} if group else {})})
     _print_estimate(model, s, est, need, device_gb)
+    if group is not None:
+        more = (group.params + group.optimizer - est.params - est.optimizer) / (together - 1)
+        out.print(f"together-group of {together} such members on one device (exact mode): the base's weights once, "
+                  f"{more / GB:.3f} GB more per member after the first (its adapter, optimizer state and objects), "
+                  f"one member's step at a time: peak {group.peak / GB:.2f} GB "
+                  f"({'fits' if group.peak <= device_gb * GB else 'does not fit'} {device_gb:g} GB)", highlight=False)
 
 
 def _print_estimate(model: str, s: Setup, est: Estimate, need: int | None, device_gb: float) -> None:

@@ -46,6 +46,28 @@ def _say_warnings(spec, file: Path, cells: list, groups: list) -> None:
         err.print(f"[yellow]warning:[/] {escape(f'{file}: {line}')}", highlight=False, soft_wrap=True)
 
 
+def _group_peaks(units: list) -> None:
+    """Each together-group's peak by the memory model (`exp memory --together`), and its device's memory."""
+    from tunelab.train.parallel import capacity
+
+    for n, u in enumerate(units, 1):
+        cfgs = [c.config for c in u.cells]
+        peak = capacity.peak_mb(cfgs)
+        device = capacity.device_memory_mb(cfgs[0].train.device)
+        said = f"predicted peak {peak:,.0f} MB (the memory model, tensors only)" if peak is not None else \
+            f"peak not predicted (a method or optimizer the memory model does not cover: auto takes at most " \
+            f"{capacity.FALLBACK} members)"
+        out.print(f"[dim]together group {n}: {said}; {device:,.0f} MB on this machine's device", highlight=False,
+                  soft_wrap=True)
+
+
+def _joins(n: int, unit) -> dict:
+    """A cell's part in the run's together-groups, for `exp plan --json`."""
+    if unit.together:
+        return {"group": n, "key": unit.key, "members": [c.slug for c in unit.cells]}
+    return {"alone": unit.why}
+
+
 def _along(cfg) -> str:
     """Which checkpoints a cell scores, and where: beside training or after it (eval.checkpoints.workers)."""
     ck, steps = cfg.eval.checkpoints, cfg.checkpoint_steps()
@@ -67,13 +89,16 @@ def _cuda(device: str) -> bool:
 
 @app.command(rich_help_panel=RUN)
 def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets = None, as_json: Json = False,
-         runs_dir: RunsDir = Path("runs")) -> None:
-    """Expand a matrix file and print its cells; runs nothing."""
+         runs_dir: RunsDir = Path("runs"),
+         together: Annotated[str | None, typer.Option(help="as `exp run --together`: which cells would train in "
+                                                           "one process")] = None) -> None:
+    """Expand a matrix file and print its cells (and which train together); runs nothing."""
     from tunelab.core.errors import Errors
     from tunelab.experiment import ownership
     from tunelab.folders.matrix import MatrixFolder
     from tunelab.matrix import expansion
     from tunelab.matrix.sets import parse_sets
+    from tunelab.run import together as joining
     from tunelab.tune import plan as tune_plan
     from tunelab.tune import show
 
@@ -83,11 +108,16 @@ def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets =
     groups = tune_plan.groups(spec, file, overrides, errors)
     # The run folder this file would run in belongs to another file of its name: `exp run` would refuse it too.
     ownership.refuse(MatrixFolder(runs_dir / spec.name), file, file.read_text())
+    setting = joining.Setting.parse(together if together is not None else spec.run.together,
+                                    spec.run.together_mode)
+    units = joining.plan(cells, setting)
+    unit_of = {id(c): (n, u) for n, u in enumerate(units) for c in u.cells}
     from tunelab.plan.warnings import cell_warnings
 
     rows = [{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
              "checkpoints": c.checkpoints and {**c.checkpoints, "mode": _along(c.config)},
-             "config": c.config.model_dump(mode="json"), "warnings": cell_warnings(c.config)} for c in cells]
+             "together": _joins(*unit_of[id(c)]), "config": c.config.model_dump(mode="json"),
+             "warnings": cell_warnings(c.config)} for c in cells]
     if as_json:  # a matrix with searches: {"cells": [...], "groups": [...], "warnings": [...]}
         searches = [{**r, "warnings": cell_warnings(g.config)} for r, g in zip(show.plan_rows(groups), groups)]
         return print_json({"cells": rows, "groups": searches, "warnings": tune_plan.warnings(spec, file)}
@@ -97,6 +127,9 @@ def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets =
         print_wide(_plan_table(spec.name, cells))
     if groups:
         print_wide(show.plan_table(spec.name, groups))
+    for line in joining.describe(units, setting, groups):
+        out.print(escape(line), highlight=False, soft_wrap=True)
+    _group_peaks([u for u in units if u.together])
     from tunelab.matrix.input_checks import offline_problems
     from tunelab.plan.later import run_time_checks
 
@@ -131,6 +164,12 @@ def run(
                                                "the same name: ran in (its cell folders stay)")] = False,
     workers: Workers = 1,
     threads: common.Threads = None,
+    together: Annotated[str | None, typer.Option(
+        help="cells that share a frozen base train in one process: auto (as many as memory fits), off, or at most N "
+             "members (overrides the file's run.together; docs/training.md)")] = None,
+    together_mode: Annotated[str | None, typer.Option(
+        help="exact: each member steps alone over the shared base, bit for bit the cell alone (batched: not yet)")
+                             ] = None,
     sets: Sets = None,
 ) -> None:
     from tunelab.experiment import session
@@ -141,7 +180,8 @@ def run(
     req = session.Request(
         file, parse_sets(sets or []), only, rerun_failed, fail_fast, runs_dir,
         Launch(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, launcher=launcher, dry_run=dry_run),
-        {k: v for k, v in flags.items() if v is not None}, replace=replace, workers=workers, threads=threads)
+        {k: v for k, v in flags.items() if v is not None}, replace=replace, workers=workers, threads=threads,
+        together=together, together_mode=together_mode)
     planned = session.plan(req)
     _say_warnings(planned.spec, file, planned.chosen, planned.chosen_groups)
     outcomes = session.run(req, planned, err)

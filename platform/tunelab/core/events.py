@@ -15,7 +15,12 @@ On the wire (the cell process's stdout, one JSON object per line) each event is 
     {"stage": "checkpoint_scores", "step": 4, "scores":         CheckpointScores: the scores of a checkpoint
      {"checkpoint/val_loss": 1.7}}                             (eval.checkpoints), keyed as W&B shows them
 
-Anything else on that stream is not an event (`decode` returns None) and goes to the cell's log.
+    {"stage": "ready", "op": "train"}                          Ready: a together-group's worker did what it was
+                                                               asked (cell/group.py); the runner's next turn
+
+A together-group's worker (cell/group.py) tags each member's events with the member's number: `"m": 2`
+(`encode(event, member=2)`, `decode_tagged`). Anything else on that stream is not an event (`decode` returns
+None) and goes to the cell's log.
 """
 
 from __future__ import annotations
@@ -71,32 +76,45 @@ class CheckpointScores:
     scores: dict[str, float | str | None] = field(default_factory=dict)  # "unavailable": said, not a gap
 
 
-Event = Stage | Step | Resumed | EvalTask | EvalProgress | DataProgress | CheckpointScores
+@dataclass(frozen=True)
+class Ready:
+    op: str  # the operation done: train (every member asked paused, ended or failed), release
+
+
+Event = Stage | Step | Resumed | EvalTask | EvalProgress | DataProgress | CheckpointScores | Ready
 Emit = Callable[[Event], None]
 _BY_TAG: dict[str, type] = {"train": Step, "resume": Resumed, "eval": EvalTask, "eval_progress": EvalProgress,
-                            "data_progress": DataProgress, "checkpoint_scores": CheckpointScores}  # wire tag -> class
+                            "data_progress": DataProgress, "checkpoint_scores": CheckpointScores,
+                            "ready": Ready}  # wire tag -> class
 _TAG = {cls: tag for tag, cls in _BY_TAG.items()}
+MEMBER = "m"  # a together-group member's tag on the wire
 
 
-def encode(event: Event) -> str:
+def encode(event: Event, member: int | None = None) -> str:
     body = {"stage": event.name} if isinstance(event, Stage) else {"stage": _TAG[type(event)], **asdict(event)}
-    return json.dumps(body, default=str)
+    return json.dumps(body if member is None else {**body, MEMBER: member}, default=str)
 
 
 def decode(line: str) -> Event | None:
+    return decode_tagged(line)[0]
+
+
+def decode_tagged(line: str) -> tuple[Event | None, int | None]:
+    """An event line -> (the event or None, the member it belongs to or None)."""
     try:
         body = json.loads(line)
     except json.JSONDecodeError:
-        return None
+        return None, None
     if not isinstance(body, dict) or "stage" not in body:
-        return None
-    tag = body.pop("stage")
+        return None, None
+    tag, member = body.pop("stage"), body.pop(MEMBER, None)
+    member = member if isinstance(member, int) and not isinstance(member, bool) else None
     if tag in _BY_TAG:
         try:
-            return _BY_TAG[tag](**body)
+            return _BY_TAG[tag](**body), member
         except TypeError:
-            return None
-    return Stage(tag) if not body else None
+            return None, None
+    return (Stage(tag) if not body else None), member
 
 
 def ignore(event: Event) -> None:

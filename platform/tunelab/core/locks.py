@@ -21,6 +21,9 @@ LOCKED_EXIT = 3  # a cell process's exit code when another process holds its fol
 # The launcher holds the cell folder's lock for the cell process it starts (and hands it the descriptor):
 # the cell must not lock again. The value names the folder, so it cannot apply to any other one.
 LOCK_HELD_ENV = "TUNELAB_LOCK_HELD"
+# A together-group's worker (cell/group.py) holds several: {folder: descriptor} as JSON, each descriptor inherited
+# (the runner's pass_fds keeps its number), so the worker can let one member's folder go (close it) and keep the rest.
+LOCK_FDS_ENV = "TUNELAB_LOCK_FDS"
 
 
 class Locked(Exception):
@@ -69,15 +72,20 @@ class CellLock:
         self._f = f
         return True
 
-    def acquire_saying(self, say: Callable[[str], None], waiting: str, every: float = 60.0) -> None:
+    def acquire_saying(self, say: Callable[[str], None], waiting: str, every: float = 60.0,
+                       give_up: Callable[[], bool] | None = None) -> bool:
         """Take the lock whenever it is free, never silently: at once, whenever the holder's state changes
-        (running, stopped, gone) and every `every` seconds, `say` "`waiting` (who holds it, what it is doing)"."""
+        (running, stopped, gone) and every `every` seconds, `say` "`waiting` (who holds it, what it is doing)".
+        False, not holding it, once `give_up()` says the wait is over (asked about once a second)."""
         said, said_at = None, 0.0
         while not self.acquire(wait=0 if said is None else 1.0):
+            if give_up is not None and give_up():
+                return False
             now = holder(self.path)
             if now != said or time.monotonic() - said_at >= every:
                 say(f"{waiting} ({now})")
                 said, said_at = now, time.monotonic()
+        return True
 
     def holder(self) -> str:
         return holder(self.path)

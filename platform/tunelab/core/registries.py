@@ -145,27 +145,40 @@ class PeftSpec:
     needs_cuda: bool = False
     prompt_learning: bool = False  # virtual tokens: cannot merge into the weights
     zero_init: str = ""  # the trained weights it starts at zero ("" none): a relative-step optimizer hardly moves them
+    # Adapters beside a frozen base that a together-group can hold several of (run/together.py): the peft config
+    # builder, (model, PeftCfg) -> config, and its peft tuner type (LoRA and DoRA are one; a member of another type
+    # than the group's first is injected beside it: train/members.py); a method without one trains alone, for
+    # `alone_because`.
+    config: Lazy | None = None
+    joins: str | None = None
+    alone_because: str = "it trains the base model itself"
 
 
 _LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
 PEFT: Registry[PeftSpec] = Registry("PEFT method")
+_PROMPT = "its virtual tokens go through the PeftModel's own forward, which holds one prompt adapter per model"
 PEFT.add("none", PeftSpec(Lazy("tunelab.train.peft:full"), "full-parameter training"))
 PEFT.add("lora", PeftSpec(Lazy("tunelab.train.peft:lora"), "LoRA: low-rank updates of the linear layers", _LORA_KEYS,
-                          zero_init="its B matrices"))
+                          zero_init="its B matrices", config=Lazy("tunelab.train.peft:lora_config"), joins="lora"))
 PEFT.add("dora", PeftSpec(Lazy("tunelab.train.peft:dora"), "DoRA: LoRA with a learned magnitude per column",
-                          _LORA_KEYS, zero_init="its B matrices"))
+                          _LORA_KEYS, zero_init="its B matrices", config=Lazy("tunelab.train.peft:dora_config"),
+                          joins="lora"))
 PEFT.add("ia3", PeftSpec(Lazy("tunelab.train.peft:ia3"), "IA3: learned scaling of keys, values and the MLP",
-                         ("target_modules", "feedforward_modules")))
+                         ("target_modules", "feedforward_modules"), config=Lazy("tunelab.train.peft:ia3_config"),
+                         joins="ia3"))
 PEFT.add("prefix", PeftSpec(Lazy("tunelab.train.peft:prefix"), "prefix tuning: trained key/value prefixes",
-                            ("num_virtual_tokens", "prefix_projection"), prompt_learning=True))
+                            ("num_virtual_tokens", "prefix_projection"), prompt_learning=True,
+                            alone_because=_PROMPT))
 PEFT.add("prompt", PeftSpec(Lazy("tunelab.train.peft:prompt"), "prompt tuning: trained soft-prompt embeddings",
-                            ("num_virtual_tokens",), prompt_learning=True))
+                            ("num_virtual_tokens",), prompt_learning=True, alone_because=_PROMPT))
 PEFT.add("p_tuning", PeftSpec(Lazy("tunelab.train.peft:p_tuning"), "P-tuning: soft prompts from a prompt encoder",
-                              ("num_virtual_tokens", "encoder_hidden_size"), prompt_learning=True))
+                              ("num_virtual_tokens", "encoder_hidden_size"), prompt_learning=True,
+                              alone_because=_PROMPT))
 PEFT.add("qlora", PeftSpec(Lazy("tunelab.train.peft:qlora"), "QLoRA: LoRA on a 4-bit base (CUDA, bitsandbytes)",
                            (*_LORA_KEYS, "quant_type", "double_quant"),
                            load_kwargs=Lazy("tunelab.train.peft:qlora_load_kwargs"), needs_cuda=True,
-                           zero_init="its B matrices"))
+                           zero_init="its B matrices",
+                           alone_because="its 4-bit base is prepared for one adapter (not in together-groups yet)"))
 
 # -- parallel engines ----------------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from tunelab.matrix.schema import MatrixFile
 from tunelab.run import runner
 from tunelab.run.launch import Launch, procs_per_node
 from tunelab.run.outcome import Outcome
+from tunelab.run.together import Setting
 
 if TYPE_CHECKING:
     from tunelab.machine.threads import Share
@@ -42,6 +43,8 @@ class Request:
     replace: bool = False  # --replace: this file takes over a run folder another file of its name ran in
     workers: int = 1  # --workers: cells side by side on this machine
     threads: int | None = None  # --threads: each cell process's torch threads (None: sized to its share)
+    together: str | None = None  # --together, over the file's run.together
+    together_mode: str | None = None  # --together-mode
 
 
 @dataclass
@@ -51,6 +54,7 @@ class Planned:
     chosen: list[Cell]  # the ones this run runs (--only)
     how: Launch
     runs_dir: Path
+    together: Setting = field(default_factory=Setting)  # together-groups (run/together.py)
     groups: list[Group] = field(default_factory=list)  # every method group of a tune: section (tunelab.tune)
     chosen_groups: list[Group] = field(default_factory=list)  # the ones this run searches (--only)
     waiting: list[str] = field(default_factory=list)  # after run: searches that cannot go on yet, and why
@@ -67,6 +71,7 @@ def plan(req: Request) -> Planned:
     req.how.check()
     errors = Errors(req.file)  # every error of the file at once: its cells' and its searches' (tune.plan raises)
     spec, cells = expansion.load(req.file, req.sets, errors)
+    setting = together_setting(req, spec)
     how = replace(req.how, slurm=launcher.with_overrides(spec.launcher, req.slurm_flags))
     groups, chosen_groups = _searches(spec, req, how, errors)
     chosen = runner.select(cells, req.only)
@@ -94,7 +99,26 @@ def plan(req: Request) -> Planned:
     make_dir(req.runs_dir / spec.name, "--runs-dir")
     if not req.replace:  # a run folder of another file with this name (experiment/ownership.py)
         ownership.refuse(MatrixFolder(req.runs_dir / spec.name), req.file, req.file.read_text())
-    return Planned(spec, cells, chosen, how, req.runs_dir, groups, chosen_groups, shares=shares, notes=notes)
+    if len(shares) > 1 and not setting.off:  # a group is one process: side by side, each cell runs alone
+        if req.together is not None:
+            raise UserError(f"--workers {req.workers} and --together {req.together}: cells side by side run "
+                            "each in its own process, and a together-group is one process; choose one "
+                            "(--together off, or --workers 1)", file=req.file)
+        notes.append(f"--workers {req.workers}: each cell in its own process (together-groups are off)")
+        setting = Setting("off", setting.mode)
+    return Planned(spec, cells, chosen, how, req.runs_dir, together=setting, groups=groups,
+                   chosen_groups=chosen_groups, shares=shares, notes=notes)
+
+
+def together_setting(req: Request, spec: MatrixFile) -> Setting:
+    """--together over the file's `run.together` (and the modes likewise); refused values are exit 2."""
+    if req.together is not None or req.together_mode is not None:
+        return Setting.parse(req.together if req.together is not None else spec.run.together,
+                             req.together_mode or spec.run.together_mode)
+    try:
+        return Setting.parse(spec.run.together, spec.run.together_mode, ("run.together", "run.together_mode"))
+    except UserError as e:
+        raise UserError(str(e), file=req.file) from None
 
 
 def _shares(req: Request, how: Launch, configs: list) -> tuple[tuple[Share, ...], list[str]]:
@@ -152,13 +176,13 @@ def run(req: Request, planned: Planned, console: Console) -> list[Outcome]:
 
         result = driver.run(planned.groups, planned.chosen_groups, planned.cells, planned.chosen, folder,
                             console=console, how=planned.how, rerun_failed=req.rerun_failed, fail_fast=req.fail_fast,
-                            shares=planned.shares)
+                            shares=planned.shares, together=planned.together)
         planned.waiting = result.waiting
         return result.outcomes
     cells = planned.chosen
     with_view = view(console, planned.spec.name, len(cells))
     return runner.Runner(folder, with_view, planned.how, rerun_failed=req.rerun_failed,
-                         fail_fast=req.fail_fast, shares=planned.shares).run(cells)
+                         fail_fast=req.fail_fast, shares=planned.shares, together=planned.together).run(cells)
 
 
 def write_results(folder: MatrixFolder) -> Any:

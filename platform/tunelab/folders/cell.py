@@ -3,7 +3,7 @@ chat and clean all read and write it through `CellFolder`.
 
     runs/<matrix>/<slug>-<id>/       id = CellConfig.id(): a hash of the training config only
       config.yaml cell.json status.json env.json cell.log .lock
-      train/metrics.jsonl train/summary.json train/memory.json
+      train/metrics.jsonl train/summary.json train/memory.json train/attempts.jsonl
       final/                         the trained model (or adapter)
       checkpoints/step-N/            what a resume needs (train/checkpoint.py writes inside)
       eval/<eval-id>/results.json    eval-id = EvalCfg.id(): each evaluation config names its results
@@ -39,7 +39,7 @@ LAYOUT = 2  # cell.json "layout"; absent in folders of the first layout
 STATES = ("pending", "running", "done", "failed")
 # What status.json says of one attempt: its failure, or the note of how it stopped ("interrupted", requeued).
 # write_failed: the limit a failed write met (disk full, quota, read-only, ulimit -f), retried by a plain `exp run`.
-ATTEMPT_FIELDS = ("error", "traceback", "exit", "log_tail", "bad_input", "note", "write_failed")
+ATTEMPT_FIELDS = ("error", "traceback", "exit", "log_tail", "bad_input", "note", "write_failed", "group_died")
 LOG_TAIL_LINES = 20  # of cell.log, kept in status.json when a cell fails
 # What to do about a damaged state file (core.files.read_json says what is wrong with it, and this).
 RERUN = ("delete it: the next `exp run` of its matrix writes it again (the cell resumes from its last complete "
@@ -101,6 +101,7 @@ class CellFolder:
     metrics_file = At("train", "metrics.jsonl")
     summary_file = At("train", "summary.json")
     memory_file = At("train", "memory.json")
+    attempts_file = At("train", "attempts.jsonl")  # one record per attempt: where its time went (cell/attempt.py)
     selection_file = At("train", "selection.json")
     final = At("final")
     checkpoints = At("checkpoints")

@@ -10,6 +10,8 @@
       slurm-array-<world>x<nodes>.sbatch   a job array's script (a cell's own job: <cell>/slurm.sbatch)
       tune/studies.json              the searches of its tune: section (tunelab.tune), each a study:
       tune/<study>/trials.json       its trials, rung by rung; tune/optuna.journal: the Optuna studies
+      .together/<name>/worker.log    a together-group's process (cell/group.py): its log, and where its time
+      .together/<name>/record.json   and memory went (each member's own files stay in its folder)
 """
 
 from __future__ import annotations
@@ -64,6 +66,16 @@ class MatrixFolder:
     journal_file = At("tune", "optuna.journal")
     journal_lock_file = At("tune", "optuna.journal.lock")  # Optuna's own lock of the journal (tune/record.py)
     damaged_journal_file = At("tune", "optuna.journal.damaged")  # a journal with a damaged line, moved aside
+
+    together_dir = At(".together")
+
+    def together_log(self, name: str) -> Path:
+        """A together-group's process's log; `name` = <key>-<runner pid>-<n> (run/workers.py names it)."""
+        return self.together_dir / name / "worker.log"
+
+    def together_record(self, name: str) -> Path:
+        """Where that process's time and memory went (cell/group.py writes it)."""
+        return self.together_dir / name / "record.json"
 
     def leaderboard_file(self, suffix: str) -> Path:
         return self.path / f"leaderboard.{suffix}"

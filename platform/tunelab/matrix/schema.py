@@ -1,5 +1,5 @@
 """The schema of a matrix file: its top-level keys. A cell's own keys are tunelab.core.config's CellConfig; the
-`launcher:` and `tune:` sections have modules of their own."""
+`launcher:`, `run:` and `tune:` sections have modules of their own."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from tunelab.matrix.launcher import SlurmCfg
+from tunelab.matrix.run_section import RunSection
 from tunelab.matrix.tune_section import TuneSpec
 
 
@@ -21,6 +22,8 @@ class MatrixFile(BaseModel):
     exclude: list[dict[str, Any]] = Field(default_factory=list, description="drop cells matching all keys")
     seeds: list[int] | None = Field(None, min_length=1, description="run every cell with each train.seed")
     launcher: SlurmCfg = Field(default_factory=SlurmCfg, description="SLURM job settings for --launcher slurm")
+    run: RunSection = Field(default_factory=RunSection, description="how `exp run` runs the cells (together-groups); "
+                            "part of no cell's id")
     tune: TuneSpec | None = Field(None, description="search these keys per method group with the same budget "
                                   "(docs/tuning.md); an include entry's own `tune:` goes over it, `tune: false` "
                                   "leaves the entry untuned")

@@ -59,6 +59,9 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
 
 
+_LIVE: set[int] = set()  # this process's runs not yet finished (a together-group's process holds several)
+
+
 class Tracker:
     """`resuming`: the cell continues from a checkpoint, so it continues its W&B run too (same run id,
     kept in the cell folder). A cell that starts over gets a new run: W&B drops steps already logged."""
@@ -86,7 +89,8 @@ class Tracker:
             try:
                 import wandb
 
-                wandb.teardown()  # the failed attempt keeps the run id busy otherwise
+                if not _LIVE:  # (a together-group's process holds its other members' runs: those stay)
+                    wandb.teardown()  # the failed attempt keeps the run id busy otherwise
                 self.run = self._init("offline", kwargs)
             except Exception as e2:  # noqa: BLE001
                 _say(f"the offline run failed too ({_why(e2)}); this cell is not tracked in W&B")
@@ -96,13 +100,16 @@ class Tracker:
         import wandb
 
         timeout = float(os.environ.get("WANDB_INIT_TIMEOUT") or INIT_TIMEOUT_S)
-        return wandb.init(mode=mode, settings=wandb.Settings(console="off", silent=True, init_timeout=timeout),
-                          **kwargs)
+        run = wandb.init(mode=mode, settings=wandb.Settings(console="off", silent=True, init_timeout=timeout),
+                         **kwargs)
+        _LIVE.add(id(run))
+        return run
 
     def _failed(self, what: str, e: BaseException) -> None:
         """Stop using W&B for this cell after an error: its local files keep everything."""
         _say(f"{what} failed ({_why(e)}); W&B tracking stops for this cell, its local files keep every value")
         run, self.run = self.run, None
+        _LIVE.discard(id(run))
         try:
             if run is not None:
                 run.finish(exit_code=1)
@@ -142,6 +149,7 @@ class Tracker:
     def finish(self, failed: bool = False) -> None:
         if self.run is not None:
             run, self.run = self.run, None
+            _LIVE.discard(id(run))
             try:
                 run.finish(exit_code=1 if failed else 0)
             except Exception as e:  # noqa: BLE001

@@ -90,6 +90,11 @@ def cell_command(run_dir: Path, world_size: int, launch: Launch | None = None) -
     return [*torchrun, *entry]
 
 
+def worker_command(name: str, run_dirs: list[Path]) -> list[str]:
+    """A together-group's process (cell/group.py): its members' folders, in member order."""
+    return [sys.executable, "-m", "tunelab.cell.group", "--name", name, *map(str, run_dirs)]
+
+
 def _sbatch_lines(launch: Launch, job_name: str, output: str, array: int | None) -> list[str]:
     s = launch.slurm
     opts = [f"--job-name={job_name}", f"--nodes={launch.nnodes}", "--ntasks-per-node=1", f"--output={output}",

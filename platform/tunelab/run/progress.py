@@ -54,7 +54,7 @@ def shown(ev: events.Event, machine: str | None = None) -> dict[str, Any]:
         return {"completed": ev.step, "info": f"resumed from {ev.checkpoint}{skipped}"}
     if isinstance(ev, events.CheckpointScores):
         return {"info": f"checkpoint of step {ev.step} scored"}
-    return {"info": ev.name}
+    return {"info": ev.name if isinstance(ev, events.Stage) else ""}
 
 
 class BarsView:

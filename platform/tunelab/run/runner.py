@@ -36,10 +36,11 @@ from tunelab.folders.cell import LAYOUT, CellFolder
 from tunelab.folders.matrix import MatrixFolder
 from tunelab.machine.threads import OWN_ENV, Share
 from tunelab.matrix.expansion import Cell
-from tunelab.run import slurm
+from tunelab.run import groups, slurm, together, workers
 from tunelab.run.launch import STOP_AT_ENV, VALIDATE_AT_ENV, Launch, cell_command, procs_per_node, run_env, threads_env
 from tunelab.run.outcome import Outcome, exit_cause, killed_from_outside, said_stop
 from tunelab.run.progress import RunView
+from tunelab.run.together import Setting, Unit
 
 
 @dataclass
@@ -123,14 +124,18 @@ def launch(folder: CellFolder, on_event: Callable[[events.Event], None], command
         return rc
 
 
-def settle(folder: CellFolder, rc: int) -> dict:
+def settle(folder: CellFolder, rc: int | None) -> dict:
     """The cell process ended: its status as it left it, or failed with the cause when it died without
-    finishing (a status still "running"), always with the exit and the log's last lines when not done."""
+    finishing (a status still "running"), always with the exit and the log's last lines when not done.
+    rc None: a together-group's member whose process goes on (run/groups.py): its status as it left it."""
     status = folder.status()
-    if rc == 0 and status.get("state") == "done":
+    if rc in (0, None) and status.get("state") == "done":
         return status
     if status.get("state") == "pending" and status.get("note"):  # it stopped itself in order (Ctrl-C, preemption,
         return status  # a search's rung): it will resume. Without a note it never started: see below
+    if rc is None and status.get("state") == "failed":  # it said why itself, its traceback is in its cell.log
+        return folder.write_status("failed", log_tail=folder.log_tail())
+    rc = 1 if rc is None else rc
     tail = folder.log_tail()
     cause = exit_cause(rc, tail)
     if status.get("state") == "failed":  # it said why itself; the exit and the log go beside it
@@ -154,6 +159,8 @@ class Runner:
     stop: Interrupts = field(default_factory=Interrupts)
     # One per cell run at once (`--workers`: run/side_by_side.py), its threads and CPUs; () = one, this machine's.
     shares: tuple[Share, ...] = ()
+    together: Setting = field(default_factory=Setting)  # cells sharing a base in one process (run/together.py)
+    pool: workers.Pool | None = None  # together-groups' processes kept between calls (a search's rungs)
 
     @property
     def claims(self) -> bool:
@@ -194,7 +201,7 @@ class Runner:
             return Outcome(cell, "skipped-locked", f"locked by another process ({folder.lock_holder()})")
         return self._ended(folder, cell, handle, rc)
 
-    def _ended(self, folder: CellFolder, cell: Cell, handle: int, rc: int) -> Outcome:
+    def _ended(self, folder: CellFolder, cell: Cell, handle: int, rc: int | None) -> Outcome:
         status = settle(folder, rc)
         if status.get("state") == "done":
             self.view.end_cell(handle, "[green]done")
@@ -206,8 +213,8 @@ class Runner:
             self.view.end_cell(handle, "[yellow]interrupted: resumes on the next exp run")
             # "interrupted" (exit 130) when this runner was stopped; a cell killed from outside alone is "killed"
             if self.stop.stopping:
-                return Outcome(cell, "interrupted", said_stop(folder, status, rc, self.stop.by))
-            return Outcome(cell, "killed", status.get("note") or exit_cause(rc))
+                return Outcome(cell, "interrupted", said_stop(folder, status, rc or 0, self.stop.by))
+            return Outcome(cell, "killed", status.get("note") or exit_cause(rc or 0))
         self.view.end_cell(handle, f"[red]failed: {escape(str(status.get('error', ''))[:80])}")
         return Outcome(cell, "failed", status.get("error"))
 
@@ -228,10 +235,16 @@ class Runner:
         prepare(folder, cell, self.matrix.name)
         return self.run_here(folder, cell, held)
 
-    def wait_for(self, folder: CellFolder, cell: Cell) -> CellLock:
-        """Its lock once free; meanwhile who holds it and what that process is doing, said at once and on change."""
+    def wait_for(self, folder: CellFolder, cell: Cell) -> CellLock | None:
+        """Its lock once free; meanwhile who holds it and what that process is doing, said at once and on change.
+        None once the cell got where this run wants it elsewhere (done, or paused at its rung: another runner's
+        together-group may hold it paused in memory, lock and all, for its next rung), or this runner is stopping."""
         held = folder.lock()
-        held.acquire_saying(self.view.say, f"{cell.dirname}: waiting for the process that holds its lock")
+        took = held.acquire_saying(self.view.say, f"{cell.dirname}: waiting for the process that holds its lock",
+                                   give_up=lambda: self.stop.stopping or self.skip_reason(
+                                       folder, cell, probe_lock=False) in ("skipped-done", "skipped-reached"))
+        if not took:
+            return None
         return held
 
     def first_pass(self, cell: Cell, later: list[tuple[Cell, CellFolder]],
@@ -277,19 +290,48 @@ class Runner:
                 from tunelab.run import side_by_side
 
                 return side_by_side.run(self, cells)
-            for cell in cells:
-                if self.stop.stopping or record(self.first_pass(cell, later, to_submit)):
+            for unit in self.units(cells):
+                if not (unit.together or self._held_here(unit)):
+                    if self.stop.stopping or record(self.first_pass(unit.cells[0], later, to_submit)):
+                        return outcomes
+                    continue
+                if self.stop.stopping:
+                    return outcomes
+                if [o for o in groups.run_unit(self, unit, later) if record(o)]:
                     return outcomes
             for cell, folder in later:
                 if self.stop.stopping:
                     return outcomes
-                with self.wait_for(folder, cell) as held:
+                held = self.wait_for(folder, cell)
+                if held is None and self.stop.stopping:
+                    return outcomes
+                if held is None:
+                    self.view.say(f"{cell.dirname}: {'done' if folder.status().get('state') == 'done' else 'paused'} "
+                                  "by another process")
+                    if record(Outcome(cell, "done-elsewhere")):
+                        break
+                    continue
+                with held:
                     if record(self.claimed(folder, cell, held, waited=True)):
                         break
             for outcome in slurm.submit(to_submit, self.how, self.matrix) if to_submit else []:
                 self.view.say(f"{outcome.cell.dirname}: {outcome.error}")
                 record(outcome)
         return outcomes
+
+
+    def _held_here(self, unit: Unit) -> bool:
+        """A cell of the unit is held, paused in memory, by a together-group process of this runner's pool."""
+        return self.pool is not None and any(self.pool.holding(self.matrix.folder(c).path) for c in unit.cells)
+
+    def prepared(self, folder: CellFolder, cell: Cell) -> None:
+        prepare(folder, cell, self.matrix.name)
+
+    def units(self, cells: list[Cell]) -> list[Unit]:
+        """The cells as they run: together-groups and cells alone (run/together.py); none joins unless this runner
+        holds its cells' locks here (the local launcher, node 0)."""
+        setting = self.together if self.claims else together.Setting("off")
+        return together.plan(cells, setting, cap_of=groups.auto_cap, alone=lambda c: groups.alone_now(self, c))
 
 
 def prepare(folder: CellFolder, cell: Cell, matrix: str) -> None:

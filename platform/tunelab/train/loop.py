@@ -56,6 +56,9 @@ class TrainResult:
     predicted_peak_mb: float | None = None  # `exp memory`'s prediction for this cell (tensors only)
     peak_mem_mb_ranks: list[float] | None = None  # every process's peak (the same kind), by rank
     validation: dict | None = None  # how val_loss was measured: {batch_size, max_batches}
+    # Trained in a together-group (train/members.py): the group, and the peak above is the whole process's
+    together: dict | None = None
+    continued_in_memory_from: list[int] | None = None  # rungs after which it went on without a restart
     model: Any = field(default=None, repr=False)  # the trained model with full weights (main process)
 
     def summary(self) -> dict:
@@ -156,6 +159,12 @@ class Training:
     # identity, since saving changes no number
     retention: checkpoint.Retention = field(default_factory=checkpoint.NoRetention)
     meter: CpuMeter | None = None  # on a CPU: how busy its CPUs were while it trained (machine/load.py)
+    # How final/ is written (None: the model's save_pretrained); a member of a together-group writes its own
+    # adapter only (train/members.py), and says so in the summary (`together`, `continued_in_memory_from`).
+    final_writer: Callable[[Path], None] | None = None
+    together: dict | None = None
+    continued_in_memory_from: list[int] = field(default_factory=list)
+    spent: dict[str, float] = field(default_factory=dict)  # seconds by kind (checkpoint_s), for a run's timings
 
     @property
     def metrics_path(self) -> Path:
@@ -171,7 +180,8 @@ def _local_runtime(model: Any, cfg: CellConfig) -> Runtime:
 
 
 def _setup(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, folder: CellFolder, emit: Emit,
-           runtime: Runtime, validation: Validation, weights: Deferred | None) -> Training:
+           runtime: Runtime, validation: Validation, weights: Deferred | None,
+           names: Callable[[str], str] | None = None) -> Training:
     t = cfg.train
     n_params = sum(p.numel() for p in model.parameters())  # before an engine shards them
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -179,7 +189,7 @@ def _setup(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, folder: 
     one_process = not (runtime.layout.distributed or uses_engine(cfg.parallel))
     stepper = parallel.prepare(model, lambda ps: optim.build(ps, cfg.optim, max_grad_norm=t.max_grad_norm,
                                                              fused_kernel=one_process),
-                               cfg, runtime.layout, runtime.precision, weights=weights)
+                               cfg, runtime.layout, runtime.precision, weights=weights, names=names)
     if one_process and not hasattr(stepper.optimizer, "fused_step"):  # LOMO/AdaLomo's stepper does it itself
         # A tied embedding's gradient built in one buffer, not three weight-sized ones (optimizers/tied.py): on
         # CPU the two extra allocations, each freshly faulted in, cost AdamW about 3% of a SmolLM2-135M step.
@@ -207,7 +217,7 @@ def _setup(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, folder: 
                     longest=max(lengths_of(datasets["train"]), default=None))
 
 
-def _resume(loop: Training) -> tuple[int, int | None]:
+def resume(loop: Training) -> tuple[int, int | None]:
     """(first step to run, the step resumed from): from the latest complete checkpoint, when there is one."""
     skipped: list[str] = []
     ckpt = _resume_from(loop, skipped) if loop.cfg.train.resume else None
@@ -265,7 +275,9 @@ def _step(loop: Training, step: int, peak: float | None) -> None:
               "mfu": mfu(loop.n_params, tokens / dt, peak), **(loop.meter.sample() if loop.meter else {})}
     wanted = step == loop.stop_at or step in loop.validate_at
     if (t.eval_every and step % t.eval_every == 0 or wanted) and loop.validate:
+        v0 = time.perf_counter()
         st.val_loss = record["val_loss"] = loop.validate()
+        record["val_s"] = time.perf_counter() - v0  # where a run's time goes (benchmarks/together.py)
     if loop.runtime.is_main and (step % t.log_every == 0 or step == t.steps or "val_loss" in record):
         append_jsonl(loop.metrics_path, record)
     loop.emit(Step(step, t.steps, loss, record))
@@ -279,34 +291,61 @@ def _saves(loop: Training, step: int) -> bool:
 
 
 def _checkpoint(loop: Training, step: int) -> None:
-    main = loop.runtime.is_main
+    main, t0 = loop.runtime.is_main, time.perf_counter()
     checkpoint.save(loop.folder.checkpoints, step, stepper=loop.stepper, sched=loop.sched,
                     keep=loop.cfg.train.keep_checkpoints, main=main,
                     loop_state={"data": loop.stream.state(), "loop": asdict(loop.state)},
                     protect=loop.retention.protected() if main else ())
+    loop.spent["checkpoint_s"] = loop.spent.get("checkpoint_s", 0.0) + time.perf_counter() - t0
+
+
+def last_step(loop: Training) -> int:
+    """The last step this run trains: train.steps, or its stop_at (a search's rung)."""
+    t = loop.cfg.train
+    return t.steps if loop.stop_at is None else min(loop.stop_at, t.steps)
+
+
+def paused_before(loop: Training, start: int) -> int | None:
+    """The step a run starting at `start` is paused at already (its checkpoint is at or past its stop_at)."""
+    if loop.stop_at is not None and start > loop.stop_at and loop.stop_at < loop.cfg.train.steps:
+        return start - 1
+    return None
+
+
+def advance(loop: Training, step: int, peak: float | None, stopping: Callable[[], bool] = lambda: False) -> None:
+    """Optimizer step `step` and what follows it: its checkpoint when due; then, when `stopping()` says a stop
+    signal came, a checkpoint of this step and Preempted; at stop_at (a search's rung) a checkpoint and Paused.
+    The loop runs it step after step (`_steps`); a together-group runs it for each member in turn, each member's
+    adapter, head settings and random streams in place (train/members.py)."""
+    _step(loop, step, peak)
+    saved = _saves(loop, step)
+    if stopping():
+        if not saved:
+            _checkpoint(loop, step)
+        raise Preempted(STOP.signal or "a stop signal to another process", step)
+    if step == loop.stop_at and step < loop.cfg.train.steps:
+        if not saved:
+            _checkpoint(loop, step)
+        raise Paused(step)
+
+
+def checkpoint_now(loop: Training, step: int) -> None:
+    """A checkpoint of `step` unless the run wrote one there (a together-group stopping between its rounds)."""
+    if not _saves(loop, step):
+        _checkpoint(loop, step)
 
 
 def _steps(loop: Training, start: int, peak: float | None) -> None:
     """The optimizer steps; a stop signal (runtime.catch_stop_signals) ends them at a step boundary, all ranks
     at the same one, after a checkpoint of that step. So does `stop_at` (Paused): the schedule still runs over
     train.steps, so the steps after a pause are those of a run that never paused."""
-    t = loop.cfg.train
-    last = t.steps if loop.stop_at is None else min(loop.stop_at, t.steps)
-    if loop.stop_at is not None and start > loop.stop_at and loop.stop_at < t.steps:
-        raise Paused(start - 1)  # its checkpoint is at or past the stop already
+    paused = paused_before(loop, start)
+    if paused is not None:
+        raise Paused(paused)
     STOP.armed = True
     try:
-        for step in range(start, last + 1):
-            _step(loop, step, peak)
-            saved = _saves(loop, step)
-            if stop_agreed(loop.runtime.layout):
-                if not saved:
-                    _checkpoint(loop, step)
-                raise Preempted(STOP.signal or "a stop signal to another process", step)
-            if step == loop.stop_at and step < t.steps:
-                if not saved:
-                    _checkpoint(loop, step)
-                raise Paused(step)
+        for step in range(start, last_step(loop) + 1):
+            advance(loop, step, peak, lambda: stop_agreed(loop.runtime.layout))
     finally:
         STOP.armed = False
 
@@ -325,16 +364,18 @@ def _gather(value: float, layout: Layout) -> list[float]:
 def setup(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, out: CellFolder | Path, emit: Emit = ignore,
           *, runtime: Runtime | None = None, validation: Validation = Validation(), weights: Deferred | None = None,
           retention: checkpoint.Retention | None = None, stop_at: int | None = None,
-          validate_at: tuple[int, ...] = ()) -> Training:
+          validate_at: tuple[int, ...] = (), names: Callable[[str], str] | None = None) -> Training:
     """The loop's parts for a model and its data: the stepper (one process or an engine) with its optimizer, the
     schedule, the batches, validation and checkpointing. Every process of a layout calls it; only the main one
     writes files (into `out`, a cell folder). `weights`: the model is on the meta device and the engine fills each
     process's shards from these (train/parallel/deferred.py). `retention`: more steps to checkpoint, and checkpoints
     to keep (an evaluation of checkpoints). `stop_at`: validate and checkpoint after that step and raise Paused;
-    `validate_at`: validate after these steps too (neither changes a loss: validation draws no random number)."""
+    `validate_at`: validate after these steps too (neither changes a loss: validation draws no random number).
+    `names`: the trainable parameters' names as checkpoints and the optimizer know them (a together-group's member
+    keeps the alone cell's: train/members.py)."""
     folder = out if isinstance(out, CellFolder) else CellFolder(out)
     runtime = runtime or _local_runtime(model, cfg)
-    loop = _setup(model, tokenizer, datasets, cfg, folder, emit, runtime, validation, weights)
+    loop = _setup(model, tokenizer, datasets, cfg, folder, emit, runtime, validation, weights, names)
     loop.stop_at, loop.validate_at = stop_at, frozenset(validate_at)
     loop.retention = retention or loop.retention
     return loop
@@ -343,13 +384,19 @@ def setup(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, out: Cell
 def train(loop: Training) -> TrainResult:
     """Resume from the latest checkpoint (if any), run the steps, validate, save: the caller has seeded the RNGs
     (the cell does it once)."""
-    t, runtime = loop.cfg.train, loop.runtime
+    runtime = loop.runtime
     peak = peak_flops(runtime.device)  # before the RNG states a checkpoint restores (a CPU may measure here)
-    start, resumed_from = _resume(loop)
+    start, resumed_from = resume(loop)
     if runtime.device.type == "cpu":  # its CPUs' load beside each step's figures (`exp status` reads them)
         loop.meter = CpuMeter(torch.get_num_threads(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     loop.model.train()
     _steps(loop, start, peak)
+    return finish(loop, resumed_from)
+
+
+def finish(loop: Training, resumed_from: int | None) -> TrainResult:
+    """After the last step: the final validation, the result and its summary, final/ written."""
+    t, runtime = loop.cfg.train, loop.runtime
     val = loop.validate() if loop.validation.final and loop.validate else None
     mem, kind = peak_memory_mb(runtime.device)  # before the weights are gathered for saving
     st = loop.state
@@ -362,13 +409,14 @@ def train(loop: Training) -> TrainResult:
         predicted_peak_mb=predicted_peak_mb(loop.model.config, loop.cfg, str(runtime.dtype).removeprefix("torch."),
                                             seq=loop.longest),
         validation=None if val is None else loop.validation.settings(),
+        together=loop.together, continued_in_memory_from=loop.continued_in_memory_from or None,
         model=loop.stepper.unwrap(),  # every rank takes part in gathering the weights
     )
     if runtime.is_main:
         write_json(loop.folder.summary_file, result.summary())
         if t.save_final:  # built beside final/ and renamed in: a kill leaves the old one or none, never half of one
             def save(new: Path) -> None:
-                result.model.save_pretrained(new)
+                (loop.final_writer or result.model.save_pretrained)(new)
                 loop.tokenizer.save_pretrained(new)
 
             loop.folder.replace_final(save)

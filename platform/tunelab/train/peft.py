@@ -71,15 +71,18 @@ def full(model: Any, cfg: PeftCfg):
     return model
 
 
-def lora(model: Any, cfg: PeftCfg):
-    return _get_peft_model(model, _lora_config(model, cfg))
+# The peft config of each method that can share a base with other adapters (registries.PEFT's `config`): one
+# adapter alone is get_peft_model(model, config); a together-group adds several under names of their own
+# (train/members.py).
+def lora_config(model: Any, cfg: PeftCfg):
+    return _lora_config(model, cfg)
 
 
-def dora(model: Any, cfg: PeftCfg):
-    return _get_peft_model(model, _lora_config(model, cfg, use_dora=True))
+def dora_config(model: Any, cfg: PeftCfg):
+    return _lora_config(model, cfg, use_dora=True)
 
 
-def ia3(model: Any, cfg: PeftCfg):
+def ia3_config(model: Any, cfg: PeftCfg):
     from peft import IA3Config
 
     fam = family(model)
@@ -87,7 +90,27 @@ def ia3(model: Any, cfg: PeftCfg):
     ff = cfg.feedforward_modules or (list(fam.ia3_feedforward) if fam and not cfg.target_modules else None)
     if targets is not None and ff is None:
         ff = []  # peft requires feedforward_modules to be a subset of target_modules; none is a valid subset
-    return _get_peft_model(model, IA3Config(target_modules=targets, feedforward_modules=ff, task_type="CAUSAL_LM"))
+    return IA3Config(target_modules=targets, feedforward_modules=ff, task_type="CAUSAL_LM")
+
+
+def config(model: Any, cfg: PeftCfg):
+    """The peft config of `cfg.method` for `model` (methods that can join a together-group only)."""
+    hook = PEFT[cfg.method].config
+    if hook is None:
+        raise ValueError(f"peft method {cfg.method} has no adapter config that can share a base")
+    return hook.load()(model, cfg)
+
+
+def lora(model: Any, cfg: PeftCfg):
+    return _get_peft_model(model, lora_config(model, cfg))
+
+
+def dora(model: Any, cfg: PeftCfg):
+    return _get_peft_model(model, dora_config(model, cfg))
+
+
+def ia3(model: Any, cfg: PeftCfg):
+    return _get_peft_model(model, ia3_config(model, cfg))
 
 
 def prefix(model: Any, cfg: PeftCfg):

@@ -5,6 +5,11 @@ The groups share one schedule (the same budget), so a stage (bracket b, rung i) 
 batch of cells through the runner: as many cells at once as there are, for every runner on the runs folder to
 share (each takes the cells no other holds and waits for the rest). After each stage every group's values are
 read back, its decision taken, and its Optuna study and trials.json written under the study's lock.
+
+Trials that share a base train as together-groups (run/together.py), across groups too, and their processes live
+from rung to rung (run/workers.Pool): a promoted trial goes on in memory, without a process start or a checkpoint
+read (its rung checkpoint is still written, for a resume); a pruned one is released from its process before its
+checkpoint is freed, and every process ends before the winners and the plain cells run.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ from tunelab.core.locks import CellLock, Locked, lock
 from tunelab.folders.matrix import MatrixFolder
 from tunelab.machine.threads import Share
 from tunelab.matrix.expansion import Cell
-from tunelab.run import runner
+from tunelab.run import runner, workers
 from tunelab.run.launch import Launch
 from tunelab.run.outcome import Outcome
 from tunelab.run.progress import view
+from tunelab.run.together import Setting
 from tunelab.tools import clean
 from tunelab.tune import record, sampling, trials
 from tunelab.tune.plan import Group
@@ -48,9 +54,11 @@ class _Run:
     how: Launch
     rerun_failed: bool
     fail_fast: bool
+    together: Setting = field(default_factory=Setting)
     last: dict[str, Outcome] = field(default_factory=dict)
     stop: runner.Interrupts = field(default_factory=runner.Interrupts)  # one Ctrl-C stops every stage after it
     shares: tuple[Share, ...] = ()  # --workers: a rung's trials side by side, each on its CPUs
+    pool: workers.Pool | None = None  # the search's together-groups, kept from rung to rung
 
     def say(self, text: str) -> None:
         """A runner's word while it waits (for the search's lock: for whom, and what that process is doing)."""
@@ -62,15 +70,24 @@ class _Run:
             return False
         shown = view(self.console, self.folder.name, len(cells))
         for o in runner.Runner(self.folder, shown, self.how, rerun_failed=self.rerun_failed, fail_fast=self.fail_fast,
-                               stop=self.stop, shares=self.shares).run(cells):
+                               stop=self.stop, shares=self.shares, together=self.together, pool=self.pool).run(cells):
             self.last[o.cell.id] = o
         failed = self.fail_fast and any(o.state == "failed" for o in self.last.values())
         return not (failed or self.stop.stopping)
 
+    def release(self, cells: list[Cell]) -> None:
+        """These trials never train again here: out of their processes, their locks let go."""
+        if self.pool is not None:
+            self.pool.release([self.folder.folder(c).path for c in cells])
+
+    def end(self) -> None:
+        if self.pool is not None:
+            self.pool.end()
+
 
 def run(groups: list[Group], chosen: list[Group], cells: list[Cell], plain: list[Cell], folder: MatrixFolder, *,
         console: Console, how: Launch, rerun_failed: bool = False, fail_fast: bool = False,
-        shares: tuple[Share, ...] = ()) -> Result:
+        shares: tuple[Share, ...] = (), together: Setting = Setting()) -> Result:
     """Run the chosen groups' searches and winners, then the plain cells chosen. cells.json lists every plain
     cell of the matrix and the winner of every search that has ended (those not chosen are read, not run)."""
     mdir = folder.path
@@ -80,8 +97,12 @@ def run(groups: list[Group], chosen: list[Group], cells: list[Cell], plain: list
                                       "trials_file": str(folder.trials_file(g.study).relative_to(mdir))}
                                      for g in groups])
     folder.write_index(_annotated(cells, groups))  # the winners join once their searches end
-    r = _Run(folder, console, how, rerun_failed, fail_fast, shares=shares)
-    if not _stages(running, r):
+    r = _Run(folder, console, how, rerun_failed, fail_fast, together, pool=workers.Pool(), shares=shares)
+    try:
+        searched = _stages(running, r)
+    finally:
+        r.end()  # the searches' processes end before the winners and the plain cells run
+    if not searched:
         return Result(list(r.last.values()))
     _stages([s for s in searches if s not in running], None)  # read only: whatever they have done already
     finals = {s.group.study: trials.final_cells(s.group, w.view.params, s.summary())
@@ -123,6 +144,7 @@ def _stages(searches: list[Search], r: _Run | None) -> bool:
                 s.decide(b, i)
                 if r is not None:
                     _write_record(s, s.matrix_dir, r.say)
+                    r.release([t.cell for t in s.trials if t.view.state == "pruned"])  # before their checkpoints go
                     _free_pruned(s, s.matrix_dir)
     return True
 

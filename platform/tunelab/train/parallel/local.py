@@ -12,6 +12,7 @@ engine's distributed checkpoint, saved under any layout.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +62,16 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
 class LocalStepper(Stepper):
     checkpoint_subdir = "."  # model.pt and optimizer.pt sit in the checkpoint folder itself
 
-    def __init__(self, model: nn.Module, optim_builder, cell, layout: Layout, precision: str = "fp32"):
+    def __init__(self, model: nn.Module, optim_builder, cell, layout: Layout, precision: str = "fp32",
+                 names: Callable[[str], str] | None = None):
         self.layout, self.cell, self._model, self.precision = layout, cell, model, precision
         self.max_grad_norm = cell.train.max_grad_norm
+        # A together-group's member names its parameters as the cell alone does (train/members.py), in its
+        # checkpoints and for the optimizer, so either can resume what the other saved.
+        self.names: Callable[[str], str] = names or (lambda n: n)
         # Names let Muon tell embeddings from hidden matrices (the registry's `named`); other optimizers get bare
         # parameters, so their state is keyed as every engine keys it (checkpoints load across layouts).
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(self.names(n), p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.optimizer = optim_builder(named if optim_spec(cell.optim.name).named else self.params)
         if hasattr(self.optimizer, "fused_step"):  # one gradient buffer for a tied embedding
@@ -105,7 +110,7 @@ class LocalStepper(Stepper):
 
     def save(self, path) -> None:
         path = Path(path)
-        torch.save(trainable_state(self._model), path / "model.pt")
+        torch.save({self.names(n): v for n, v in trainable_state(self._model).items()}, path / "model.pt")
         # Optimizers without a state_dict (some in-backward ones) have nothing more to save.
         if callable(getattr(self.optimizer, "state_dict", None)):
             torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
@@ -114,7 +119,9 @@ class LocalStepper(Stepper):
         path = Path(path)
         if (path / ".metadata").is_file():  # an engine's distributed checkpoint, saved under any layout
             return self._load_distributed(path)
-        copy_trainable(self._model, torch.load(path / "model.pt", map_location="cpu", weights_only=True), path)
+        saved = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+        ours = {self.names(n): n for n, p in self._model.named_parameters() if p.requires_grad}
+        copy_trainable(self._model, {ours.get(k, k): v for k, v in saved.items()}, path)
         if callable(getattr(self.optimizer, "load_state_dict", None)):  # saved whenever it has a state: required
             # (a missing one would restart the optimizer from zero under a run that says it resumed)
             self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))

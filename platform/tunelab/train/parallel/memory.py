@@ -227,6 +227,26 @@ def estimate(shape: Shape, s: Setup) -> Estimate:
                     load=_load(shape, s, stage))
 
 
+# What each member of a together-group holds beyond its tensors' values: its own PEFT modules and their
+# bookkeeping, its batches' loader, its optimizer's per-parameter state objects. Measured on SmolLM2-135M, LoRA r8
+# on every projection, AdamW, fp32 (benchmarks/together.py (c), pinned allocator): see benchmarks/README.md.
+MEMBER_OVERHEAD = 4 * 2**20
+
+
+def estimate_group(shape: Shape, setups: list[Setup]) -> Estimate:
+    """A together-group's peak on its one device (run/together.py, exact mode): the base's weights once; each
+    member's adapter weights and optimizer state for as long as it lives, and a fixed overhead (MEMBER_OVERHEAD);
+    the members step one at a time, so a step's gradients, temporaries and activations are those of the largest.
+    One process only (a group has no engine)."""
+    ests = [estimate(shape, s) for s in setups]
+    base = _stage_params(shape, setups[0]) * DTYPE_BYTES[setups[0].dtype]
+    adapters = sum(e.params - base for e in ests)
+    return Estimate(params=base + adapters + MEMBER_OVERHEAD * len(setups), grads=max(e.grads for e in ests),
+                    optimizer=sum(e.optimizer for e in ests), activations=max(e.activations for e in ests),
+                    trainable=sum(e.trainable for e in ests), total_params=ests[0].total_params,
+                    load=max(e.load for e in ests), step=max(e.step for e in ests))
+
+
 def _layer_values(shape: Shape, s: Setup) -> float:
     """Values of one decoder layer on one tensor-parallel rank."""
     return (shape.layer_params() - 2 * shape.hidden) / s.tp + 2 * shape.hidden

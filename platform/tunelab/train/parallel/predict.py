@@ -7,7 +7,7 @@ otherwise be predicted with activations the step never holds."""
 from __future__ import annotations
 
 from tunelab.core.registries import OPTIMIZERS
-from tunelab.train.parallel.memory import Setup, estimate, shape_of
+from tunelab.train.parallel.memory import Setup, estimate, estimate_group, shape_of
 
 # Projection names -> the memory model's short names.
 SHORT = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
@@ -44,3 +44,30 @@ def predicted_peak_mb(model_config, cell, dtype: str, seq: int | None = None) ->
     except AttributeError:  # not a Llama-like config the model can read
         return None
     return None if s is None else estimate(shape, s).peak / 2**20  # bytes -> MiB
+
+
+def group_peak_mb(model_config, cells: list, dtype: str, seq: int | None = None) -> float | None:
+    """A together-group's peak MB on its device by the memory model (memory.estimate_group: tensors only), or None
+    when the model does not cover one of its members (a method or optimizer it does not know)."""
+    setups = [setup_of(c, dtype, seq) for c in cells]
+    try:
+        shape = shape_of(model_config)
+    except AttributeError:
+        return None
+    if not setups or any(s is None for s in setups):
+        return None
+    return estimate_group(shape, [s for s in setups if s is not None]).peak / 2**20
+
+
+def members_that_fit(model_config, cells: list, dtype: str, budget_mb: float, most: int) -> int | None:
+    """How many of these cells (in order) one group holds within `budget_mb` by the memory model, at least 1 and at
+    most `most`; None when the model does not cover them."""
+    n = 0
+    for k in range(1, min(most, len(cells)) + 1):
+        peak = group_peak_mb(model_config, cells[:k], dtype)
+        if peak is None:
+            return None
+        if peak > budget_mb:
+            break
+        n = k
+    return max(1, n)

@@ -45,13 +45,15 @@ def init_mode(cell, layout: Layout, safetensors: bool = True) -> tuple[str, str]
 
 
 def prepare(model, optim_builder, cell, layout: Layout, precision: str = "fp32",
-            weights: Deferred | None = None) -> Stepper:
+            weights: Deferred | None = None, names=None) -> Stepper:
     """Wrap `model` for the layout and build its optimizer with optim_builder(trainable parameters), given as
     (name, parameter) pairs to the one-process stepper and as parameters to the engines.
 
     `model` must be the same (same weights) on every rank: build it from the same seed or checkpoint, or on
     the meta device with `weights` saying where each parameter's values are (init_mode "meta").
     `precision` is the one-process step's autocast; engines run the model in its own dtype.
+    `names` (one process only): parameter name -> the name its checkpoint and optimizer use (a together-group's
+    member: the alone cell's names, train/members.py).
     """
     try:
         check_layout(cell)
@@ -66,8 +68,10 @@ def prepare(model, optim_builder, cell, layout: Layout, precision: str = "fp32",
     if not (layout.distributed or uses_engine(cell.parallel)):
         from tunelab.train.parallel.local import LocalStepper
 
-        stepper = LocalStepper(model, optim_builder, cell, layout, precision)
+        stepper = LocalStepper(model, optim_builder, cell, layout, precision, names)
     else:
+        if names is not None:
+            raise ValueError("renamed parameters are for one process only (a together-group's member)")
         engine = ENGINES[cell.parallel.backend].stepper.load()
         stepper = engine(model, optim_builder, cell, layout, weights) if weights else engine(model, optim_builder,
                                                                                              cell, layout)

@@ -1,0 +1,28 @@
+"""The `run:` section of a matrix file: how `exp run` runs its cells, not what they are, so it is part of no cell's
+id (like `launcher:`). `together`: cells sharing a frozen base train in one process (run/together.py); the command
+line's `--together` and `--together-mode` go over it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class RunSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    together: str | int = Field("auto", description="cells that share a frozen base (model, data, batch shape) and "
+                                "differ in their adapters and optimizers train in one process: auto (as many as "
+                                "the device's memory fits), off, or at most N members (docs/training.md)")
+    together_mode: Literal["exact", "batched"] = Field(
+        "exact", description="exact: each member steps alone over the shared base, bit for bit the cell alone; "
+                             "batched: not available yet")
+
+    @field_validator("together")
+    @classmethod
+    def _together(cls, v: str | int) -> str | int:
+        if isinstance(v, bool) or (isinstance(v, int) and v < 1):
+            raise ValueError("auto, off, or a number of members (1 or more; 1 is off)")
+        if isinstance(v, str) and v.strip().lower() not in ("auto", "off") and not v.strip().isdigit():
+            raise ValueError("auto, off, or a number of members (1 or more; 1 is off)")
+        return v

@@ -1,0 +1,203 @@
+"""Several cells' adapters over one frozen base in one process: the members of a together-group (run/together.py
+plans them, cell/group.py runs them). Exact mode: each member steps alone, in turn, with the shapes it has alone, so
+its losses, gradients and checkpoints are the alone cell's bit for bit whatever its group-mates.
+
+What a member has of its own, and what makes it equal to the cell alone:
+    adapter     injected under the member's name (`m<k>`), drawn from its own seed right before (peft draws an
+                adapter's init from the global RNG: every method does, IA3 too), so its init is the alone init
+    names       its parameters, in its checkpoints and for its optimizer, keyed as the alone cell's (`alone_key`):
+                the adapter name becomes `default`, and the `.base_layer` segments that nesting adds go; either can
+                resume what the other saved
+    turn        before each of its steps: only its adapter active and trainable (`activate`, a walk over peft's
+                tuner layers: peft's own set_adapter is per PeftModel and one tuner type), its head settings back
+                on the shared output head (train/chunked.py's chunk, early flag and workspace: every
+                parallel.prepare writes them, and a group-mate's left there changes the last bits of a loss), its
+                own random streams (python, numpy, torch: dropout draws from them), the model in training mode
+    loop        its own `train.loop.Training` (stepper + optimizer, schedule, batches, validation, checkpoints),
+                driven a step at a time (`loop.advance`)
+    final/      its adapter alone, written by peft's save_pretrained from a skeleton of the base on the meta
+                device holding only the member's tensors (adapter_model.safetensors byte-identical to alone's)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tunelab.core.config import CellConfig
+from tunelab.train import checkpoint
+from tunelab.train import peft as tpeft
+from tunelab.train.chunked import CHUNK_ATTR, EARLY_ATTR, WORKSPACE_ATTR
+from tunelab.train.parallel.anatomy import causal_lm
+
+HEAD_ATTRS = (CHUNK_ATTR, EARLY_ATTR, WORKSPACE_ATTR)
+
+
+def member_name(k: int) -> str:
+    return f"m{k}"
+
+
+def alone_key(key: str, name: str) -> str:
+    """A member's parameter name as the alone cell has it. Tuner layers of several methods on one module nest
+    (ia3.Linear(base_layer=lora.Linear(...))): an adapter's parameter never lives under a base_layer alone, so
+    those segments go; the member's name becomes peft's `default` (IA3's ia3_l.<name> ends with it)."""
+    return (key.replace(".base_layer", "") + ".").replace(f".{name}.", ".default.")[:-1]
+
+
+def tuner_layers(model: Any) -> list[Any]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def _hosts(layer: Any, name: str) -> bool:
+    return any(name in getattr(layer, attr) for attr in layer.adapter_layer_names)
+
+
+def activate(model: Any, name: str) -> None:
+    """Member `name` alone: its adapters active and trainable in every tuner layer that hosts it, none active in
+    the others (a layer of another method, or a module it does not adapt). What peft's BaseTunerLayer.set_adapter
+    does per layer, for nested layers of several tuner types too."""
+    for layer in tuner_layers(model):
+        layer._active_adapter = [name] if _hosts(layer, name) else []
+        for attr in layer.adapter_layer_names:
+            for key, module in getattr(layer, attr).items():
+                module.requires_grad_(key == name)
+    if name in getattr(model, "peft_config", {}):
+        model.active_adapter = name  # the PeftModel's active config (train/loss.py asks is_prompt_learning)
+
+
+def inject(model: Any, name: str, cfg: CellConfig) -> Any:
+    """Member `name`'s adapter, drawn from its own seed (so its init is the alone init), onto `model` (the base, or
+    the PeftModel of the members before it) -> the PeftModel."""
+    from peft import get_peft_model, inject_adapter_in_model
+    from transformers import set_seed
+
+    set_seed(cfg.train.seed)
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    config = tpeft.config(base, cfg.peft)
+    try:
+        if not hasattr(model, "peft_config"):
+            return get_peft_model(model, config, adapter_name=name)
+        if config.peft_type == model.peft_type:
+            model.add_adapter(name, config)
+        else:  # another tuner type on the same base: injected by hand (a PeftModel holds one type)
+            inject_adapter_in_model(config, base, adapter_name=name)
+    except ValueError as e:  # e.g. a target module the model does not have
+        from tunelab.core.errors import UserError
+
+        raise UserError(f"peft could not wrap the model: {e}", key="peft") from None
+    return model
+
+
+def remove(model: Any, name: str) -> None:
+    """A member's adapter gone from every tuner layer (a released or failed member: its memory back)."""
+    for layer in tuner_layers(model):
+        if _hosts(layer, name):
+            layer._active_adapter = []  # (peft would pick another member to activate; each turn activates its own)
+            layer.delete_adapter(name)
+    getattr(model, "peft_config", {}).pop(name, None)
+
+
+def member_state(model: Any, name: str) -> dict[str, torch.Tensor]:
+    """A member's adapter tensors under their alone names."""
+    return {alone_key(n, name): p.detach() for n, p in model.named_parameters() if f".{name}." in n + "."}
+
+
+def write_final(model: Any, name: str, cfg: CellConfig, out: Path) -> None:
+    """final/ as the alone cell writes it: peft's own save_pretrained, on a skeleton of the base on the meta device
+    holding only this member's adapter (named `default`), its tensors assigned from the group's (no copy)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base_cfg = causal_lm(model).config
+    with torch.device("meta"), torch.random.fork_rng(devices=[]):
+        skeleton = AutoModelForCausalLM.from_config(base_cfg)
+    skeleton.config._name_or_path = base_cfg._name_or_path
+    view = get_peft_model(skeleton, tpeft.config(skeleton, cfg.peft))
+    missing = view.load_state_dict(member_state(model, name), strict=False, assign=True)
+    if missing.unexpected_keys:
+        raise RuntimeError(f"member {name}'s adapter does not fit its own skeleton: {missing.unexpected_keys[:3]}")
+    view.save_pretrained(str(out))
+
+
+@dataclass
+class HeadSettings:
+    """The output head's per-stepper attributes (train/chunked.py set_chunk) of one member."""
+
+    head: Any
+    values: dict[str, Any]
+
+    @classmethod
+    def of(cls, model: Any, shared: dict[str, Any]) -> HeadSettings | None:
+        head = causal_lm(model).get_output_embeddings()
+        if head is None:
+            return None
+        values = {a: getattr(head, a, None) for a in HEAD_ATTRS}
+        if values[WORKSPACE_ATTR] is not None:  # one workspace for the group: one member runs at a time
+            values[WORKSPACE_ATTR] = shared.setdefault("workspace", values[WORKSPACE_ATTR])
+        return cls(head, values)
+
+    def put(self) -> None:
+        for attr, value in self.values.items():
+            setattr(self.head, attr, value)
+
+
+@dataclass
+class Member:
+    """One member of a together-group: its adapter's name, its loop, its random streams and head settings, and
+    where it stands (`next`: the first step it has not trained)."""
+
+    k: int
+    cfg: CellConfig
+    model: Any  # the group's PeftModel
+    loop: Any  # train.loop.Training
+    rng: dict
+    head: HeadSettings | None
+    next: int = 1
+    resumed_from: int | None = None
+    paused_at: int | None = None
+    done: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return member_name(self.k)
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[Member]:
+        """This member's adapter alone active, its head settings and random streams in place; its streams saved
+        back after (whatever ends the turn)."""
+        activate(self.model, self.name)
+        if self.head is not None:
+            self.head.put()
+        self.model.train()
+        checkpoint.set_rng_state(self.rng)
+        try:
+            yield self
+        finally:
+            self.rng = checkpoint.rng_state()
+
+
+def setup(k: int, model: Any, rng: dict, shared: dict[str, Any], make_loop: Callable[[Callable[[str], str]], Any],
+          ) -> Member:
+    """Member k's loop over the group's model, its adapter active (its stepper sees only its parameters, under
+    their alone names), resumed from its folder's latest checkpoint as the cell alone would be. `rng`: the random
+    state right after its adapter was injected (what its alone run has at this point); `make_loop(names)` builds
+    its Training (train.loop.setup with the cell's settings)."""
+    from tunelab.train import loop as tloop
+
+    name = member_name(k)
+    activate(model, name)
+    checkpoint.set_rng_state(rng)
+    training = make_loop(lambda n: alone_key(n, name))
+    head = HeadSettings.of(model, shared)
+    start, resumed_from = tloop.resume(training)
+    cfg = training.cfg
+    training.final_writer = lambda out: write_final(model, name, cfg, out)
+    return Member(k, cfg, model, training, checkpoint.rng_state(), head, next=start, resumed_from=resumed_from)

@@ -1,0 +1,159 @@
+"""Which cells train together (#46, run/together.py): the grouping key holds what the base and its batches are made
+of and nothing that rides on it; every reason a cell runs alone is said by `exp plan`; how cells are grouped is a
+run setting (`--together`, the file's `run:` section) that never changes a cell's id; bad settings are exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import write
+
+from tunelab import plan
+from tunelab.run import together
+from tunelab.run.together import Setting, Unit, key, why_alone
+
+BASE = {"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic", "max_length": 48},
+        "peft": {"method": "lora"}, "train": {"steps": 4, "batch_size": 2}, "eval": {"tasks": ["val_loss"]}}
+
+
+def cfg(**changes):
+    raw = json.loads(json.dumps(BASE))
+    for dotted, value in changes.items():
+        section, _, name = dotted.partition("__")
+        raw.setdefault(section, {})[name] = value
+    return plan.cell_config(raw)
+
+
+FREE = [{"train__seed": 3}, {"train__steps": 9}, {"train__schedule": "linear"}, {"train__warmup_steps": 2},
+        {"train__max_grad_norm": None}, {"optim__lr": 1e-3}, {"optim__name": "lion"}, {"optim__weight_decay": 0.1},
+        {"peft__r": 32}, {"peft__alpha": 4.0}, {"peft__dropout": 0.0}, {"peft__target_modules": ["q_proj"]},
+        {"peft__method": "dora"}, {"peft__method": "ia3"}, {"train__loss_chunk": 64}, {"train__eval_every": 2},
+        {"train__save_every": 2}, {"eval__tasks": ["val_loss", "gsm8k_smoke"]}, {"eval__val_batches": 3}]
+SHARED = [{"model__dtype": "bfloat16"}, {"data__max_length": 64}, {"data__recipe": "dolly"},
+          {"train__batch_size": 4}, {"train__grad_accum": 2}, {"train__precision": "bf16"},
+          {"train__gradient_checkpointing": True}]
+
+
+@pytest.mark.parametrize("change", FREE, ids=lambda c: next(iter(c)))
+def test_what_rides_on_the_base_is_each_members_own(change):
+    assert key(cfg(**change)) == key(cfg()) and why_alone(cfg(**change)) is None
+
+
+@pytest.mark.parametrize("change", SHARED, ids=lambda c: next(iter(c)))
+def test_what_the_base_and_its_batches_are_made_of_is_shared(change):
+    assert key(cfg(**change)) != key(cfg())
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"peft__method": "none"}, "trains the base model itself"),
+    ({"peft__method": "prefix"}, "one prompt adapter per model"),
+    ({"parallel__dp": 2}, "runs on 2 processes"),
+    ({"train__compile": True}, "train.compile"),
+    ({"eval__checkpoints": {"at": [2], "workers": 1}}, "eval.checkpoints.workers"),
+    ({"eval__checkpoints": {"at": [2], "workers": 0}, "train__select": {"metric": "val_loss"}}, "train.select"),
+], ids=["none", "prefix", "dp", "compile", "beside", "select"])
+def test_each_reason_to_run_alone(change, words):
+    assert words in (why_alone(cfg(**change)) or "")
+
+
+def test_checkpoint_scores_after_training_join():
+    assert why_alone(cfg(eval__checkpoints={"at": [2], "workers": 0})) is None
+    assert why_alone(cfg(eval__checkpoints={"at": [2]}, train__device="cpu")) is None  # after training on CPU
+
+
+class C:
+    def __init__(self, slug, **changes):
+        self.slug, self.config = slug, cfg(**changes)
+
+
+def test_units_keep_cell_order_cap_at_n_and_say_why_a_cell_is_alone():
+    cells = [C("a"), C("full", peft__method="none"), C("b", optim__lr=1e-3), C("ia3", peft__method="ia3"),
+             C("c", peft__r=4), C("long", data__max_length=64)]
+    units = together.plan(cells, Setting())
+    assert [[c.slug for c in u.cells] for u in units] == [["a", "b", "ia3", "c"], ["full"], ["long"]]
+    assert units[0].together and "trains the base" in units[1].why and units[2].why == together.NO_PARTNER
+    two = together.plan(cells, Setting.parse("2", None))
+    assert [[c.slug for c in u.cells] for u in two if u.together] == [["a", "b"], ["ia3", "c"]]
+    assert all(not u.together for u in together.plan(cells, Setting.parse("off", None)))
+    three = together.plan(cells, Setting.parse(3, None))
+    assert "full (3 members each)" in next(u.why for u in three if u.cells[0].slug == "c")
+    late = together.plan(cells, Setting(), alone=lambda c: "told so" if c.slug == "b" else None)
+    assert Unit((cells[2],), why="told so") in late
+
+
+MATRIX = """name: tg
+base:
+  model: {name: tiny-random-llama}
+  data: {recipe: arithmetic, max_length: 48}
+  train: {steps: 2, batch_size: 2}
+  eval: {tasks: [val_loss]}
+matrix:
+  peft.method: [none, lora, dora]
+  optim.lr: [1.0e-3, 1.0e-4]
+RUN"""
+
+
+def test_exp_plan_says_which_cells_join_and_why_the_others_run_alone(cli, tmp_path):
+    path = write(tmp_path / "tg.yaml", MATRIX.replace("RUN", ""))
+    code, out, err = cli("plan", path)
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "group 1 (4 members, one base): lora-lr0.001, lora-lr0.0001, dora-lr0.001, dora-lr0.0001" in text
+    assert "none-lr0.001 runs alone: peft.method none: it trains the base model itself" in text
+    code, out, _ = cli("plan", path, "--together", "off")
+    assert "group 1" not in out and out.count("runs alone: --together off") == 6
+
+
+def test_the_run_section_and_the_flag_change_no_cell_id(cli, tmp_path):
+    ids = []
+    for name, run, flags in (("a", "", ()), ("b", "run: {together: 2}\n", ()), ("c", "", ("--together", "off"))):
+        path = write(tmp_path / f"{name}.yaml", MATRIX.replace("RUN", run))
+        code, out, err = cli("plan", path, "--json", *flags)
+        assert code == 0, err
+        rows = json.loads(out)
+        ids.append([(r["id"], r["eval_id"]) for r in rows])
+        joined = [r["together"] for r in rows if "group" in r["together"]]
+        assert len(joined) == {"a": 4, "b": 4, "c": 0}[name]
+        if name == "b":
+            assert {len(j["members"]) for j in joined} == {2}
+    assert ids[0] == ids[1] == ids[2]
+
+
+@pytest.mark.parametrize(("args", "run", "words"), [
+    (("--together", "banana"), "", ["--together 'banana'", "auto, off, or a number"]),
+    (("--together-mode", "batched"), "", ["--together-mode batched", "not available yet", "exact"]),
+    ((), "run: {together_mode: batched}\n", ["tg.yaml", "run.together_mode batched", "not available yet"]),
+    ((), "run: {together: 0}\n", ["tg.yaml", "run.together", "a number of members"]),
+    ((), "run: {togethr: 2}\n", ["tg.yaml", "run.togethr"]),
+], ids=["flag", "mode", "file-mode", "file-zero", "file-typo"])
+def test_bad_together_settings_are_one_paragraph_and_exit_2(cli, tmp_path, args, run, words):
+    path = write(tmp_path / "tg.yaml", MATRIX.replace("RUN", run))
+    code, out, err = cli("run", path, "--runs-dir", tmp_path / "runs", *args)
+    assert code == 2 and "Traceback" not in err, err
+    text = " ".join(err.split())
+    assert all(w in text for w in words), text
+    assert not (tmp_path / "runs" / "tg").exists()  # nothing half-written
+
+
+def test_a_groups_memory_counts_the_base_once_and_one_members_step_at_a_time():
+    from tunelab.train.parallel.memory import MEMBER_OVERHEAD, SHAPES, Setup, estimate, estimate_group
+
+    shape, lora = SHAPES["llama-7b"], Setup(peft="lora", lora_r=16, seq=512, batch=4, dp=1)
+    rank64 = Setup(peft="lora", lora_r=64, seq=1024, batch=4, dp=1)
+    one, big = estimate(shape, lora), estimate(shape, rank64)
+    group = estimate_group(shape, [lora] * 7 + [rank64])
+    base = one.params - (one.trainable * 2)  # bfloat16 weights: 2 bytes a value
+    assert group.params == base + 7 * (one.params - base) + (big.params - base) + 8 * MEMBER_OVERHEAD
+    assert group.optimizer == 7 * one.optimizer + big.optimizer
+    assert group.activations == big.activations and group.grads == big.grads  # one member steps at a time
+    assert big.peak < group.peak < 1.1 * big.peak  # 7 more adapters and their state: small beside the base
+
+
+def test_exp_memory_predicts_a_group_and_refuses_what_cannot_join(cli):
+    code, out, err = cli("memory", "--model", "llama-7b", "--peft", "lora", "--together", "8", "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["together"] == 8 and got["group_bytes"]["peak"] > got["estimate_bytes"]["peak"]
+    code, _, err = cli("memory", "--model", "llama-7b", "--together", "8")
+    assert code == 2 and "--together N" in err and "--peft lora" in " ".join(err.split())
