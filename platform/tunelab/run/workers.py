@@ -24,7 +24,8 @@ from tunelab.core import events
 from tunelab.core.locks import LOCK_FDS_ENV, CellLock
 from tunelab.folders.cell import CellFolder
 from tunelab.folders.matrix import MatrixFolder
-from tunelab.run.launch import STOP_AT_ENV, VALIDATE_AT_ENV, worker_command
+from tunelab.machine.threads import OWN_ENV
+from tunelab.run.launch import STOP_AT_ENV, VALIDATE_AT_ENV, threads_env, worker_command
 
 _COUNT = itertools.count()
 
@@ -130,8 +131,9 @@ def start(key: str, members: list[tuple[CellFolder, CellLock]], matrix: MatrixFo
     dirs = [f.path.resolve() for f, _ in members]
     command = worker_command(name, dirs)
     fds = {str(d): held.fileno() for d, (_, held) in zip(dirs, members)}
-    env = {k: v for k, v in os.environ.items() if k not in (STOP_AT_ENV, VALIDATE_AT_ENV)}
-    env.update({"PYTHONUNBUFFERED": "1", LOCK_FDS_ENV: json.dumps(fds)})
+    env = {k: v for k, v in os.environ.items() if k not in (STOP_AT_ENV, VALIDATE_AT_ENV, *OWN_ENV)}
+    # Its threads sized as a cell process's (run/launch.py): this machine's CPUs, the first member's count kept
+    env.update({"PYTHONUNBUFFERED": "1", LOCK_FDS_ENV: json.dumps(fds), **threads_env(None, 1, members[0][0].env())})
     when = f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} runner pid {os.getpid()} on {socket.gethostname()}"
     with log.open("a") as out:
         out.write(f"{when} starts: {' '.join(command)}\n")
