@@ -25,9 +25,16 @@ app.add_typer(eval_app, name="eval", help="Evaluate any model on a suite; fetch 
 def run_cmd(
     model: Annotated[str, typer.Argument(help="catalog alias, local folder (a cell's final/), a cell's checkpoint "
                                               "(CELL/checkpoints/step-N) or hub id")],
+    cells: Annotated[list[Path] | None, typer.Argument(help="with --adapters: the LoRA/DoRA/IA3 cells of MODEL to "
+                                                            "evaluate together", show_default=False)] = None,
+    adapters: Annotated[bool, typer.Option("--adapters", help="MODEL is a base; evaluate the final/ adapters of the "
+                                           "CELLS after it over one load of it, in shared passes, each into its "
+                                           "cell's eval/<eval-id>/ (its own eval section unless --suite/--tasks)")
+                        ] = False,
     suite: Annotated[str | None, typer.Option(help="suite in evals/ (paper, quick, full) or a suite YAML; default: "
                                               "quick, and for a checkpoint its cell's checkpoint settings")] = None,
-    out: Annotated[Path, typer.Option(help="folder for results.json and samples.jsonl")] = Path("eval-out"),
+    out: Annotated[Path | None, typer.Option(help="folder for results.json and samples.jsonl  [default: eval-out]",
+                                             show_default=False)] = None,
     tasks: Annotated[str | None, typer.Option(help="comma-separated tasks (tunelab's, lm-eval's, include-path's), "
                                               "replacing the suite's")] = None,
     limit: Annotated[int | None, typer.Option(help="examples per task (per subject), replacing the suite's")] = None,
@@ -37,7 +44,8 @@ def run_cmd(
     batch_size: Annotated[int | None, typer.Option(help="batch size, replacing the suite's")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
 ) -> None:
-    """Evaluate MODEL on a suite; writes OUT/results.json and OUT/samples.jsonl."""
+    """Evaluate MODEL on a suite; writes OUT/results.json and OUT/samples.jsonl. With --adapters: evaluate the
+    CELLS' adapters over the base MODEL together."""
     from rich.console import Console
 
     from tunelab import plan
@@ -46,7 +54,13 @@ def run_cmd(
     from tunelab.core.errors import UserError, explain
 
     given = {"limit": limit, "data_dir": data_dir, "batch_size": batch_size, "include_path": include_path}
-    ckpt = checkpoint_of(Path(model))
+    if bool(cells) != adapters:
+        usage = "several cells' adapters over one base: exp eval run BASE --adapters CELL..."
+        raise UserError(f"unexpected argument(s) after MODEL: {' '.join(map(str, cells or []))} ({usage})" if cells
+                        else f"--adapters needs the cells to evaluate ({usage})")
+    if adapters and out is not None:
+        raise UserError("--out: with --adapters each cell's results go to its own eval/<eval-id>/")
+    ckpt = None if adapters else checkpoint_of(Path(model))
     raw: dict[str, object] = {**_settings_of(ckpt, suite), **{k: v for k, v in given.items() if v is not None}}
     if limit is not None:
         raw["limits"] = {}  # the suite's per-task limits too: --limit is the one limit
@@ -60,6 +74,11 @@ def run_cmd(
         raise explain(e, EvalCfg, file="command line", where=where) from None
     if device not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device {device!r}: allowed are auto, cpu, cuda")
+    if adapters:  # each cell's own eval section unless the command line sets one
+        own = suite is None and tasks is None and all(v is None for v in given.values())
+        _adapters(model, cells or [], None if own else cfg, device, Console())
+        return
+    out = Path("eval-out") if out is None else out
     result = _evaluate(ckpt, model_cfg, cfg, out, device, console := Console())
     _show(result, out, console)
 
@@ -78,6 +97,16 @@ def _evaluate(ckpt: tuple[Any, int] | None, model_cfg: Any, cfg: Any, out: Path,
     lm, tok = loading.load(model_cfg, device_of(device))
     with _bars(console) as emit:
         return evals.run(lm, tok, cfg, evals.Context(out_dir=out, model_note=loading.source_note(model_cfg.name)), emit)
+
+
+def _adapters(base: str, cells: list[Path], ecfg: Any, device: str, console: Any) -> None:
+    from tunelab.tools import evaluate_adapters
+
+    with _bars(console) as emit:
+        done = evaluate_adapters.evaluate(base, cells, ecfg, device, emit)
+    for folder, out, result in done:
+        console.print(f"{folder.label}:", highlight=False)
+        _show(result, out, console)
 
 
 def _show(result: dict, out: Path, console: Any) -> None:

@@ -4,5 +4,6 @@ May import: core, folders, optimizers, plan, machine, data, models, train.
 """
 
 from tunelab.evals.suite import TASKS, Context, run
+from tunelab.evals.together import run_together
 
-__all__ = ["TASKS", "Context", "run"]
+__all__ = ["TASKS", "Context", "run", "run_together"]
