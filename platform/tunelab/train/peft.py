@@ -164,6 +164,8 @@ def load_adapters(model: Any, folders: list[Path], names: list[str]) -> Any:
     """Trained adapters (final/ folders of PEFT cells over the same base) onto `model`, unmerged, as `names`: peft's
     `inject_adapter_in_model` + `set_peft_model_state_dict`, so LoRA, DoRA and IA3 share one base (several tuner
     types on one module nest) -> the model, for evals.run_together."""
+    import warnings
+
     import torch
     from peft import PeftConfig, inject_adapter_in_model, set_peft_model_state_dict
     from peft.tuners.tuners_utils import cast_adapter_dtype
@@ -171,7 +173,8 @@ def load_adapters(model: Any, folders: list[Path], names: list[str]) -> Any:
 
     for folder, name in zip(folders, names, strict=True):
         config = PeftConfig.from_pretrained(str(folder))
-        with torch.random.fork_rng(devices=[]):  # the adapters' first values are overwritten: they draw on a fork
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():  # first values overwritten: on a fork
+            warnings.filterwarnings("ignore", "Already found a `peft_config`")  # several adapters: what we want
             inject_adapter_in_model(config, model, adapter_name=name)
         cast_adapter_dtype(model, adapter_name=name)  # fp32 adapters on a bf16/fp16 base, as PeftModel loads them
         loaded: Any = set_peft_model_state_dict(model, load_peft_weights(str(folder), device="cpu"), adapter_name=name)
