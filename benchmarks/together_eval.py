@@ -100,7 +100,7 @@ def run_side(args, side: str) -> dict:
     cmds = ([["alone", str(k)] for k in range(args.adapters)] if side == "alone" else [["together"]])
     t0, parts = time.perf_counter(), []
     for c in cmds:
-        proc = subprocess.run([sys.executable, __file__, "--child", *c, *forwarded(args)], env=env,
+        proc = subprocess.run([sys.executable, __file__, "--child", *c, *forwarded(args)], env=env, check=False,
                               capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("CHILD ")), None)
         if proc.returncode != 0 or line is None:

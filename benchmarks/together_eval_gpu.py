@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 
-
 def shapes(vocab: int, new: int, scale: int):
     """(scoring requests as lm-eval hands them to _loglikelihood_tokens, generation requests)."""
     from tunelab.evals.engine.generate import Request
