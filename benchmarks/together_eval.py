@@ -1,7 +1,7 @@
 """Adapters of one base on an eval suite: one at a time against together, side by side in one invocation.
 
     python benchmarks/together_eval.py [--model smollm2-135m-instruct] [--adapters 4] [--suite quick]
-        [--order alone,together] [--work DIR] [--threads T]
+        [--order alone,together] [--work DIR] [--threads T] [--val-batches 8]
 
 One at a time is what `exp eval run` does for each cell: a process of its own that imports tunelab, loads the
 base, puts the cell's adapter on it (`train.peft.load_trained`'s PeftModel.from_pretrained, `for_eval`: unmerged)
@@ -11,7 +11,8 @@ start to exit; each also reports where its time went (imports, loading, each tas
 
 The adapters are LoRA r8 on every projection of the base with random weights, small enough that the model still
 answers like itself (its generation lengths are the base's) and different enough that each adapter's scores are
-its own. The validation set is the arithmetic recipe's (val_loss is then measured, not copied from training).
+its own. The validation set is the arithmetic recipe's, `--val-batches` batches of it (val_loss is then measured, as
+for a cell whose training did not measure it; the quick suite alone would take the whole set).
 The MMLU test set comes from the offline cache (`exp eval pull`, done before any timing); GSM8K and BBH have no
 offline source and are reported unavailable on both sides (their smoke stand-ins run).
 
@@ -68,7 +69,7 @@ def child(args) -> None:
     times = {"import_s": time.perf_counter() - t0}
     torch.set_num_threads(args.threads)
     folders = sorted((args.work / "adapters").iterdir())[:args.adapters]
-    cfg = plan.eval_config({"suite": args.suite})
+    cfg = plan.eval_config({"suite": args.suite, "val_batches": args.val_batches})
     t = time.perf_counter()
     base, tok = loading.load(ModelCfg(name=args.model, dtype="float32", attn="sdpa"))
     if args.child[0] == "alone":
@@ -111,7 +112,7 @@ def run_side(args, side: str) -> dict:
 
 def forwarded(args) -> list[str]:
     return ["--model", args.model, "--adapters", str(args.adapters), "--suite", args.suite, "--work", str(args.work),
-            "--threads", str(args.threads)]
+            "--threads", str(args.threads), "--val-batches", str(args.val_batches)]
 
 
 def compare(work: Path, n: int) -> str:
@@ -146,6 +147,7 @@ def main() -> None:
     ap.add_argument("--order", default="alone,together")
     ap.add_argument("--work", type=Path, default=Path("/tmp/together-eval"))
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    ap.add_argument("--val-batches", type=int, default=8)
     ap.add_argument("--child", nargs="+")
     args = ap.parse_args()
     if args.child:
@@ -155,7 +157,8 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     make_adapters(args.model, args.adapters, args.work)
     pull(log=lambda *_: None)  # MMLU into the offline cache before any timing
-    print(f"{args.adapters} LoRA adapters of {args.model} on the {args.suite} suite, {args.threads} threads, "
+    print(f"{args.adapters} LoRA adapters of {args.model} on the {args.suite} suite (val_batches "
+          f"{args.val_batches}), {args.threads} threads, "
           f"{os.cpu_count()} CPUs; load {load()}", flush=True)
     sides = {}
     for side in args.order.split(","):

@@ -24,18 +24,18 @@ KINDS = {"lora": PeftCfg(method="lora"), "lora_qv": PeftCfg(method="lora", r=4, 
          "dora": PeftCfg(method="dora"), "ia3": PeftCfg(method="ia3")}
 
 
-def make_adapter(folder: Path, cfg: PeftCfg, seed: int) -> Path:
+def make_adapter(folder: Path, cfg: PeftCfg, seed: int, model: str = "tiny-random-llama", scale: float = 1.0) -> Path:
     """An adapter as a cell's final/ holds it, with random non-trivial weights (lora_B != 0, ia3 != 1, DoRA
     magnitudes moved), so that a row sent through the wrong adapter shows."""
-    base, tok = loading.load(ModelCfg(name="tiny-random-llama"))
-    model = peft.apply(base, cfg)
+    base, tok = loading.load(ModelCfg(name=model))
+    wrapped = peft.apply(base, cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in wrapped.named_parameters():
             if p.requires_grad:
-                noise = torch.randn(p.shape, generator=gen)
+                noise = scale * torch.randn(p.shape, generator=gen)
                 p.copy_(p * (1 + 0.3 * noise) if "ia3_l" in name or "magnitude" in name else 0.15 * noise)
-    model.save_pretrained(folder)
+    wrapped.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 
@@ -46,17 +46,17 @@ def adapters(tmp_path_factory) -> dict[str, Path]:
     return {kind: make_adapter(root / kind, cfg, seed) for seed, (kind, cfg) in enumerate(KINDS.items())}
 
 
-def alone(folder: Path, merged: bool = False):
+def alone(folder: Path, merged: bool = False, model: str = "tiny-random-llama"):
     """The adapter evaluated alone as a cell evaluates its final/ (train.peft.load_trained + for_eval)."""
     from peft import PeftModel
 
-    base, tok = loading.load(ModelCfg(name="tiny-random-llama"))
+    base, tok = loading.load(ModelCfg(name=model))
     model = PeftModel.from_pretrained(base, folder).eval()
     return (model.merge_and_unload() if merged else peft.for_eval(model)), tok
 
 
-def together(folders: dict[str, Path]):
-    base, tok = loading.load(ModelCfg(name="tiny-random-llama"))
+def together(folders: dict[str, Path], model: str = "tiny-random-llama"):
+    base, tok = loading.load(ModelCfg(name=model))
     return peft.load_adapters(base, list(folders.values()), list(folders)).eval(), tok
 
 
@@ -101,6 +101,22 @@ def test_mixed_passes_score_each_row_as_its_adapter_alone(adapters):
         merged, _ = alone(adapters[n], merged=True)
         drift = max(abs(a - b) for a, b in zip(ref, logliks(PackedModel(merged), seqs[n], [None] * 6)))
         print(f"{n}: |unmerged - merged| of whole-sequence sums (~{sum(ref) / 6:.0f}) at most {drift:.1e}")
+
+
+def test_an_adapter_routing_cannot_serve_is_refused_and_peft_forwards_come_back(tmp_path):
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from tunelab.core.errors import UserError
+
+    folder = make_adapter(tmp_path / "emb", PeftCfg(method="lora", target_modules=["embed_tokens", "q_proj"]), 0)
+    model, tok = together({"emb": folder})
+    with pytest.raises(UserError, match=r"model\.embed_tokens \(a peft\.tuners\.lora\.layer\.Embedding\)"):
+        evals.run_together(model, tok, EvalCfg(tasks=["val_loss"]), [evals.Context(out_dir=tmp_path / "o")], ["emb"])
+    assert not (tmp_path / "o").exists()
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    with route.installed(model):
+        assert all("forward" in m.__dict__ for m in layers if type(m).__name__ == "Linear")
+    assert not any("forward" in m.__dict__ for m in layers) and route.router_of(model) is None
 
 
 def test_greedy_generation_of_mixed_rows_equals_each_alone(adapters):
@@ -245,3 +261,29 @@ def test_exp_eval_run_adapters_writes_what_each_cell_wrote_alone(cli, tmp_path):
         code, _, err = cli("eval", "run", *args)
         assert code == 2 and says in " ".join(err.split()) and "Traceback" not in err, (args, err)
     assert files() == before  # nothing written
+
+
+@pytest.mark.slow
+def test_the_quick_suite_on_smollm2_gives_two_adapters_what_each_gets_alone(tmp_path):
+    """The quick suite (evals/quick.yaml; GSM8K and BBH unavailable offline, their smoke stand-ins run) on
+    SmolLM2-135M-Instruct with a LoRA and an IA3 adapter: every task's results and samples equal alone's."""
+    from tunelab import plan
+
+    model = "smollm2-135m-instruct"
+    chosen = {"lora": make_adapter(tmp_path / "lora", KINDS["lora"], 0, model, scale=0.1),
+              "ia3": make_adapter(tmp_path / "ia3", KINDS["ia3"], 1, model, scale=0.1)}
+    cfg = plan.eval_config({"suite": "quick"})
+    both, tok = together(chosen, model)
+    data = validation(tok)
+
+    def ctx(where: Path):
+        return evals.Context(out_dir=where, validation=data["validation"], train=data["train"])
+
+    evals.run_together(both, tok, cfg, [ctx(tmp_path / "together" / n) for n in chosen], list(chosen))
+    for n, folder in chosen.items():
+        one, tok1 = alone(folder, model=model)
+        evals.run(one, tok1, cfg, ctx(tmp_path / "alone" / n))
+        ours, theirs = comparable(tmp_path / "together" / n), comparable(tmp_path / "alone" / n)
+        assert ours == theirs, n
+        assert {t for t, r in ours[0]["tasks"].items() if r["status"] == "ok"} >= {
+            "val_loss", "mmlu", "gsm8k_smoke", "bbh_smoke", "humaneval"}

@@ -1,4 +1,5 @@
-"""The evaluation layer: a registry of tasks scored against a model in memory.
+"""The evaluation layer: a registry of tasks scored against a model in memory (`run`), or against several PEFT
+adapters of one base in shared passes, one results.json each (`run_together`, together.py).
 
 May import: core, folders, optimizers, plan, machine, data, models, train.
 """

@@ -93,11 +93,12 @@ def installed(model) -> Iterator[Router]:
     if existing is not None:
         yield existing
         return
-    router = Router()
+    router, own = Router(), []  # own: whether a layer's forward was an instance attribute (a hook's) before
     for layer in model.modules():
         fn = _lora if type(layer) is LoraLinear else _ia3 if type(layer) is IA3Linear else None
         if fn is None:
             continue
+        own.append("forward" in layer.__dict__)
         setattr(layer, _ORIGINAL_ATTR, layer.forward)
         layer.forward = types.MethodType(_routed(fn, router), layer)
         router.layers.append(layer)
@@ -106,8 +107,11 @@ def installed(model) -> Iterator[Router]:
         yield router
     finally:
         delattr(model, _ROUTER_ATTR)
-        for layer in router.layers:
-            del layer.forward  # the instance attribute: the class's forward again
+        for layer, instance in zip(router.layers, own):
+            if instance:
+                layer.forward = getattr(layer, _ORIGINAL_ATTR)
+            else:
+                del layer.forward  # the class's forward again
             delattr(layer, _ORIGINAL_ATTR)
 
 
@@ -145,7 +149,7 @@ def _lora(layer, x, blocks, quantum, args, kwargs) -> torch.Tensor:
     if not hosted:
         return result
     dtype = result.dtype
-    flat_x, out = x.reshape(-1, x.shape[-1]), result.reshape(-1, result.shape[-1])
+    flat_x, out = x.reshape(-1, x.shape[-1]), result.view(-1, result.shape[-1])  # out: written in place
     for name, a, b in hosted:
         xs = layer._cast_input_dtype(_padded_rows(flat_x, a, b, quantum), layer.lora_A[name].weight.dtype)
         if name not in layer.lora_variant:  # LoRA: result + lora_B(lora_A(dropout(x))) * scaling
@@ -170,7 +174,7 @@ def _ia3(layer, x, blocks, quantum, args, kwargs) -> torch.Tensor:
             scaled[a:b] = (scaled[a:b].to(scale.dtype) * scale.flatten()).to(x.dtype)
         return layer.base_layer(scaled.view_as(x), *args, **kwargs)
     result = layer.base_layer(x, *args, **kwargs)
-    out = result.reshape(-1, result.shape[-1])
+    out = result.view(-1, result.shape[-1])  # written in place
     for name, a, b in hosted:
         out[a:b] = (out[a:b] * layer.ia3_l[name].flatten()).to(result.dtype)
     return result
