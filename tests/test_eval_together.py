@@ -103,6 +103,23 @@ def test_mixed_passes_score_each_row_as_its_adapter_alone(adapters):
         print(f"{n}: |unmerged - merged| of whole-sequence sums (~{sum(ref) / 6:.0f}) at most {drift:.1e}")
 
 
+def test_where_hflm_serves_each_adapter_is_answered_as_alone(adapters):
+    """lm-eval's own HFLM code (here: prefix sharing off), one adapter after another, every row routed to it."""
+    from tunelab.evals.lmeval.fanout import FanOutLM
+    from tunelab.evals.lmeval.lm import SharedPrefixLM
+
+    chosen = {k: adapters[k] for k in ("dora", "ia3")}
+    model, tok = together(chosen)
+    requests = [(None, s[:-3], s[-3:]) for s in sequences(6, 3)]
+    with route.installed(model):
+        lm = FanOutLM(model, tok, list(chosen), batch_size=4, share_prefixes=False)
+        answers = [lm._loglikelihood_tokens(requests), *lm.others]
+    assert lm.served == {("loglikelihood", "hf: share_prefixes off"): 6}
+    for got, folder in zip(answers, chosen.values()):
+        one, _ = alone(folder)
+        assert got == SharedPrefixLM(one, tok, batch_size=4, share_prefixes=False)._loglikelihood_tokens(requests)
+
+
 def test_an_adapter_routing_cannot_serve_is_refused_and_peft_forwards_come_back(tmp_path):
     from peft.tuners.tuners_utils import BaseTunerLayer
 
