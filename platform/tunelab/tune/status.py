@@ -9,7 +9,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from tunelab.core.errors import UserError
 from tunelab.core.files import read_json
-from tunelab.folders.matrix import MatrixFolder
+from tunelab.folders.matrix import REWRITE, MatrixFolder
 from tunelab.tune import record
 
 STATE = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "failed",
@@ -30,11 +30,13 @@ def trial_row(matrix_dir: Path, t: FrozenTrial) -> dict[str, Any]:
 
 
 def study_row(matrix_dir: Path, entry: dict[str, Any]) -> dict[str, Any]:
-    storage = record.open_storage(entry["storage"], matrix_dir)
     try:
+        storage = record.open_storage(entry["storage"], matrix_dir)
         attrs, stored = record.load(storage, entry["study"])
     except KeyError:  # listed, but its first stage has not ended yet
         attrs, stored = {}, []
+    except ValueError as e:  # Optuna's journal reader stops at a damaged line (JSONDecodeError is one)
+        raise record.damaged_journal(matrix_dir) or e from None
     info = attrs.get("tunelab") or {}
     rows = [trial_row(matrix_dir, t) for t in stored]
     done = [r for r in rows if r["state"] == "complete" and r["value"] is not None]
@@ -48,7 +50,7 @@ def study_row(matrix_dir: Path, entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def collect(matrix_dir: Path) -> list[dict[str, Any]]:
-    index = read_json(MatrixFolder(matrix_dir).studies_file)
+    index = read_json(MatrixFolder(matrix_dir).studies_file, list, REWRITE)
     if index is None:
         raise UserError("no searches here (no tune/studies.json): `exp run` a matrix with a tune: section first",
                         file=matrix_dir)
