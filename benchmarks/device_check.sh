@@ -15,8 +15,11 @@ for mode in "" "--pack"; do
     --out "$OUT/throughput${mode//-/_}.json" 2>&1 | grep -v -i warn | tail -4 | tee -a "$OUT/throughput.txt"
 done
 # 3. The decoding engine: batch-size independence on CPU and CUDA, greedy parity with model.generate, speed.
-tiny=$(python3 -c "from tunelab import models; print(models.resolve('tiny-random-llama'))")
+tiny=$(python3 -c "from tunelab.models.loading import resolve; print(resolve('tiny-random-llama'))")
 timeout 300 python3 benchmarks/eval_gpu_check.py --tiny "$tiny" --out "$OUT/eval_gpu.json" 2>&1 | tail -20 \
   | tee "$OUT/eval_gpu.txt"
-# 4. Sharded initialisation, multi-process and multi-node (about 4 minutes; writes $OUT/scale/).
+# 4. Four adapters of a random ~1B Llama evaluated one at a time vs together on the quick suite's shapes (~2 min).
+timeout 420 python3 benchmarks/together_eval_gpu.py --tiny "$tiny" --out "$OUT/together_eval_gpu.json" 2>&1 | tail -4 \
+  | tee "$OUT/together_eval_gpu.txt"
+# 5. Sharded initialisation, multi-process and multi-node (about 4 minutes; writes $OUT/scale/).
 bash benchmarks/device_scale_check.sh

@@ -25,6 +25,19 @@ def _threads() -> str:
 os.environ["OMP_NUM_THREADS"] = _threads()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", help="also run the tests marked slow (minutes each)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow") or os.environ.get("TUNELAB_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: run with --slow (or TUNELAB_SLOW=1)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("tunelab-cache")

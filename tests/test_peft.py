@@ -1,5 +1,5 @@
-"""Every PEFT method trains, saves its adapter in final/ and reloads from it; mergeable ones merge for
-evaluation with the same outputs; family defaults pick the right modules; qlora is refused off CUDA."""
+"""Every PEFT method trains, saves its adapter in final/ and reloads from it; evaluation runs the adapter unmerged
+with the same outputs; family defaults pick the right modules; qlora is refused off CUDA."""
 
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ def test_method_trains_saves_and_reloads(tmp_path, method):
         assert torch.allclose(reloaded(**batch).logits, trained, atol=1e-5)
 
         evaluated = peft.for_eval(model)
-        merged = method in ("lora", "dora", "ia3")
-        assert isinstance(evaluated, PeftModel) is not merged
-        assert torch.allclose(evaluated(**batch).logits, trained, atol=1e-4)
+        # tuner layers stay unmerged inside the transformers model; prompt learning keeps its PeftModel
+        assert isinstance(evaluated, PeftModel) is (method not in ("lora", "dora", "ia3"))
+        assert torch.equal(evaluated(**batch).logits, trained)
     out = evaluated.generate(**batch, max_new_tokens=3, do_sample=False)
     assert out.shape[1] == batch["input_ids"].shape[1] + 3
 

@@ -27,10 +27,17 @@ def run_cmd(
     model: Annotated[str, typer.Argument(help="what to evaluate: a catalog alias, a cell (its folder, its final/, or "
                                               "its name as the leaderboard prints it), a cell's checkpoint "
                                               "(CELL/checkpoints/step-N), a folder with a model, or a hub id")],
+    cells: Annotated[list[Path] | None, typer.Argument(help="with --adapters: the LoRA/DoRA/IA3 cells of MODEL to "
+                                                            "evaluate together", show_default=False)] = None,
+    adapters: Annotated[bool, typer.Option("--adapters", help="MODEL is a base; evaluate the final/ adapters of the "
+                                           "CELLS after it over one load of it, in shared passes, each into its "
+                                           "cell's eval/<eval-id>/ (its own eval section unless --suite/--tasks)")
+                        ] = False,
     suite: Annotated[str | None, typer.Option(help="suite in evals/ (paper, quick, full) or a suite YAML; default: "
                                               "quick, or with --tasks no suite (every item of each task); a cell "
                                               "or checkpoint: its own eval settings")] = None,
-    out: Annotated[Path, typer.Option(help="folder for results.json and samples.jsonl")] = Path("eval-out"),
+    out: Annotated[Path | None, typer.Option(help="folder for results.json and samples.jsonl  [default: eval-out]",
+                                             show_default=False)] = None,
     tasks: Annotated[str | None, typer.Option(help="comma-separated tasks (tunelab's, lm-eval's, include-path's), "
                                               "replacing the suite's")] = None,
     limit: Annotated[int | None, typer.Option(help="examples per task (per subject), replacing the suite's")] = None,
@@ -42,7 +49,8 @@ def run_cmd(
     threads: Threads = None,
     runs_dir: RunsDir = Path("runs"),
 ) -> None:
-    """Evaluate MODEL on a suite; writes OUT/results.json and OUT/samples.jsonl."""
+    """Evaluate MODEL on a suite; writes OUT/results.json and OUT/samples.jsonl. With --adapters: evaluate the
+    CELLS' adapters over the base MODEL together."""
     from tunelab.machine.threads import start_process
 
     start_process(threads)  # first: before torch loads (its waiting policy, its threads: machine/threads.py)
@@ -57,6 +65,12 @@ def run_cmd(
         raise UserError(f"--device {device!r}: allowed are auto, cpu, cuda")
     target = resolve(model, "eval run", ("alias", "cell", "checkpoint", "model", "hub"), runs_dir)
     given = {"limit": limit, "data_dir": data_dir, "batch_size": batch_size, "include_path": include_path}
+    if bool(cells) != adapters:
+        usage = "several cells' adapters over one base: exp eval run BASE --adapters CELL..."
+        raise UserError(f"unexpected argument(s) after MODEL: {' '.join(map(str, cells or []))} ({usage})" if cells
+                        else f"--adapters needs the cells to evaluate ({usage})")
+    if adapters and out is not None:
+        raise UserError("--out: with --adapters each cell's results go to its own eval/<eval-id>/")
     raw: dict[str, object] = {**_settings_of(target, suite, bool(tasks)),
                               **{k: v for k, v in given.items() if v is not None}}
     if limit is not None:
@@ -72,6 +86,11 @@ def run_cmd(
         raise explain(e, EvalCfg, file="command line", where=where) from None
     quiet_libraries()
     console = Console()
+    if adapters:  # each cell's own eval section unless the command line sets one
+        own = suite is None and tasks is None and all(v is None for v in given.values())
+        _adapters(model, cells or [], None if own else cfg, device, console)
+        return
+    out = Path("eval-out") if out is None else out
     with interruptible(f"nothing was scored; {out} holds what was written so far"), \
             libraries_to(EvalFolder(out).log_file):
         result = _evaluate(target, model_cfg, cfg, out, device, console)
@@ -98,6 +117,16 @@ def _evaluate(target: Any, model_cfg: Any, cfg: Any, out: Path, device: str, con
         raise UserError(f"cannot load a model from it: {e}", file=target.given) from None
     with _bars(console) as emit:
         return evals.run(lm, tok, cfg, evals.Context(out_dir=out, model_note=loading.source_note(model_cfg.name)), emit)
+
+
+def _adapters(base: str, cells: list[Path], ecfg: Any, device: str, console: Any) -> None:
+    from tunelab.tools import evaluate_adapters
+
+    with _bars(console) as emit:
+        done = evaluate_adapters.evaluate(base, cells, ecfg, device, emit)
+    for folder, out, result in done:
+        console.print(f"{folder.label}:", highlight=False)
+        _show(result, out, console)
 
 
 def _show(result: dict, out: Path, console: Any) -> None:

@@ -280,6 +280,10 @@ class TaskSpec:
     # tune.allow_test_selection, and its selections are then marked).
     split: Literal["validation", "test"] = "test"
     lower_is_better: bool = False  # the direction a selection or a search optimizes it in by default
+    # (name, model, tokenizer, EvalCfg, evals.together.Group) -> one result per adapter of a model that hosts several,
+    # scored in shared passes; None: each adapter in turn through `run`, every row routed to it (a task lm-eval
+    # scores, `harness` or any unregistered name, always shares: evals/lmeval/fanout.py)
+    together: Lazy | None = None
 
     def partial(self, n: int) -> bool:
         """Whether n scored items are fewer than the official test set (whatever the reason: a limit, chosen
@@ -296,7 +300,7 @@ TASKS: Registry[TaskSpec] = Registry("task", hint=", or any lm-eval task or grou
 TASKS.add("val_loss", TaskSpec(Lazy("tunelab.evals.suite:val_loss_task"), "validation loss of the cell's recipe",
                                split="validation", lower_is_better=True))
 TASKS.add("humaneval", TaskSpec(Lazy("tunelab.evals.suite:humaneval_task"), "HumanEval pass@k, code run in a sandbox",
-                                official_n=164))
+                                official_n=164, together=Lazy("tunelab.evals.together:humaneval_together")))
 TASKS.add("mmlu", TaskSpec(_HARNESS, "MMLU 5-shot accuracy (57 subjects)", official_n=14042, harness=Harness(
     "tunelab_mmlu", "acc", "none", "acc",
     "accuracy over all questions (lm-eval's mmlu average); macro = mean over subjects",

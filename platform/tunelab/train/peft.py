@@ -172,17 +172,41 @@ def apply(model: Any, cfg: PeftCfg):
 
 
 def for_eval(model):
-    """A model ready for generation: adapters merged into the weights where the method allows it.
-
-    Prompt-learning methods (prefix, prompt, p_tuning) cannot merge and generate through the PeftModel;
-    4-bit bases keep their adapters unmerged, since merging would re-round the weights.
-    """
+    """A model ready for evaluation and generation, its adapters NOT merged: the transformers model with the tuner
+    layers inside (LoRA, DoRA, IA3, QLoRA), each computing base + adapter as in training. Unmerged, a cell scores
+    what the same adapter scores beside others on one shared base (evals.run_together) bit for bit on CPU; merged
+    weights round differently (docs/evaluation.md). Prompt-learning methods (prefix, prompt, p_tuning) generate
+    through the PeftModel (their virtual tokens live there)."""
     cfg = getattr(model, "active_peft_config", None)
-    if cfg is None or cfg.is_prompt_learning or getattr(model, "is_loaded_in_4bit", False):
+    if cfg is None or cfg.is_prompt_learning:
         return model
-    if getattr(model.base_model.model, "is_loaded_in_4bit", False):
-        return model
-    return model.merge_and_unload()
+    return model.get_base_model()
+
+
+def load_adapters(model: Any, folders: list[Path], names: list[str]) -> Any:
+    """Trained adapters (final/ folders of PEFT cells over the same base) onto `model`, unmerged, as `names`: peft's
+    `inject_adapter_in_model` + `set_peft_model_state_dict`, so LoRA, DoRA and IA3 share one base (several tuner
+    types on one module nest) -> the model, for evals.run_together."""
+    import warnings
+
+    import torch
+    from peft import PeftConfig, inject_adapter_in_model, set_peft_model_state_dict
+    from peft.tuners.tuners_utils import cast_adapter_dtype
+    from peft.utils import load_peft_weights
+
+    for folder, name in zip(folders, names, strict=True):
+        config = PeftConfig.from_pretrained(str(folder))
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():  # first values overwritten: on a fork
+            warnings.filterwarnings("ignore", "Already found a `peft_config`")  # several adapters: what we want
+            inject_adapter_in_model(config, model, adapter_name=name)
+        cast_adapter_dtype(model, adapter_name=name)  # fp32 adapters on a bf16/fp16 base, as PeftModel loads them
+        loaded: Any = set_peft_model_state_dict(model, load_peft_weights(str(folder), device="cpu"), adapter_name=name)
+        missing = [k for k in loaded.missing_keys if k.endswith(f".{name}") or f".{name}." in k]
+        if loaded.unexpected_keys or missing:
+            raise UserError(f"{folder}: the adapter's weights do not fit the base model "
+                            f"({(loaded.unexpected_keys or missing)[0]} and more)", key="model")
+    model.requires_grad_(False)
+    return model
 
 
 def load_trained(cfg: CellConfig, final_dir: Path, runtime: Runtime) -> tuple[Any, Any]:

@@ -86,6 +86,7 @@ class Request:
     stop: tuple[str, ...] = ()
     temperature: float = 0.0
     seed: int = 0
+    adapter: str | None = None  # the PEFT adapter it is generated through when the model hosts several
 
 
 @dataclass
@@ -218,14 +219,20 @@ class Decoder(PackedModel):
         text = self.tokenizer.decode(row.tokens[-row.window:], skip_special_tokens=False)
         return any(s and s in text for s in row.req.stop)
 
-    def plan(self, seqs: list[tuple], own: list[int] | None = None) -> list[tuple[int, list[int]]]:
+    def plan(self, seqs: list[tuple], own: list[int] | None = None,
+             adapters: list[str | None] | None = None) -> list[tuple[int, list[int]]]:
         """[(prefix length, member indices in order)]: groups of sequences that share a prefix worth
         running once (0: none). A prefix leaves each sequence at least `own[i]` tokens (default 1) of its
-        own: the positions whose logits are wanted come from its own pass."""
+        own: the positions whose logits are wanted come from its own pass. Sequences of different `adapters`
+        never share one (a prefix's keys and values depend on the adapter)."""
+        by_adapter: dict[str | None, list[int]] = {}
+        for i, name in enumerate(adapters or [None] * len(seqs)):
+            by_adapter.setdefault(name, []).append(i)
         out = []
-        for shared, members in groups_by_prefix(seqs, self.min_shared):
-            p = min([shared] + [len(seqs[m]) - (own[m] if own else 1) for m in members])
-            out.append((p if len(members) > 1 and p >= self.min_shared else 0, sorted(members)))
+        for ids in by_adapter.values():
+            for shared, members in groups_by_prefix([seqs[i] for i in ids], self.min_shared):
+                p = min([shared] + [len(seqs[ids[m]]) - (own[ids[m]] if own else 1) for m in members])
+                out.append((p if len(members) > 1 and p >= self.min_shared else 0, sorted(ids[m] for m in members)))
         return out
 
     def generate(self, requests: Sequence[Request]) -> list[Output]:
@@ -237,7 +244,8 @@ class Decoder(PackedModel):
         if not todo:
             return results  # type: ignore[return-value]
         queue: list[tuple[int, int, int]] = []  # (group, prefix length, request index) in admission order
-        for g, (p, members) in enumerate(self.plan([tuple(requests[i].ids) for i in todo])):
+        plan = self.plan([tuple(requests[i].ids) for i in todo], adapters=[requests[i].adapter for i in todo])
+        for g, (p, members) in enumerate(plan):
             queue.extend((g, p, todo[m]) for m in members)
         remaining = collections.Counter(g for g, _, _ in queue)
         longest = max(len(requests[i].ids) for i in todo) + 1
@@ -277,10 +285,10 @@ class Decoder(PackedModel):
         rows, segments, keep = [], [], []
         tokens: list[int] = []
         positions: list[int] = []
-        for g, p, i, slot in admit:
+        for g, p, i, slot in sorted(admit, key=lambda x: _adapter_key(requests[x[2]].adapter)):
             req = requests[i]
             if p and g not in prefixes:
-                prefixes[g] = self.run_prefix(req.ids[:p])
+                prefixes[g] = self.run_prefix(req.ids[:p], req.adapter)
             slots.ensure(len(req.ids) + 1)
             if p:
                 slots.put_prefix(slot, prefixes[g], p)
@@ -288,7 +296,7 @@ class Decoder(PackedModel):
             if remaining[g] == 0:
                 prefixes.pop(g, None)  # every member has its copy
             own = list(req.ids[p:])
-            segments.append(Segment(p, len(own), slot=slot))
+            segments.append(Segment(p, len(own), slot=slot, adapter=req.adapter))
             tokens += own
             positions += range(p, len(req.ids))
             keep.append(len(tokens) - 1)
@@ -312,6 +320,7 @@ class Decoder(PackedModel):
         segments, drafts = [], []
         tokens: list[int] = []
         positions: list[int] = []
+        active = sorted(active, key=lambda r: _adapter_key(r.req.adapter))  # an adapter's rows side by side
         for row in active:
             room = min(row.draft, row.req.max_new_tokens - len(row.tokens) - 1)
             if row.draft == 0 and row.lookup is not None:
@@ -320,7 +329,7 @@ class Decoder(PackedModel):
                     row.draft = 1
             draft = row.lookup.draft(room) if row.lookup is not None and room > 0 else []
             run = [row.tokens[-1], *draft]
-            segments.append(Segment(row.length, len(run), slot=row.slot))
+            segments.append(Segment(row.length, len(run), slot=row.slot, adapter=row.req.adapter))
             tokens += run
             positions += range(row.length, row.length + len(run))
             drafts.append(draft)
@@ -347,6 +356,11 @@ class Decoder(PackedModel):
                 row.draft //= 2
                 row.rest = REST
         return active
+
+
+def _adapter_key(name: str | None) -> str:
+    """Sort key that puts one adapter's rows side by side in a pass (one routed block each, route.py)."""
+    return "" if name is None else f"~{name}"
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tunelab.evals.engine import route
+
 ROW_QUANTUM = 4  # every pass runs a multiple of this many token rows; see the module docstring
 ATTN_NAME = "tunelab_packed"
 STATE_KWARG = "tunelab_packed"
@@ -49,12 +51,16 @@ class Segment:
     `start` is the position of its first token. With a `slot`, its keys and values are written into that
     slot at [start, start + length) and it attends to the slot's first start + length positions (the slot
     already holds the earlier ones). Without one, it attends to `prefix` (the keys and values of the
-    positions before `start`, or None when start is 0) and to itself, and nothing is kept."""
+    positions before `start`, or None when start is 0) and to itself, and nothing is kept.
+
+    `adapter`: the PEFT adapter its tokens go through when the model hosts several (route.py; its prefix's or
+    slot's keys and values must come from the same adapter); None: the model as it is."""
 
     start: int
     length: int
     slot: int | None = None
     prefix: Prefix | None = None
+    adapter: str | None = None
 
 
 class Prefix:
@@ -274,18 +280,40 @@ class PackedModel:
         pos = torch.tensor([positions + [0] * pad], device=dev)
         rows = keep + keep[-1:] * (_padded(len(keep)) - len(keep)) if keep else [n - 1]
         state = _Pass(slots, segments, collect, per_row=self.per_row)
-        if self._keeps_logits:
-            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=torch.tensor(rows,
-                             device=dev), **{STATE_KWARG: state}).logits[0]
-        else:
-            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, **{STATE_KWARG: state}).logits[0, rows]
+        with self._routed(segments, n + pad):
+            if self._keeps_logits:
+                out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=torch.tensor(
+                                 rows, device=dev), **{STATE_KWARG: state}).logits[0]
+            else:
+                out = self.model(input_ids=ids, position_ids=pos, use_cache=False,
+                                 **{STATE_KWARG: state}).logits[0, rows]
         self._last_pass = state
         return out[: len(keep)]
 
-    def run_prefix(self, ids: Sequence[int]) -> dict:
-        """Keys and values (layer -> (k, v), batch 1) of `ids` at positions 0.. (inside `running`)."""
+    def _routed(self, segments: list[Segment], rows: int) -> contextlib.AbstractContextManager:
+        """Each segment's rows through its adapter (route.py) when a segment names one; the padding rows through
+        the base alone."""
+        blocks: list[tuple[str | None, int, int]] = []
+        a = 0
+        for seg in segments:
+            if blocks and blocks[-1][0] == seg.adapter and blocks[-1][2] == a:
+                blocks[-1] = (seg.adapter, blocks[-1][1], a + seg.length)
+            else:
+                blocks.append((seg.adapter, a, a + seg.length))
+            a += seg.length
+        if all(name is None for name, _, _ in blocks):
+            return contextlib.nullcontext()
+        router = route.router_of(self.model)
+        if router is None:
+            raise RuntimeError("segments name adapters, but the model has no router (evals.engine.route.installed)")
+        return router.route(blocks, rows, ROW_QUANTUM)
+
+    def run_prefix(self, ids: Sequence[int], adapter: str | None = None) -> dict:
+        """Keys and values (layer -> (k, v), batch 1) of `ids` at positions 0.. (inside `running`), through
+        `adapter` when the model hosts several."""
         collected: dict = {}
-        self.forward(list(ids), list(range(len(ids))), [Segment(0, len(ids))], [], collect=collected)
+        self.forward(list(ids), list(range(len(ids))), [Segment(0, len(ids), adapter=adapter)], [],
+                     collect=collected)
         n = len(ids)
         return {layer: (k[:, :, :n], v[:, :, :n]) for layer, (k, v) in collected.items()}
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -104,22 +106,32 @@ def _unavailable(base: dict, reason: str) -> dict:
     return {**base, "status": "unavailable", "reason": reason, "value": None, "stderr": None, "n": 0}
 
 
-def evaluate(name: str, lm: Any, cfg: EvalCfg, samples_path: Path | None) -> dict:
-    """Score one task or group; a dict for results.json (status ok or unavailable)."""
-    h = harness_of(name)
-    base = {"task": name, "metric": h.label, "headline": h.headline, "lm_eval_task": h.lm_task}
+@contextmanager
+def prepared(name: str, cfg: EvalCfg) -> Iterator[Setup | str]:
+    """The task built with its data loaded (or why its test set is unavailable), for one or more `evaluate` calls
+    (several adapters scored on one task: evals/together.py)."""
     scratch = Path(tempfile.mkdtemp(prefix="tunelab-tasks-"))
     try:
-        setup = _setup(name, h, cfg, scratch)
-        if isinstance(setup, str):
-            return _unavailable(base, setup)
-        served = Counter(getattr(lm, "served", {}))
-        out = _run(setup, lm, cfg)
-        res = collect(setup, out, base, cfg, samples_path)
-        res["served"] = _served(Counter(getattr(lm, "served", {})) - served)
-        return res
+        yield _setup(name, harness_of(name), cfg, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def evaluate(name: str, lm: Any, cfg: EvalCfg, samples_path: Path | None, setup: Setup | str | None = None) -> dict:
+    """Score one task or group (on `setup` when it is `prepared` already); a dict for results.json (status ok or
+    unavailable)."""
+    if setup is None:
+        with prepared(name, cfg) as setup:
+            return evaluate(name, lm, cfg, samples_path, setup)
+    h = harness_of(name)
+    base = {"task": name, "metric": h.label, "headline": h.headline, "lm_eval_task": h.lm_task}
+    if isinstance(setup, str):
+        return _unavailable(base, setup)
+    served = Counter(getattr(lm, "served", {}))
+    out = _run(setup, lm, cfg)
+    res = collect(setup, out, base, cfg, samples_path)
+    res["served"] = _served(Counter(getattr(lm, "served", {})) - served)
+    return res
 
 
 def _setup(name: str, h: Harness, cfg: EvalCfg, scratch: Path) -> Setup | str:
@@ -180,12 +192,18 @@ def _load(setup: Setup) -> Setup | str:
 
 
 def _run(setup: Setup, lm: Any, cfg: EvalCfg) -> dict:
+    from unittest import mock
+
     import lm_eval
+    import lm_eval.evaluator
 
     gen = {"max_gen_toks": cfg.max_new_tokens} if cfg.max_new_tokens else None
-    return lm_eval.simple_evaluate(model=lm, tasks=[setup.loaded], task_manager=setup.tm, limit=cfg.limit_for(
-        setup.name), log_samples=True, bootstrap_iters=BOOTSTRAP_ITERS, gen_kwargs=gen,
-        apply_chat_template=cfg.chat_template)
+    # lm-eval describes the environment after every run (torch's collect_env: `pip list` and more in subprocesses,
+    # about 3 s); results.json keeps tunelab's own provenance instead (suite.provenance), so that is skipped.
+    with mock.patch.object(lm_eval.evaluator, "add_env_info", lambda results: None):
+        return lm_eval.simple_evaluate(model=lm, tasks=[setup.loaded], task_manager=setup.tm, limit=cfg.limit_for(
+            setup.name), log_samples=True, bootstrap_iters=BOOTSTRAP_ITERS, gen_kwargs=gen,
+            apply_chat_template=cfg.chat_template)
 
 
 def _served(diff: Counter) -> dict[str, dict[str, int]]:
