@@ -80,7 +80,8 @@ def start(attempt: Attempt, evaluate_only: bool) -> None:
         attempt.timings.update(folder.status().get("timings") or {})
     write_json(folder.env_file, environment.snapshot(attempt.cfg.model.name))
     folder.write_status("running", started_at=time.time(), pid=os.getpid(), timings=attempt.timings,
-                        world_size=attempt.rt.world_size, evaluating_only=evaluate_only, paused_at=None, note=None)
+                        world_size=attempt.rt.world_size, device=attempt.rt.device.type,
+                        evaluating_only=evaluate_only, paused_at=None, note=None)
     attempt.track(resuming=evaluate_only or _has_checkpoint(folder, attempt.cfg))
 
 
