@@ -266,7 +266,7 @@ def test_a_tuned_row_of_several_studies_is_their_median_with_min_max_in_every_fo
     assert list(rows) == ["adamw-arith-tuned", "lion-arith-tuned", "adamw-words-tuned", "lion-words-tuned"]
     st = rows["adamw-arith-tuned"]["val_loss"]  # study means 2 and 4: their median, [min, max]
     assert (st.mean, st.low, st.high, st.studies, st.n) == (3.0, 2.0, 4.0, 2, 4)
-    assert rows["adamw-arith-tuned"]["tuned"] == "optim.lr=0.001 | optim.lr=0.002"
+    assert rows["adamw-arith-tuned"]["tuned"] == "optim.lr=0.001 / optim.lr=0.002"
     assert rows["adamw-arith-tuned"]["optim.lr"] is None  # each study's own value: in `tuned`
     assert rows["adamw-arith-tuned"]["search edge"] == "upper edge of optim.lr in 1 of 2 studies: widen the space"
     assert rows["adamw-arith-tuned"]["search trials"] == "6 (4 pruned) in 2 studies"

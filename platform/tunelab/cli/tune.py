@@ -25,7 +25,8 @@ def _studies_table(title: str, rows: list[dict]) -> Table:
         best = r["best"]
         shown = f"{fmt(best['value'])} (trial {best['number']}: " + ", ".join(
             f"{k}={fmt(v)}" for k, v in best["params"].items()) + ")" if best else "-"
-        table.add_row(r["group"], str(r["complete"]), str(r["pruned"]), str(r["running"]), str(r["waiting"]),
+        study = f" (study {r['study_index'] + 1})" if r.get("studies", 1) > 1 else ""
+        table.add_row(r["group"] + study, str(r["complete"]), str(r["pruned"]), str(r["running"]), str(r["waiting"]),
                       str(r["failed"]), shown, f"{r['steps']}/{r['planned_steps'] or '?'}", r["study"])
     return table
 

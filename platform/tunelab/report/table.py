@@ -134,7 +134,7 @@ def tune_values(group: list[Record], costs: Any = None) -> dict:
     values = sorted(v for x in studies.values() for v in (x.get("values") or []))
     many = len(studies) > 1 or (t.get("studies") or 1) > 1
     out = {"tuning": f"tuned ({t['sampler']}, {t['pruner']})",
-           "tuned": " | ".join(_params(x["tuned"]) for x in studies.values() if x.get("tuned")),
+           "tuned": " / ".join(_params(x["tuned"]) for x in studies.values() if x.get("tuned")),
            "search trials": f"{trials} ({pruned} pruned)" + (f" in {len(studies)} studies" if many else ""),
            "search steps": f"{spent} of {full}", "search edge": _edges(studies)}
     if many:
