@@ -298,6 +298,8 @@ def test_the_report_draws_profiles_edges_ranks_rows_and_says_what_they_cost(tmp_
     ranks = {(r["A"], r["B"]): r for r in html._rankings(tuned)}
     assert set(ranks) == {("adamw-arith-tuned", "lion-arith-tuned"), ("adamw-words-tuned", "lion-words-tuned")}
     assert ranks[("adamw-words-tuned", "lion-words-tuned")]["A ranks above B"] == "100.0%"  # better in every draw
+    costs = {r["group"] for r in html._costs(tmp_path, tuned)}  # each row's, and each method's on all workloads
+    assert costs == {*(label for label, _ in tuned), "adamw-tuned, all workloads", "lion-tuned, all workloads"}
     from tunelab.report import search_plots
     from tunelab.report.table import build
 

@@ -152,7 +152,11 @@ def test_compare_of_two_tuned_rows_says_how_often_one_ranks_above_the_other(ref)
     again = run_exp("compare", runs / "none-arithmetic-tuned", runs / "lora-arithmetic-tuned", "--json")
     assert json.loads(again.stdout)[0]["rankings"] == [r]  # seeded: the same share
     shown = run_exp("tune", "status", runs)
-    assert shown.returncode == 0 and "searches" in shown.stdout
+    assert shown.returncode == 0
+    space = Dist.model_validate({"log_uniform": [1.0e-4, 1.0e-1]})
+    for (g, k), s in studies.items():  # each study whose best sits at an edge of the space says so
+        said = f"{g} (study {k + 1} of 2): best at the"
+        assert (said in shown.stdout) == bool(space.edge(s["best"]["params"]["optim.lr"])), shown.stdout
 
 
 def test_two_runners_one_killed_mid_hyperband_studies_end_with_the_same_trials_and_decisions(ref, tmp_path):

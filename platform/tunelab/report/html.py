@@ -102,8 +102,16 @@ def _tuned_rows(records: list[Record]) -> list[tuple[str, list[Record]]]:
 
 
 def _costs(matrix_dir: Path, tuned: list[tuple[str, list[Record]]]) -> list[dict]:
+    """Each tuned row's cost and, with several workloads, each method's in all (its rows on every workload)."""
     folders = cost.Folders(matrix_dir)
-    return cost.by_group({label: cost.of_row([r.tune for r in g], [r.dir for r in g], folders) for label, g in tuned})
+    rows = {label: cost.of_row([r.tune for r in g], [r.dir for r in g], folders) for label, g in tuned}
+    methods: dict[str, list[Record]] = {}
+    for _, g in tuned:
+        if g[0].tune.get("workloads"):
+            name = "-".join(str(v) for v in (g[0].tune.get("method") or {}).values())
+            methods.setdefault(f"{name}-tuned, all workloads", []).extend(g)
+    rows |= {label: cost.of_row([r.tune for r in g], [r.dir for r in g], folders) for label, g in methods.items()}
+    return cost.by_group(rows)
 
 
 def _rankings(tuned: list[tuple[str, list[Record]]]) -> list[dict]:

@@ -72,7 +72,7 @@ def _rungs(ax: Any, tables: list[dict[str, Any]]) -> None:
                         markerfacecolor=f"C{j % 10}" if went_on else "none",
                         label=None if labelled else f"step {step}")
                 labelled = True
-    ax.set_title(f"{tables[0]['intermediate']} at each rung (filled: went on; hollow: stopped)", fontsize=9)
+    ax.set_title(f"{tables[0]['intermediate']} at each rung (hollow: stopped)", fontsize=9)
     if steps:
         ax.legend(fontsize=7, loc="best")
 
@@ -93,8 +93,8 @@ def _ends(ax: Any, tables: list[dict[str, Any]]) -> None:
             ax.annotate(f" {_study(tables, table)}t{t['number']}", (_x(table, t), t["value"]), fontsize=7)
         n += len(done)
     studies = f" in {len(tables)} studies" if len(tables) > 1 else ""
-    ax.set_title(f"{tables[0]['metric']} at the full budget ({n} trial{'s' * (n != 1)}{studies}; star: chosen, "
-                 "red at an edge; shaded: the edges)", fontsize=9)
+    ax.set_title(f"{tables[0]['metric']} at the full budget ({n} trial{'s' * (n != 1)}{studies}; star: chosen)",
+                 fontsize=9)
 
 
 def search_figure(tables: list[dict[str, Any]]) -> bytes | None:
