@@ -17,6 +17,7 @@ from typing import Any
 
 from tunelab.core.errors import UserError, did_you_mean
 from tunelab.core.registries import PEFT
+from tunelab.report import tuned_rows
 from tunelab.report.records import TRAIN_FIGURES, Record
 from tunelab.report.scores import TEST_SELECTED_NOTE
 
@@ -89,92 +90,16 @@ def _stat(values: list[float], stderrs: list, subset: bool, unavailable: bool, s
     return Stat(statistics.fmean(values), statistics.stdev(values), len(values), subset, False, stand_in)
 
 
-TUNE_KEYS = ("tuning", "tuned", "studies", "search trials", "search steps", "search cost", "search best",
-             "search median", "search worst", "search edge", "profile score")
-STUDIES_NOTE = ("A tuned row of several studies (tune.studies; `studies`): each score is the median over the "
-                "studies of each study's winner (the mean over its seeds), [min, max] over the studies; `tuned` "
-                "lists each study's winning values.")
-EDGE_NOTE = ("`search edge`: a study's best value of a searched key lies at the edge of its range (the outer tenth "
-             "of a continuous range, in log space for log_uniform; the first or last value of an int range or of a "
-             "choice of numbers): the optimum may lie outside, widen the space (docs/tuning.md).")
-
-
-def _studies(group: list[Record]) -> dict[int, dict]:
-    """A tuned row's studies: study index -> its search summary (cells.json)."""
-    return {int(r.tune.get("study_index") or 0): r.tune for r in sorted(group, key=lambda r: r.tune.get(
-        "study_index") or 0)}
-
-
-def _params(params: dict) -> str:
-    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
-
-
-def _edges(studies: dict[int, dict]) -> str | None:
-    """'upper edge of optim.lr in 3 of 3 studies: widen the space'."""
-    seen: Counter = Counter((e["side"], e["key"]) for t in studies.values() for e in t.get("edges") or [])
-    if not seen:
-        return None
-    of = f" in {{n}} of {len(studies)} studies" if len(studies) > 1 else ""
-    return "; ".join(f"{side} edge of {key}{of.format(n=n)}" for (side, key), n in seen.items()) + \
-        ": widen the space"
-
-
-def tune_values(group: list[Record], costs: Any = None) -> dict:
-    """A row's search columns: the tuned configuration (each study's), the budget it spent and the spread of its
-    trials' objective (best, median, worst of those that trained the full budget), where a winner sits at an edge
-    of its space, and what it cost (`costs`: report.cost.Folders); `default` for a group's cell as written."""
-    t = group[0].tune
-    if t.get("role") == "default":
-        return {"tuning": "default"}
-    if t.get("role") != "tuned":
-        return {}
-    studies = _studies(group)
-    trials, pruned = (sum(x[k] for x in studies.values()) for k in ("trials", "pruned"))
-    spent, full = (sum(x[k] for x in studies.values()) for k in ("search_steps", "full_steps"))
-    values = sorted(v for x in studies.values() for v in (x.get("values") or []))
-    many = len(studies) > 1 or (t.get("studies") or 1) > 1
-    out = {"tuning": f"tuned ({t['sampler']}, {t['pruner']})",
-           "tuned": " / ".join(_params(x["tuned"]) for x in studies.values() if x.get("tuned")),
-           "search trials": f"{trials} ({pruned} pruned)" + (f" in {len(studies)} studies" if many else ""),
-           "search steps": f"{spent} of {full}", "search edge": _edges(studies)}
-    if many:
-        ordered = values if t.get("direction", "minimize") == "minimize" else values[::-1]
-        out |= {"studies": f"{len(studies)} of {t.get('studies')}" if len(studies) < (t.get("studies") or 1)
-                else str(len(studies)), "search best": ordered[0] if ordered else None,
-                "search median": statistics.median(values) if values else None,
-                "search worst": ordered[-1] if ordered else None}
-    else:
-        out |= {f"search {k}": t[k] for k in ("best", "median", "worst")}
-    if costs is not None:
-        from tunelab.report.cost import of_row
-
-        cost = of_row([r.tune for r in group], [r.dir for r in group], costs)
-        out["search cost"] = cost.text() if cost.runs else None
-    return out
-
-
-def _studied(stats: list[tuple[int, float]]) -> Stat | None:
-    """(study, value) of a tuned row's runs -> the median over the studies of each study's mean, [min, max];
-    None when the row has a single study (its runs fold as seeds do)."""
-    by: dict[int, list[float]] = {}
-    for study, v in stats:
-        by.setdefault(study, []).append(v)
-    if len(by) < 2:
-        return None
-    means = [statistics.fmean(vs) for vs in by.values()]
-    return Stat(statistics.median(means), None, len(stats), studies=len(by), low=min(means), high=max(means))
-
-
 def _row(group: list[Record], keys: list[str], columns: list[Column], label: str, costs: Any = None) -> dict:
     done = [r for r in group if r.state == "done"]
     states = Counter(r.state for r in group)
-    searched = tune_values(group, costs)
+    searched = tuned_rows.values(group, costs)
     several = len({r.tune.get("study_index") for r in group if r.tune.get("role") == "tuned"}) > 1
     varied = set(group[0].tune.get("tuned") or {}) if several else set()  # each study's own: in `tuned`
     row = {"cell": label, "status": next(iter(states)) if len(states) == 1 else
            ", ".join(f"{n} {s}" for s, n in states.items()), "runs": len(done),
            **{k: None if k in varied else value_of(group[0], k) for k in keys}}
-    row.update({k: searched.get(k) for k in keys if k in TUNE_KEYS})
+    row.update({k: searched.get(k) for k in keys if k in tuned_rows.KEYS})
     on_test = bool(group[0].tune.get("test_selected"))
     for col in columns:
         if col.kind == "score":
@@ -183,9 +108,10 @@ def _row(group: list[Record], keys: list[str], columns: list[Column], label: str
             ok = [(r, s) for r, s in pairs if s.ok]
             values = [(r, float(v)) for r, s in ok
                       if (v := s.value if not col.field else dict(s.columns).get(col.field)) is not None]
-            studied = _studied([(int(r.tune.get("study_index") or 0), v) for r, v in values]) if several else None
+            studied = tuned_rows.median_of_studies([(int(r.tune.get("study_index") or 0), v) for r, v in values]) \
+                if several else None
             flags = (any(s.subset for s in scores), bool(scores) and not ok, any(s.stand_in for s in scores))
-            row[col.name] = (Stat(**{**studied.__dict__, "subset": flags[0], "stand_in": flags[2]}) if studied
+            row[col.name] = (Stat(**studied, subset=flags[0], stand_in=flags[2]) if studied
                              else _stat([v for _, v in values], [s.stderr for _, s in ok] if not col.field else [],
                                         *flags))
             if on_test:
@@ -254,12 +180,10 @@ def build(records: list[Record], *, aggregate: bool = True, by: list[str] | None
     keys = by or shown_keys(records, exclude=(SEED,) if aggregate else ())
     tuned = [r for r in records if r.tune.get("role") == "tuned"]
     if any(r.tune.get("role") in ("tuned", "default") for r in records):
-        keys = [*keys, *(k for k in _tune_keys(records) if k not in keys)]
+        keys = [*keys, *(k for k in tuned_rows.keys(records) if k not in keys)]
     columns = _columns(records)
     notes = _model_notes(records) + ([TEST_SELECTED_NOTE] if any(r.tune.get("test_selected") for r in records) else [])
-    notes += [STUDIES_NOTE] if any((r.tune.get("studies") or 1) > 1 for r in tuned) else []
-    notes += [EDGE_NOTE] if any(r.tune.get("edges") for r in tuned) else []
-    board = Board(keys, columns, aggregated=aggregate or bool(by), notes=notes)
+    board = Board(keys, columns, aggregated=aggregate or bool(by), notes=notes + tuned_rows.notes(tuned))
     costs = None
     if tuned:
         from tunelab.report.cost import Folders
@@ -268,7 +192,8 @@ def build(records: list[Record], *, aggregate: bool = True, by: list[str] | None
     groups = grouped(records, aggregate, by)
     board.rows = [_row(g, keys, columns, label, costs) for label, g in groups]
     if "profile score" in keys:
-        _profiles(board, groups)
+        board.profiles, note = tuned_rows.profiles_of(board.columns, board.rows, [g for _, g in groups])
+        board.notes += [note] if note else []
     _mark_best(board)
     if sort:
         _sort(board, sort)
@@ -283,60 +208,12 @@ def grouped(records: list[Record], aggregate: bool = True,
                         if aggregate else None)
     groups: dict[tuple, list[Record]] = {}
     for i, r in enumerate(records):
-        if aggregate and not by and r.tune.get("role") == "tuned":  # each study's winner has its own values
+        if aggregate and not by and r.tune.get("role") == "tuned" and r.tune.get("group"):  # each study's own values
             gid: tuple = ("tuned", r.tune.get("group"))
         else:
             gid = tuple(repr(value_of(r, k)) for k in group_keys) if group_keys is not None else (i,)
         groups.setdefault(gid, []).append(r)
     return [(_label(g, by, aggregate), g) for g in groups.values()]
-
-
-def _tune_keys(records: list[Record]) -> list[str]:
-    """The search columns this board needs: studies, edges and the workload profile only where there are some."""
-    tuned = [r.tune for r in records if r.tune.get("role") == "tuned"]
-    wanted = {"studies": any((t.get("studies") or 1) > 1 for t in tuned),
-              "search edge": any(t.get("edges") for t in tuned),
-              "profile score": any(r.tune.get("workloads") for r in records if r.tune.get("role"))}
-    return [k for k in TUNE_KEYS if wanted.get(k, True)]
-
-
-def _profiles(board: Board, groups: list[tuple[str, list[Record]]]) -> None:
-    """Each method (a tuned group, or a group as written) over the workloads (tune.workloads): its Dolan-More
-    profile on the search's objective and AlgoPerf's score (report/profiles.py); each of its rows says the score."""
-    from tunelab.report.profiles import TAU_MAX, TAUS, profiles
-
-    results: dict[str, dict[str, float | None]] = {}
-    rows_of: dict[str, list[dict]] = {}
-    higher: bool | None = None
-    metric = None
-    for (_, g), row in zip(groups, board.rows):
-        t = g[0].tune
-        if t.get("role") not in ("tuned", "default") or not t.get("workloads"):
-            continue
-        metric = t.get("metric")
-        col = next((c for c in board.columns if c.kind == "score" and c.source == metric and not c.field), None)
-        if col is None:
-            continue
-        higher = col.higher_is_better
-        method = "-".join(str(v) for v in (t.get("method") or {}).values()) or t.get("group", "?")
-        method += "-tuned" if t["role"] == "tuned" else " (default)"
-        workload = "/".join(str(v) for v in (t.get("workload") or {}).values())
-        results.setdefault(method, {})[workload] = row[col.name].mean
-        rows_of.setdefault(method, []).append(row)
-    if not results:
-        return
-    for p in profiles(results, bool(higher)):
-        board.profiles.append({"method": p.method, "workloads": p.workloads, "score": p.score(),
-                               **{f"rho({tau:g})": p.rho(tau) for tau in TAUS},
-                               "ratios": {w: (None if math.isinf(r) else r) for w, r in p.ratios.items()}})
-        for row in rows_of[p.method]:
-            row["profile score"] = f"{p.score():.3f} over {p.workloads} workloads"
-    n = max(p["workloads"] for p in board.profiles)
-    board.notes.append(f"`profile score`: each method's performance profile over the {n} workloads of the search "
-                       f"(Dolan & More 2002) on {metric}: the share of workloads where its score is within a factor "
-                       f"tau of the best method's, integrated from tau 1 to {TAU_MAX:g} over {TAU_MAX - 1:g} "
-                       "(AlgoPerf's benchmark score: 1 = best on every workload, 0 = never within "
-                       f"{TAU_MAX:g}x); it rests on {n} workloads.")
 
 
 def _model_notes(records: list[Record]) -> list[str]:
