@@ -58,3 +58,37 @@ def write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+@pytest.fixture
+def tmpfs():
+    """mount(where, options): a tmpfs of its own at `where` (a full disk, a read-only folder), unmounted after the
+    test; the test is skipped, saying why, where this machine does not let it mount (not root, a container)."""
+    import subprocess
+
+    mounted: list[Path] = []
+
+    def mount(where: Path, options: str) -> Path:
+        where.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tunelab-test", str(where)], check=False,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or 'mount failed'}): needs root")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in reversed(mounted):
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill(folder: Path) -> None:
+    """Write into `folder` until its file system is full (a tmpfs of a few KiB)."""
+    fd = os.open(folder / "ballast", os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:  # full
+        pass
+    finally:
+        os.close(fd)

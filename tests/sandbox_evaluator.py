@@ -7,6 +7,7 @@ then answers one JSON line per request line on stdin:
   {"op": "run", "code": ..., "limits": {...}}  -> the SandboxResult's fields (run_program)
   {"op": "run", "code": ..., "tests": ..., "calls": [...], "limits": {...}}  -> the same, of run_tests
   {"op": "describe"}                            -> contain.describe() and check_available()
+  {"op": "samples", "code", "tests", "calls", "n", "workers", "judge", "limits"}  -> run_samples's list
 
 Every answer also says how many SIGUSR1 the evaluator received and whether its
 environment is still as it started: the hostile programs aim at both; and which processes
@@ -37,6 +38,31 @@ def sandboxed_tasks(uid: int) -> set[int]:
     return pids
 
 
+def run_samples(sandbox, code: str, tests: str, calls: list, n: int, workers: int, judge: str | None,
+                limits: dict) -> list[dict]:  # fmt: skip
+    """`n` samples of one program, `workers` at a time as humaneval.score runs them, in the plain
+    fallback (allow_unsandboxed, no bwrap), so that the program can keep a file between samples: a
+    perfect memory. `judge`, when given, is the judge's text for these runs (a control's)."""
+    import warnings
+    from concurrent.futures import ThreadPoolExecutor
+
+    saved = sandbox._JUDGE, os.environ.get("TUNELAB_BWRAP")
+    os.environ["TUNELAB_BWRAP"] = "/nonexistent/bwrap"
+    sandbox._JUDGE = judge or saved[0]
+    try:
+        with warnings.catch_warnings(), ThreadPoolExecutor(workers) as pool:
+            warnings.simplefilter("ignore", RuntimeWarning)  # WITHOUT a sandbox, as asked
+            results = list(pool.map(lambda _: sandbox.run_tests(code, tests, calls=calls, allow_unsandboxed=True,
+                                                                **limits), range(n)))  # fmt: skip
+    finally:
+        sandbox._JUDGE = saved[0]
+        if saved[1] is None:
+            os.environ.pop("TUNELAB_BWRAP", None)
+        else:
+            os.environ["TUNELAB_BWRAP"] = saved[1]
+    return [{"status": r.status, "stderr_tail": r.stderr_tail} for r in results]
+
+
 def main() -> None:
     uid, paths = int(sys.argv[1]), sys.argv[2:]
     os.setgroups([])
@@ -63,6 +89,10 @@ def main() -> None:
                 answer = {"status": r.status, "returncode": r.returncode, "stderr_tail": r.stderr_tail,
                           "host_uid": r.host_uid, "leftovers": leftovers, "memory_peak": r.memory_peak,
                           "judge_peak_kb": r.judge_peak_kb}  # fmt: skip
+            elif request["op"] == "samples":
+                answer = {"samples": run_samples(contain, request["code"], request["tests"], request["calls"],
+                                                 request["n"], request["workers"], request.get("judge"),
+                                                 request.get("limits", {}))}  # fmt: skip
             else:
                 answer = {"describe": contain.describe(), "available": contain.check_available()}
         except Exception as e:

@@ -11,6 +11,7 @@ Test modules import the fixtures `arena` and `evaluator` from here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
-from sandbox_evaluator import sandboxed_tasks
+from sandbox_evaluator import run_samples, sandboxed_tasks
 from sandbox_hostile import ENV_SECRET, FILE_SECRET, NOBODY
 
 from tunelab.evals.sandbox import contain
@@ -63,6 +64,10 @@ class InProcess:
     def describe(self) -> dict:
         return {"describe": contain.describe(), "available": check_available()}
 
+    def samples(self, code: str, tests: str, calls: tuple, n: int, workers: int, judge: str | None = None,
+                **limits) -> list[dict]:  # fmt: skip
+        return run_samples(contain, code, tests, list(calls), n, workers, judge, limits)
+
     def close(self) -> None:
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
 
@@ -97,6 +102,13 @@ class Unprivileged:
 
     def describe(self) -> dict:
         return self._ask({"op": "describe"})
+
+    def samples(self, code: str, tests: str, calls: tuple, n: int, workers: int, judge: str | None = None,
+                **limits) -> list[dict]:  # fmt: skip
+        answer = self._ask({"op": "samples", "code": code, "tests": tests, "calls": list(calls), "n": n,
+                            "workers": workers, "judge": judge, "limits": limits})  # fmt: skip
+        assert "error" not in answer, answer
+        return answer["samples"]
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -170,6 +182,48 @@ def arena():
     for s in (listener, abstract, path_socket):
         s.close()
     shutil.rmtree(base, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def charged(evaluator):
+    """Measures the memory an unprivileged evaluator's runs hold: yields a dict whose "peak" is, after
+    the block, the most memory charged at once to the processes that evaluator started in it
+    (bytes; the kernel's memory for their sockets, pipes and page tables included), or None where
+    the test cannot measure. The test (root) moves that evaluator into a memory cgroup of its own
+    for the block, with no limit: it measures, it bounds nothing, and the evaluator, which may not
+    write it, still finds no cgroup for its programs (describe()["cgroup"] is None)."""
+    from tunelab.evals.sandbox import cgroup as sandbox_cgroup
+
+    out: dict = {"peak": None}
+    group = None
+    if ROOT and isinstance(evaluator, Unprivileged):
+        with contextlib.suppress(OSError):
+            group = sandbox_cgroup.Cgroup.create(1 << 42)
+    if group is None:
+        yield out
+        return
+    home = _cgroup_of(evaluator.pid, group.version)
+    try:
+        group.add(evaluator.pid)
+        yield out
+        out["peak"] = group.peak()
+    finally:
+        with contextlib.suppress(OSError), open(os.path.join(home, "cgroup.procs"), "w") as f:
+            f.write(str(evaluator.pid))
+        group.remove()
+
+
+def _cgroup_of(pid: int, version: int) -> str:
+    """The folder of `pid`'s memory cgroup (v1) or its cgroup (v2)."""
+    from tunelab.evals.sandbox import cgroup as sandbox_cgroup
+
+    mount = sandbox_cgroup._mounts()["cgroup2" if version == 2 else "memory"]
+    with open(f"/proc/{pid}/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if (version == 2 and controllers == "") or (version == 1 and "memory" in controllers.split(",")):
+                return sandbox_cgroup._join(mount, path)
+    raise OSError(f"no memory cgroup for {pid}")
 
 
 def _evaluator_env(arena) -> dict[str, str]:

@@ -194,6 +194,71 @@ HOSTILE: dict[str, Hostile] = {
         "        except OSError:\n            pass\n"
         "got = [g for g in got if g[0] != socket.AF_UNIX]\nprint(got, file=sys.stderr)\nassert got\n"
     ),
+    # --- kernel memory no descriptor bounds (issue 51: each succeeds only if it made the object)
+    "listen on an AF_UNIX socket (its backlog keeps closed clients' buffers)": Hostile(
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\ns.bind('\\0backlog-$tag')\ns.listen(4096)\n"
+        "c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\nc.connect('\\0backlog-$tag')\n"
+    ),
+    "name a socket (bind, connect, autobind)": Hostile(
+        "named = []\n"
+        "for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET):\n"
+        "    s = socket.socket(socket.AF_UNIX, kind)\n"
+        "    for name, call in (('bind', lambda: s.bind('\\0named-$tag')), ('connect', lambda: s.connect('\\0x')),\n"
+        "                       ('passcred', lambda: s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1))):\n"
+        "        try:\n            call()\n            named.append((kind, name))\n"
+        "        except OSError as e:\n            print(kind, name, e, file=sys.stderr)\n"
+        "assert named, 'no socket got a name'\n"
+    ),
+    "lend pages to a pipe (vmsplice, splice, tee)": Hostile(
+        LIBC + "worked = []\nr, w = os.pipe()\nr2, w2 = os.pipe()\nos.write(w, b'x' * 4096)\n"
+        "class iovec(ctypes.Structure):\n    _fields_ = [('base', ctypes.c_void_p), ('len', ctypes.c_size_t)]\n"
+        "buf = ctypes.create_string_buffer(4096)\nv = iovec(ctypes.cast(buf, ctypes.c_void_p), 4096)\n"
+        "for name, rc in (('vmsplice', lambda: libc.vmsplice(w, ctypes.byref(v), 1, 0)),\n"
+        "                 ('tee', lambda: libc.tee(r, w2, 4096, 0)),\n"
+        "                 ('splice', lambda: libc.splice(r, None, w2, None, 1, 0))):\n"
+        "    if rc() >= 0:\n        worked.append(name)\n"
+        "print(worked, file=sys.stderr)\nassert worked\n"
+    ),
+    "record locks without end": Hostile(
+        "import fcntl\nf = open('locked', 'wb')\nn = 0\n"
+        "for n in range(1000):  # byte by byte, none merging: each is a kernel object\n"
+        "    fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 2 * n)\n"
+    ),
+    "inotify": Hostile(_libc_call("libc.inotify_init1(0)")),
+    "more POSIX timers than pending signals": Hostile(
+        LIBC + "class sigevent(ctypes.Structure):\n"
+        "    _fields_ = [('value', ctypes.c_void_p), ('signo', ctypes.c_int), ('notify', ctypes.c_int),\n"
+        "                ('pad', ctypes.c_byte * 48)]\n"
+        "n, tid = 0, ctypes.c_void_p()\n"
+        "while n < 10000 and libc.timer_create(1, ctypes.byref(sigevent(None, 0, 1)), ctypes.byref(tid)) == 0:\n"
+        "    n += 1\nprint(n, 'timers', file=sys.stderr)\n"
+        "assert n > 64, n  # RLIMIT_SIGPENDING: each holds a queued signal\n"
+    ),
+    # --- counters the kernel keeps between runs, which a program could advance and read
+    "the socket cookie (a counter between runs)": Hostile(
+        "import struct\na, b = socket.socketpair()\n"
+        "print(struct.unpack('Q', a.getsockopt(socket.SOL_SOCKET, 57, 8)), file=sys.stderr)  # SO_COOKIE\n"
+    ),
+    "the network namespace's cookie": Hostile(
+        "import struct\na, b = socket.socketpair()\n"
+        "print(struct.unpack('Q', a.getsockopt(socket.SOL_SOCKET, 71, 8)), file=sys.stderr)  # SO_NETNS_COOKIE\n"
+    ),
+    "a pidfd (its inode numbers count the machine's processes)": Hostile(
+        LIBC + "got = []\n"
+        "try:\n    got.append(('pidfd_open', os.fstat(os.pidfd_open(os.getpid())).st_ino))\n"
+        "except OSError as e:\n    print('pidfd_open', e, file=sys.stderr)\n"
+        "a, b = socket.socketpair()\n"
+        "try:\n    got.append(('SO_PEERPIDFD', a.getsockopt(socket.SOL_SOCKET, 77)))\n"
+        "except OSError as e:\n    print('SO_PEERPIDFD', e, file=sys.stderr)\n"
+        "import platform, signal as sig\nnr = {'x86_64': 56, 'aarch64': 220}[platform.machine()]\n"
+        "fd = ctypes.c_int(-1)\n"
+        "flags = ctypes.c_ulong(0x1000 | int(sig.SIGCHLD))  # CLONE_PIDFD\n"
+        "pid = libc.syscall(nr, flags, None, ctypes.byref(fd), None, None)\n"
+        "if pid == 0:\n    os._exit(0)\n"
+        "if pid > 0:\n    got.append(('CLONE_PIDFD', fd.value))\n"
+        "else:\n    print('clone', os.strerror(ctypes.get_errno()), file=sys.stderr)\n"
+        "print(got, file=sys.stderr)\nassert got\n"
+    ),
     # --- what else of the host could be imported
     "import from a site-packages": Hostile(
         "import sysconfig\nfound = []\n"
@@ -459,4 +524,185 @@ def f(i):
     if memory is not None:
         memory.called(i)
     return guesses[i]
+'''
+
+
+# An oracle that learns from the judge's time, for tests/test_sandbox_timing.py. The tests it faces
+# are `assert f(0) == b0`, ..., `assert f(BITS - 1) == b(BITS-1)` for secret bits. Each sample
+# guesses the bits it knows, probes the first it does not (guessing 0) and answers the call after
+# it with a set of ints that all hash alike, slow to decode. A judge that decodes an answer only
+# when its check reaches it, and stops at the first failed assert, then takes SLOW seconds longer
+# exactly when the probed guess was right. The program cannot see its verdict, but it sees when
+# the next sample starts: it keeps, in the file $carrier outside the sandbox (a perfect memory),
+# when each sample started (S), and when each ended with its guesses and probe (E). The gap from
+# an end to the next start is that sample's check. With two workers a sample first waits, at its
+# first call, for the older sample running beside it to end and the next one to start (so the
+# next start after an end is always the ended sample's successor), then decides. With one bit
+# learned per sample, the last bit is guessed 0 and 1 in turn: against such a judge the program
+# passes every other sample from sample BITS on.
+TIMING_ORACLE = '''
+import os, sys, time
+BITS = $bits
+CARRIER = $carrier
+SLOW = $slow
+ME = f"{os.getpid()}-{time.monotonic_ns()}"
+
+
+def records():
+    with open(CARRIER) as f:
+        return [line.split() for line in f if line.strip()]
+
+
+def note(*words):
+    fd = os.open(CARRIER, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    os.write(fd, (" ".join(map(str, words)) + "\\n").encode())
+    os.close(fd)
+
+
+note("S", ME, time.monotonic())
+COLLIDING = [i * sys.hash_info.modulus for i in range(1, SLOW + 1)]  # every hash is 0
+
+
+class Slow(set):
+    """Sent as a set of SLOW ints that all hash alike: quadratic to decode (built here, it is empty)."""
+
+    def __iter__(self):
+        return iter(COLLIDING)
+
+
+def timed(n):
+    start = time.monotonic()
+    set(COLLIDING[:n])
+    return time.monotonic() - start
+
+
+# A third of the time the slow answer takes to decode (quadratic in its size, from an eighth of
+# it: the least of three tries, load only adds), and a margin for the next sample's start.
+THRESHOLD = 64 * min(timed(SLOW // 8) for _ in range(3)) / 3 + 0.15
+
+
+def settled(recs):
+    """No older sample still runs, and every ended one has a start after it."""
+    starts = [(float(r[2]), r[1]) for r in recs if r[0] == "S"]
+    ended = {r[1]: float(r[2]) for r in recs if r[0] == "E"}
+    now = time.monotonic()
+    for t, uid in starts:
+        if uid == ME:
+            break
+        if uid not in ended and now - t < 20:  # older and alive (one dead for 20 s was killed)
+            return False
+    return all(any(t > end for t, _ in starts) for end in ended.values())
+
+
+def knowledge():
+    recs = records()
+    deadline = time.monotonic() + 4.0
+    while not settled(recs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        recs = records()
+    starts = [float(r[2]) for r in recs if r[0] == "S"]
+    known, lasts = [], 0
+    for r in recs:
+        if r[0] != "E":
+            continue
+        end, guesses, probe = float(r[2]), r[3], int(r[4])
+        later = [t for t in starts if t > end]
+        if probe < 0:
+            lasts += 1
+        elif later and probe == len(known):
+            slow = min(later) - end > THRESHOLD  # the check reached the answer after the probe
+            known.append(int(guesses[probe]) if slow else 1 - int(guesses[probe]))
+    return known, lasts
+
+
+decided = []
+
+
+def f(i):
+    if not decided:
+        known, lasts = knowledge()
+        guesses = known + [0] * (BITS - len(known))
+        probe = len(known) if len(known) < BITS - 1 else -1
+        if probe < 0:
+            guesses[-1] = lasts % 2
+        decided.extend([guesses, probe])
+    guesses, probe = decided
+    answer = Slow() if probe >= 0 and i == probe + 1 else guesses[i]
+    if i == BITS - 1:
+        note("E", ME, time.monotonic(), "".join(map(str, guesses)), probe)
+    return answer
+'''
+
+
+# Kernel memory a program holds past RLIMIT_AS without a cgroup, for test_kernel_memory_is_bounded
+# (tests/test_sandbox.py): a listener's backlog (refused: the clients' buffers outlived them), then
+# the most the bounds allow: socketpairs, each socket's send buffer filled with the largest
+# datagrams it takes, as many as the descriptors allow, then sent in flight (SCM_RIGHTS) with their
+# descriptors closed, and again, until the kernel refuses more in flight; POSIX timers. It prints
+# what it holds as JSON, holds it for $hold s, and succeeds only if it held more than $bound bytes.
+KERNEL_HOG = '''
+import array, errno, json, os, socket, sys, time
+LIBC = None
+report = {"listen": 0, "queued": 0, "held": 0, "in flight": 0, "refused in flight": None, "timers": 0}
+try:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind("\\\\0kernel-hog")
+    s.listen(4096)
+except OSError as e:
+    report["listen"] = e.errno
+
+
+def fill(sock):
+    """Its send buffer full: a datagram a little smaller than the buffer (so that it is not yet
+    full after it), then the largest it takes (its size less 32 bytes), then smaller ones."""
+    sock.setblocking(False)
+    largest = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) - 32
+    for size in [largest - 16384, largest] + [largest >> k for k in range(1, 9)]:
+        try:
+            report["queued"] += sock.send(b"x" * size)
+        except BlockingIOError:
+            pass
+
+
+carrier, holder = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+held, flying = [], True
+while True:
+    batch = []
+    try:
+        while True:
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+            batch += [a, b]
+            fill(a)
+            fill(b)
+    except OSError:  # out of descriptors
+        pass
+    if not flying:
+        held += batch
+        break
+    try:  # all of them in one message, in flight; their descriptors closed
+        carrier.sendmsg([b"f"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [s.fileno() for s in batch]))])
+        report["in flight"] += len(batch)
+        for s in batch:
+            s.close()
+    except OSError as e:
+        report["refused in flight"] = e.errno
+        held += batch
+        flying = False
+report["held"] = len(held)
+
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+class Sigevent(ctypes.Structure):
+    _fields_ = [("value", ctypes.c_void_p), ("signo", ctypes.c_int), ("notify", ctypes.c_int),
+                ("pad", ctypes.c_byte * 48)]
+
+
+tid = ctypes.c_void_p()
+while report["timers"] < 100_000 and libc.timer_create(1, ctypes.byref(Sigevent(None, 0, 1)), ctypes.byref(tid)) == 0:
+    report["timers"] += 1
+print(json.dumps(report), file=sys.stderr, flush=True)
+time.sleep($hold)
+assert report["listen"] == 0 or report["queued"] > $bound, report
 '''

@@ -20,7 +20,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 import pytest
-from conftest import write
+from conftest import fill, write
 from processes import run_exp
 
 from tunelab.core.files import read_json
@@ -196,7 +196,8 @@ CASES: dict[str, Case] = {
     "eval_task_file_not_json": Case(RUN, ("evaldata/humaneval/main/test.jsonl", "line 1 is not JSON"), {
         "m.yaml": GOOD.replace("tasks: [val_loss]", "tasks: [humaneval], limit: 1, data_dir: {tmp}/evaldata"),
         "evaldata/humaneval/main/test.jsonl": "{not json\n"}, code=1, state="done"),
-    "checkpoint_corrupt": Case(RUN, ("checkpoints/step-2", "unreadable"), code=1, state="corrupt-checkpoint"),
+    "checkpoint_corrupt": Case(RUN, ("checkpoints/step-2 (state.pt has 100 bytes", "no complete checkpoint"), code=1,
+                               state="corrupt-checkpoint"),
     "results_truncated": Case(RUN, ("results.json", "evaluating it again"), code=0, state="truncated-results"),
 }
 
@@ -220,6 +221,7 @@ def _mount_tmpfs(where, options: str) -> bool:
 def prepare(state: str | None, tmp, runs, finished, monkeypatch, mounts: list) -> None:
     if state in ("done", "corrupt-checkpoint", "truncated-results"):
         shutil.copytree(finished, runs)
+        (runs / "bad" / "source.json").unlink()  # the copy is this test's matrix file's (another path, other text)
         (cell,) = [p for p in (runs / "bad").iterdir() if p.is_dir()]
         if state == "corrupt-checkpoint":  # killed after its last checkpoint, whose state file is damaged
             state_pt = cell / "checkpoints" / "step-2" / "state.pt"
@@ -240,14 +242,7 @@ def prepare(state: str | None, tmp, runs, finished, monkeypatch, mounts: list) -
     elif state == "full":
         if _mount_tmpfs(runs, "size=64k"):
             mounts.append(runs)
-            fd = os.open(runs / "ballast", os.O_WRONLY | os.O_CREAT)
-            try:
-                while os.write(fd, b"\0" * 4096):
-                    pass
-            except OSError:  # full
-                pass
-            finally:
-                os.close(fd)
+            fill(runs)
         else:
             _fail_writes(monkeypatch, 28)  # errno.ENOSPC
 

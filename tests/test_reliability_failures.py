@@ -1,7 +1,8 @@
-"""A cell that dies is marked failed with its cause, and the matrix goes on: a cell killed by SIGKILL (what
-the kernel's OOM killer sends) and one that crashes in native code (SIGSEGV) each get the signal's name and the
-last lines of their cell.log in status.json and in `exp status`; `--rerun-failed` runs those two again and
-leaves the finished cell alone. Also the pieces: exit statuses in words, the log's tail."""
+"""A cell that dies gets its cause, and the matrix goes on: a cell killed by SIGKILL (what the kernel's OOM killer
+sends) is `interrupted` and the next plain `exp run` resumes it (README: killed cells are interrupted); one that
+crashes in native code (SIGSEGV) is failed, with the signal's name and the last lines of its cell.log in status.json
+and in `exp status`, and `--rerun-failed` runs it again; the finished cell is left alone. Also the pieces: exit
+statuses in words, the log's tail."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def no_core_dumps():
     resource.setrlimit(resource.RLIMIT_CORE, before)
 
 
-def test_dead_cells_are_marked_failed_with_their_cause_and_rerun_on_request(tmp_path, no_core_dumps):
+def test_a_killed_cell_is_interrupted_and_resumed_a_crashed_one_failed_and_rerun_on_request(tmp_path, no_core_dumps):
     path = write(tmp_path / "dies.yaml", MATRIX)
     runs = tmp_path / "runs"
     killed, crashed, fine = (runs / "dies" / c.dirname for c in expansion.load(path)[1])
@@ -54,18 +55,20 @@ def test_dead_cells_are_marked_failed_with_their_cause_and_rerun_on_request(tmp_
         pid = wait_for(lambda c=cell: read_jsonl(c / "train" / "metrics.jsonl")
                        and (read_json(c / "status.json") or {}).get("pid"), f"{cell.name} to train", proc)
         os.kill(pid, sig)
-    assert proc.wait(timeout=600) == 1, log.read_text()[-3000:]
+    assert proc.wait(timeout=600) == 1, log.read_text()[-3000:]  # not 130: the runner itself got no signal
     text = " ".join(log.read_text().split())
     assert "Traceback" not in text
 
-    for cell, name in ((killed, "SIGKILL"), (crashed, "SIGSEGV")):
-        status = read_json(cell / "status.json")
-        assert status["state"] == "failed", status
-        assert status["error"].startswith(f"cell process killed by {name}")
-        assert status["exit"].startswith(f"killed by {name}")
-        assert status["log_tail"] and " starts: " in status["log_tail"][0]  # the attempt's own first line
-        assert f"{cell.name} failed: cell process killed by {name}" in text
-    assert "out-of-memory killer" in read_json(killed / "status.json")["error"]
+    status = read_json(killed / "status.json")
+    assert status["state"] == "pending" and status["note"].startswith("interrupted: cell process killed by SIGKILL")
+    assert "out-of-memory killer" in status["note"] and status["exit"].startswith("killed by SIGKILL")
+    assert status["log_tail"] and " starts: " in status["log_tail"][0]  # the attempt's own first line
+    assert f"{killed.name} was killed (interrupted: cell process killed by SIGKILL" in text
+    assert "resumes it from its last checkpoint" in text
+    status = read_json(crashed / "status.json")
+    assert status["state"] == "failed" and status["error"].startswith("cell process killed by SIGSEGV")
+    assert status["exit"].startswith("killed by SIGSEGV") and " starts: " in status["log_tail"][0]
+    assert f"{crashed.name} failed: cell process killed by SIGSEGV" in text
     assert read_json(fine / "status.json")["state"] == "done"  # the matrix went on after both
 
     shown = run_exp("status", runs / "dies")
@@ -73,17 +76,20 @@ def test_dead_cells_are_marked_failed_with_their_cause_and_rerun_on_request(tmp_
     table = " ".join(shown.stdout.split())
     assert "killed by SIGKILL" in table and "killed by SIGSEGV" in table and "last lines of" in table
     rows = {r["dir"]: r for r in json.loads(run_exp("status", runs / "dies", "--json").stdout)}
-    assert rows[str(killed)]["log_tail"] and rows[str(fine)]["state"] == "done"
+    assert rows[str(killed)]["state"] == "interrupted" and rows[str(crashed)]["state"] == "failed"
+    assert rows[str(crashed)]["log_tail"] and rows[str(fine)]["state"] == "done"
 
     before = (fine / "train" / "metrics.jsonl").stat().st_mtime_ns
-    again = run_exp("run", path, "--runs-dir", runs)
+    again = run_exp("run", path, "--runs-dir", runs)  # a plain run resumes the killed cell, not the crashed one
     assert again.returncode == 1 and "failed, skipped" in again.stderr and "--rerun-failed" in again.stderr
+    assert read_json(killed / "status.json")["state"] == "done" and attempts(killed) == 2
+    assert attempts(crashed) == 1
     again = run_exp("run", path, "--runs-dir", runs, "--rerun-failed")
     assert again.returncode == 0, again.stderr[-3000:]
     for cell in (killed, crashed):
         status = read_json(cell / "status.json")
-        assert status["state"] == "done" and attempts(cell) == 2  # killed, skipped (no attempt), run again
-        assert not {"error", "exit", "log_tail"} & set(status)  # the failure of an earlier attempt is gone
+        assert status["state"] == "done" and attempts(cell) == 2  # stopped once, run again once
+        assert not {"error", "exit", "log_tail", "note"} & set(status)  # the end of an earlier attempt is gone
     assert attempts(fine) == 1 and (fine / "train" / "metrics.jsonl").stat().st_mtime_ns == before
 
 

@@ -62,7 +62,7 @@ def test_a_cell_locked_elsewhere_is_waited_for_and_taken_over_when_its_holder_di
     log = tmp_path / "run.log"
     wait_for(lambda: "waiting for the process that holds its lock" in log.read_text(), "the runner waits", proc)
     assert read_json(free / "status.json")["state"] == "done"  # it went on with the free cell first
-    assert f"pid {os.getpid()}" in log.read_text()  # and named the holder
+    assert f"pid {os.getpid()}" in log.read_text() and "(running)" in log.read_text()  # named the holder
     assert read_json(locked / "status.json")["state"] == "running" and attempts(locked) == 0
     holder.release()  # the holder is gone; its "running" stays behind
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
@@ -87,7 +87,8 @@ def test_a_cell_outlives_its_killed_runner_and_the_next_runner_waits_for_it(tmp_
         second = start_exp("run", path, "--runs-dir", tmp_path / "runs", log=tmp_path / "second.log")
         log = tmp_path / "second.log"
         wait_for(lambda: "waiting for the process that holds its lock" in log.read_text(), "the wait", second)
-        assert f"cell process pid {pid}" in " ".join(log.read_text().split())
+        said = " ".join(log.read_text().split())  # the runner is gone, the cell it started is stopped: said
+        assert f"(gone); cell process pid {pid} (stopped: `kill -CONT {pid}` lets it go on" in said
     finally:
         os.kill(pid, signal.SIGCONT)
     assert second.wait(timeout=600) == 0, log.read_text()[-3000:]

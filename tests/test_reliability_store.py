@@ -74,13 +74,21 @@ def test_a_torn_record_is_dropped_on_read_and_cut_off_before_the_next_append(tmp
     append_jsonl(path, {"step": 2})
     assert read_jsonl(path) == [{"step": 1}, {"step": 2}]
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
-    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')  # damage in the middle is not a crash's: it says so
-    try:
-        read_jsonl(path)
+    # Damage in the middle is not a crash's: the line is left out and said, naming the file and the line.
+    path.write_bytes(b'{"step": 1}\nnot json\n\xff\xfe\n[3]\n{"step": 5}\n')
+    said: list[str] = []
+    assert read_jsonl(path, on_damage=said.append) == [{"step": 1}, {"step": 5}]
+    assert [w.split(": ", 1)[1] for w in said] == [
+        "line 2 is not JSON (Expecting value): left out (damaged since it was written)",
+        "line 3 is not UTF-8 (byte 0): left out (damaged since it was written)",
+        "line 4 is not a JSON object: left out (damaged since it was written)"]
+    assert all(w.startswith(str(path)) for w in said)
+    try:  # a user's data file (not one tunelab appends to): a line that is not JSON is a mistake, named
+        read_jsonl(path, appended=False)
     except ValueError as e:
         assert "line 2 is not JSON" in str(e) and str(path) in str(e)
     else:
-        raise AssertionError("a damaged middle line was read silently")
+        raise AssertionError("a damaged line of a data file was read silently")
 
 
 HOLDER = textwrap.dedent("""

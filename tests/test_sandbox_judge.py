@@ -1,4 +1,4 @@
-"""The judge against programs that try to learn their verdict (sandbox_judge.py), from a root and
+"""The judge against programs that try to learn their verdict (evals/sandbox/judge.py), from a root and
 an unprivileged evaluator (tests/sandbox_fixtures.py).
 
 A program that learned in one run whether a guess was right, and kept that in anything that

@@ -40,6 +40,9 @@ def test_every_refused_call_is_refused(machine):
     assert {n: decide(machine, n) for n in refused} == {n: "EPERM" for n in refused}
     assert decide(machine, "clone3") == "ENOSYS"  # glibc falls back to clone, whose flags are checked
     assert {"memfd_create", "shmget", "msgget", "semget", "mq_open", "preadv2", "cachestat", "mincore"} <= set(refused)
+    # issue 51: no names for sockets (so no listener backlog), no pages lent to pipes, no inotify, no pidfds
+    assert {"bind", "connect", "listen", "vmsplice", "splice", "tee", "inotify_init1", "inotify_add_watch",
+            "pidfd_open"} <= set(refused)  # fmt: skip
 
 
 @pytest.mark.parametrize("machine", ARCHES)
@@ -54,9 +57,20 @@ def test_calls_refused_for_some_arguments_only(machine):
         assert decide(machine, "clone", 0x01200011 | flag) == "EPERM"
     for option in (7, 8, 32, 33):  # SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE
         assert decide(machine, "setsockopt", 3, 1, option) == "EPERM"
+    for option in (16, 34, 76):  # SO_PASSCRED, SO_PASSSEC, SO_PASSPIDFD: each would bind a name as the socket sends
+        assert decide(machine, "setsockopt", 3, 1, option) == "EPERM"
     assert decide(machine, "setsockopt", 3, 1, 2) == "ALLOW"  # SO_REUSEADDR
+    assert decide(machine, "setsockopt", 3, 6, 7) == "ALLOW"  # another level's option 7 (TCP_MAXSEG's level, say)
+    for option in (57, 71, 77):  # SO_COOKIE, SO_NETNS_COOKIE, SO_PEERPIDFD: counters kept between runs
+        assert decide(machine, "getsockopt", 3, 1, option) == "EPERM"
+    for option in (3, 4, 7, 17):  # SO_TYPE, SO_ERROR, SO_SNDBUF, SO_PEERCRED
+        assert decide(machine, "getsockopt", 3, 1, option) == "ALLOW"
+    assert decide(machine, "clone", 0x01200011 | 0x1000) == "EPERM"  # CLONE_PIDFD
     assert decide(machine, "fcntl", 3, 1031, 1 << 20) == "EPERM"  # F_SETPIPE_SZ
+    for command in (6, 7, 37, 38):  # F_SETLK, F_SETLKW, F_OFD_SETLK, F_OFD_SETLKW: record locks
+        assert decide(machine, "fcntl", 3, command) == "EPERM"
     assert decide(machine, "fcntl", 3, 3) == decide(machine, "fcntl", 3, 1032) == "ALLOW"  # F_GETFL, F_GETPIPE_SZ
+    assert decide(machine, "fcntl", 3, 5) == "ALLOW"  # F_GETLK
 
 
 def test_other_calls_are_allowed_and_other_abis_refused():

@@ -1,4 +1,4 @@
-"""The data that crosses between the sandboxed program and the judge (sandbox_wire.py)."""
+"""The data that crosses between the sandboxed program and the judge (evals/sandbox/wire.py)."""
 
 import json
 import math

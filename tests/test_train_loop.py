@@ -138,7 +138,7 @@ def test_periodic_validation_and_checkpoints(tmp_path):
     ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert ckpts == ["step-4", "step-5"]  # every 2 steps and at the end; older ones pruned
     assert {p.name for p in (tmp_path / "checkpoints" / "step-5").iterdir()} == {"model.pt", "optimizer.pt",
-                                                                              "state.pt"}
+                                                                              "state.pt", "manifest.json"}
 
 
 @pytest.mark.parametrize("grouped", [False, True])

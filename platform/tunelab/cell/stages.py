@@ -24,7 +24,7 @@ from tunelab.core import events
 from tunelab.core.config import CellConfig
 from tunelab.core.errors import UserError
 from tunelab.core.events import Emit
-from tunelab.core.files import write_json
+from tunelab.core.files import write_failure, write_json
 from tunelab.machine.runtime import Layout, Paused, Preempted
 
 
@@ -67,9 +67,9 @@ def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None =
 
     attempt = Attempt.open(run_dir, emit, cfg, layout)
     folder, cfg, main, evaluate_only = attempt.folder, attempt.cfg, attempt.rt.is_main, attempt.folder.is_trained()
-    if main:
-        start(attempt, evaluate_only)
     try:
+        if main:  # inside: a start-up that fails (env.json unwritable, W&B) fails the cell with its cause
+            start(attempt, evaluate_only)
         check_host(cfg, file=folder.config_file)
         paused = None
         try:
@@ -94,11 +94,26 @@ def run_cell(run_dir: Path, emit: Emit = events.ignore, cfg: CellConfig | None =
         raise
     except BaseException as e:
         if main:
-            attempt.finish(failed=True)
-            folder.write_status("failed", finished_at=time.time(), timings=attempt.timings,
-                                error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
-                                bad_input=isinstance(e, UserError))
+            _failed(attempt, e)
         raise
+
+
+def _failed(attempt: Attempt, e: BaseException) -> None:
+    """status.json says failed, why, and, when a write failed, which limit it met (a full disk, a quota, a
+    read-only folder, `ulimit -f`: a plain `exp run` retries such a cell). When even that cannot be written (the
+    disk still full), cell.log says so and the runner records the failure."""
+    cause = write_failure(e, attempt.folder.path)
+    fields: dict[str, Any] = {"finished_at": time.time(), "timings": attempt.timings,
+                              "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
+                              "bad_input": isinstance(e, UserError) and cause is None}
+    if cause is not None:
+        fields["write_failed"] = cause
+    for what, do in (("end the W&B run", lambda: attempt.finish(failed=True)),
+                     ("record the failure in status.json", lambda: attempt.folder.write_status("failed", **fields))):
+        try:
+            do()
+        except Exception as again:  # noqa: BLE001 - the first failure is the one raised; this one is said
+            print(f"could not {what}: {type(again).__name__}: {again}", file=sys.stderr)
 
 
 def _pause(attempt: Attempt, step: int) -> None:

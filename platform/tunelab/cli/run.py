@@ -38,8 +38,11 @@ def _along(cfg) -> str:
 
 
 @app.command(rich_help_panel=RUN)
-def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets = None, as_json: Json = False) -> None:
+def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets = None, as_json: Json = False,
+         runs_dir: RunsDir = Path("runs")) -> None:
     """Expand a matrix file and print its cells; runs nothing."""
+    from tunelab.experiment import ownership
+    from tunelab.folders.matrix import MatrixFolder
     from tunelab.matrix import expansion
     from tunelab.matrix.sets import parse_sets
     from tunelab.tune import plan as tune_plan
@@ -47,6 +50,8 @@ def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets =
 
     overrides = parse_sets(sets or [])
     spec, cells = expansion.load(file, overrides)
+    # The run folder this file would run in belongs to another file of its name: `exp run` would refuse it too.
+    ownership.refuse(MatrixFolder(runs_dir / spec.name), file, file.read_text())
     groups = tune_plan.groups(spec, file, overrides)
     rows = [{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
              "checkpoints": c.checkpoints and {**c.checkpoints, "mode": _along(c.config)},
@@ -87,6 +92,8 @@ def run(
     qos: Annotated[str | None, typer.Option(help="slurm: --qos (overrides launcher.qos)")] = None,
     gpus_per_node: Annotated[int | None, typer.Option(help="slurm: --gpus-per-node (overrides the file's)")] = None,
     dry_run: Annotated[bool, typer.Option(help="slurm: write the sbatch scripts, do not submit")] = False,
+    replace: Annotated[bool, typer.Option(help="make this file the matrix of a run folder that another file with "
+                                               "the same name: ran in (its cell folders stay)")] = False,
     sets: Sets = None,
 ) -> None:
     from tunelab.experiment import session
@@ -97,7 +104,7 @@ def run(
     req = session.Request(
         file, parse_sets(sets or []), only, rerun_failed, fail_fast, runs_dir,
         Launch(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, launcher=launcher, dry_run=dry_run),
-        {k: v for k, v in flags.items() if v is not None})
+        {k: v for k, v in flags.items() if v is not None}, replace=replace)
     planned = session.plan(req)
     outcomes = session.run(req, planned, err)
     if planned.how.launcher == "slurm":
@@ -126,6 +133,10 @@ def _say_outcomes(planned, outcomes: list) -> int:
     for o in stopped:
         err.print(f"[yellow]{o.cell.dirname} stopped[/] ({escape(str(o.error))}): run again to resume it",
                   soft_wrap=True)
+    killed = [o for o in outcomes if o.state == "killed"]  # from outside, alone: not this run's signal (exit 1)
+    for o in killed:
+        err.print(f"[yellow]{o.cell.dirname} was killed[/] ({escape(str(o.error))}): `exp run` resumes it from its "
+                  "last checkpoint", soft_wrap=True)
     for line in planned.waiting:  # a search that cannot take its next decision yet (tunelab.tune)
         err.print(f"[yellow]search {escape(line)}", soft_wrap=True)
     reached = {o.cell.id for o in outcomes}
@@ -133,7 +144,7 @@ def _say_outcomes(planned, outcomes: list) -> int:
     if never:
         err.print(f"[yellow]{len(never)} cell(s) not started[/] ({', '.join(c.slug for c in never)}): the same "
                   "`exp run` starts them", soft_wrap=True)
-    if failed or planned.waiting:
+    if failed or killed or planned.waiting:
         return 1
     return 130 if stopped or never else 0
 

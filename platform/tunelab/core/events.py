@@ -6,7 +6,8 @@ On the wire (the cell process's stdout, one JSON object per line) each event is 
     {"stage": "load"}                                          Stage: a stage began (load, data, train, eval)
     {"stage": "train", "step": 3, "total": 20, "loss": 1.9,    Step: an optimizer step ended; metrics is the
      "metrics": {...}}                                         step's train/metrics.jsonl record
-    {"stage": "resume", "step": 10, "checkpoint": "step-10"}   Resumed: training continues from a checkpoint
+    {"stage": "resume", "step": 10, "checkpoint": "step-10",   Resumed: training continues from a checkpoint
+     "skipped": "step-15: optimizer.pt is missing"}            (the newer incomplete ones it skipped, and why)
     {"stage": "eval", "task": "mmlu"}                          EvalTask: an eval task began
     {"stage": "eval_progress", "task": "mmlu", "done": 40,     EvalProgress: items of the task scored so far
      "total": 57}
@@ -42,6 +43,7 @@ class Step:
 class Resumed:
     step: int
     checkpoint: str
+    skipped: str = ""  # newer checkpoints that were incomplete, and why (train/checkpoint.py: usable)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from rich.console import Console
 from tunelab.core.config import world_size
 from tunelab.core.errors import UserError
 from tunelab.core.files import make_dir
+from tunelab.experiment import ownership
 from tunelab.folders.matrix import MatrixFolder
 from tunelab.matrix import expansion, input_checks, launcher
 from tunelab.matrix.expansion import Cell
@@ -37,6 +38,7 @@ class Request:
     runs_dir: Path = Path("runs")
     how: Launch = field(default_factory=Launch)
     slurm_flags: dict[str, Any] = field(default_factory=dict)  # --partition, --time, ... over launcher:
+    replace: bool = False  # --replace: this file takes over a run folder another file of its name ran in
 
 
 @dataclass
@@ -83,6 +85,8 @@ def plan(req: Request) -> Planned:
     tracking.check_env()
     make_dir(cache_dir(), "the cache: $TUNELAB_CACHE, else ~/.cache/tunelab")
     make_dir(req.runs_dir / spec.name, "--runs-dir")
+    if not req.replace:  # a run folder of another file with this name (experiment/ownership.py)
+        ownership.refuse(MatrixFolder(req.runs_dir / spec.name), req.file, req.file.read_text())
     return Planned(spec, cells, chosen, how, req.runs_dir, groups, chosen_groups)
 
 
@@ -109,7 +113,9 @@ def run(req: Request, planned: Planned, console: Console) -> list[Outcome]:
 
     folder = planned.folder
     if planned.how.node_rank == 0:  # node 0 writes the run's folders; the other nodes only join its cells
-        folder.write_matrix_file(req.file.read_text(), req.sets)
+        text = req.file.read_text()
+        ownership.claim(folder, req.file, text, req.replace, lambda line: console.print(line, highlight=False))
+        folder.write_matrix_file(text, req.sets)
         if not planned.groups:  # a search writes its own (its winners join it as they are found)
             folder.write_index(planned.cells)
     if planned.groups:

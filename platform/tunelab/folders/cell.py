@@ -39,8 +39,13 @@ from tunelab.core.locks import CellLock, is_locked, lock_holder
 LAYOUT = 2  # cell.json "layout"; absent in folders of the first layout
 STATES = ("pending", "running", "done", "failed")
 # What status.json says of one attempt: its failure, or the note of how it stopped ("interrupted", requeued).
-ATTEMPT_FIELDS = ("error", "traceback", "exit", "log_tail", "bad_input", "note")
+# write_failed: the limit a failed write met (disk full, quota, read-only, ulimit -f), retried by a plain `exp run`.
+ATTEMPT_FIELDS = ("error", "traceback", "exit", "log_tail", "bad_input", "note", "write_failed")
 LOG_TAIL_LINES = 20  # of cell.log, kept in status.json when a cell fails
+# What to do about a damaged state file (core.files.read_json says what is wrong with it, and this).
+RERUN = ("delete it: the next `exp run` of its matrix writes it again (the cell resumes from its last complete "
+         "checkpoint)")
+REWRITTEN = "delete it: the next `exp run` of its matrix that runs this cell writes it again"
 STEP_DIR = re.compile(r"^step-(\d+)$")  # checkpoints/step-N/ and eval/<eval-id>/step-N/
 
 
@@ -121,7 +126,7 @@ class CellFolder:
         return self.eval_dir(eval_id) / step_name(step)
 
     def step_results(self, eval_id: str, step: int) -> dict[str, Any]:
-        return read_json(EvalFolder(self.step_dir(eval_id, step)).results_file) or {}
+        return read_json(EvalFolder(self.step_dir(eval_id, step)).results_file, dict) or {}
 
     def step_claim(self, eval_id: str, step: int) -> CellLock:
         """The lock an evaluator holds while it scores one checkpoint (eval/<eval-id>/.step-N.lock)."""
@@ -129,12 +134,13 @@ class CellFolder:
 
     def step_evaluations(self, eval_id: str) -> dict[int, dict[str, Any]]:
         """Every checkpoint evaluation of `eval_id` written so far: step -> results.json."""
-        found = ((s, read_json(EvalFolder(d).results_file)) for s, d in step_dirs(self.eval_dir(eval_id)))
+        found = ((s, read_json(EvalFolder(d).results_file, dict)) for s, d in step_dirs(self.eval_dir(eval_id)))
         return {s: res for s, res in found if res is not None}
 
     def selection(self) -> dict[str, Any]:
         """train/selection.json: the step final/ holds and why (train.select); {} without a selection."""
-        return read_json(self.selection_file) or {}
+        return read_json(self.selection_file, dict, "restore it from a copy, or delete the cell's final/ and "
+                         "this file: `exp run` then trains the cell again from its last complete checkpoint") or {}
 
     # -- reading -----------------------------------------------------------------------------------------
     def exists(self) -> bool:
@@ -143,7 +149,7 @@ class CellFolder:
 
     def meta(self) -> dict[str, Any]:
         """cell.json: matrix, id, slug, varying keys, layout."""
-        return read_json(self.meta_file) or {}
+        return read_json(self.meta_file, dict, RERUN) or {}
 
     def raw_config(self) -> dict[str, Any]:
         """config.yaml as the runner wrote it (every key resolved), not validated: validation resolves the
@@ -158,12 +164,16 @@ class CellFolder:
         return CellConfig.model_validate(yaml.safe_load(self.config_file.read_text()))
 
     def status(self) -> dict[str, Any]:
-        return read_json(self.status_file) or {}
+        return read_json(self.status_file, dict, RERUN) or {}
 
     def state(self) -> str:
         """The status's state; "running" under a free lock is "interrupted": the process that wrote it died
-        without a word (killed, out of memory, machine lost); the next `exp run` resumes it."""
-        state = self.status().get("state", "?")
+        without a word (killed, out of memory, machine lost); so is "pending" with a note saying so (stopped by
+        Ctrl-C, or killed while its runner watched); the next `exp run` resumes it."""
+        status = self.status()
+        state = status.get("state", "?")
+        if state == "pending" and str(status.get("note") or "").startswith("interrupted"):
+            return "interrupted"
         return "interrupted" if state == "running" and not self.is_locked() else state
 
     def is_trained(self) -> bool:
@@ -180,12 +190,12 @@ class CellFolder:
         found = [(p, p.parent.name) for p in self.eval_root.glob(f"*/{name}")]
         found += [(p, "eval") for p in [EvalFolder(self.eval_root).results_file] if p.is_file()]
         found.sort(key=lambda f: f[0].stat().st_mtime, reverse=True)
-        return [(eval_id, res) for p, eval_id in found if (res := read_json(p)) is not None]
+        return [(eval_id, res) for p, eval_id in found if (res := read_json(p, dict)) is not None]
 
     def results(self, eval_id: str | None = None) -> dict[str, Any]:
         """An evaluation's results.json: the one named, else the newest."""
         if eval_id is not None:
-            return read_json(self.results_file(eval_id)) or {}
+            return read_json(self.results_file(eval_id), dict) or {}  # damaged: evaluated again
         return next((res for _, res in self.evaluations()), {})
 
     def samples_file(self, eval_id: str | None = None) -> Path | None:
@@ -197,13 +207,13 @@ class CellFolder:
         return max(found)[1] if found else (old if old.is_file() else None)
 
     def summary(self) -> dict[str, Any]:
-        return read_json(self.summary_file) or {}
+        return read_json(self.summary_file, dict, REWRITTEN) or {}
 
     def metrics(self) -> list[dict]:
         return read_jsonl(self.metrics_file)
 
     def env(self) -> dict[str, Any]:
-        return read_json(self.env_file) or {}
+        return read_json(self.env_file, dict, REWRITTEN) or {}
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> list[str]:
         """The last lines of cell.log (its last 64 KiB at most), each cut at 400 characters."""
@@ -272,13 +282,18 @@ class CellFolder:
         return read_jsonl(self.attempts_file)
 
     def replace_final(self, write: Callable[[Path], None]) -> None:
-        """final/ replaced by what `write` puts into a fresh folder (the checkpoint a selection chose): written
-        beside it, then swapped in by two renames."""
+        """final/ replaced by what `write` puts into a fresh folder (the trained model, or the checkpoint a selection
+        chose): written beside it, then swapped in by two renames, so a kill leaves the old final/ (or, between the
+        renames, none: the cell is then not trained and trains again), never half of one."""
         new, old = self.path / ".final-new", self.path / ".final-old"
         for stale in (new, old):
             shutil.rmtree(stale, ignore_errors=True)
         new.mkdir()
-        write(new)
+        try:
+            write(new)
+        except BaseException:
+            shutil.rmtree(new, ignore_errors=True)  # half a model is no final/, and it holds space
+            raise
         if self.final.exists():
             os.replace(self.final, old)
         os.replace(new, self.final)
@@ -308,7 +323,7 @@ class CellFolder:
             for name in ("samples_file", "results_file"):  # results last: its presence means the move is done
                 if getattr(old, name).is_file():
                     os.replace(getattr(old, name), getattr(target, name))
-            res = read_json(target.results_file) or {}
+            res = read_json(target.results_file, dict) or {}
             if status.get("state") == "done" and not res.get("complete"):
                 write_json(target.results_file, {**res, "complete": True})
         if status.get("state") == "done" and self.final.is_dir() and not status.get("trained"):

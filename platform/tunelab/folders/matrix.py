@@ -2,6 +2,7 @@
 
     runs/<matrix>/
       matrix.yaml                    the file as last run (with its --set overrides on top)
+      source.json                    which matrix file the folder belongs to: its path and content hash
       cells.json                     the cells of the matrix as last run: id, eval id, slug, varying keys
       <slug>-<id>/                   one CellFolder per trained model
       leaderboard.{md,csv,tex,json} report.html
@@ -20,7 +21,10 @@ from typing import Any, Protocol
 
 from tunelab.core.errors import UserError, did_you_mean
 from tunelab.core.files import read_json, write_json, write_text
+from tunelab.core.locks import CellLock
 from tunelab.folders.cell import LAYOUT, At, CellFolder
+
+REWRITE = "delete it: the next `exp run` of the matrix file writes it again"  # a damaged file of the run folder
 
 
 class Planned(Protocol):
@@ -52,12 +56,14 @@ class MatrixFolder:
 
     index_file = At("cells.json")
     matrix_file = At("matrix.yaml")
+    source_file = At("source.json")  # experiment/ownership.py: one matrix file per run folder
     report_file = At("report.html")
 
     tune_dir = At("tune")  # locked (core.locks) while a runner writes a study
     studies_file = At("tune", "studies.json")
     journal_file = At("tune", "optuna.journal")
     journal_lock_file = At("tune", "optuna.journal.lock")  # Optuna's own lock of the journal (tune/record.py)
+    damaged_journal_file = At("tune", "optuna.journal.damaged")  # a journal with a damaged line, moved aside
 
     def leaderboard_file(self, suffix: str) -> Path:
         return self.path / f"leaderboard.{suffix}"
@@ -78,8 +84,7 @@ class MatrixFolder:
 
     def index(self) -> list[dict[str, Any]] | None:
         """cells.json, or None for a folder whose runner never wrote one."""
-        index = read_json(self.index_file)
-        return index if isinstance(index, list) else None
+        return read_json(self.index_file, list, REWRITE)
 
     def write_index(self, cells: Iterable[Planned]) -> None:
         """The matrix as last run, so the leaderboard joins each cell's training and its evaluation."""
@@ -90,6 +95,15 @@ class MatrixFolder:
     def write_matrix_file(self, text: str, overrides: dict[str, Any]) -> None:
         """The file as run; --set overrides are written on top, so the folder says how its cells were made."""
         write_text(self.matrix_file, "".join(f"# exp run --set {k}={v}\n" for k, v in overrides.items()) + text)
+
+    def source(self) -> dict[str, Any] | None:
+        """source.json: {"file": the matrix file's absolute path, "sha256": its content's hash}; None before any
+        `exp run` wrote one."""
+        return read_json(self.source_file, dict, REWRITE)
+
+    def claim_lock(self) -> CellLock:
+        """Held for the moment a runner checks and writes source.json (runners started together take turns)."""
+        return CellLock(self.path)
 
     def description(self) -> str:
         import yaml

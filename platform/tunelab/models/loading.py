@@ -147,5 +147,5 @@ def source_note(name: str) -> str | None:
         return None
     from tunelab.models.catalog import SOURCE_NOTE  # the note a catalog builder leaves in the folder it made
 
-    note = read_json(folder / SOURCE_NOTE) if folder.is_dir() else None
+    note = read_json(folder / SOURCE_NOTE, dict) if folder.is_dir() else None
     return (note or {}).get("note")

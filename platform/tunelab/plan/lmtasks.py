@@ -86,7 +86,7 @@ def lm_eval_version() -> str:
 def builtin() -> dict[str, LmTask]:
     """Every task lm-eval ships, from the cache when this lm-eval version was indexed before."""
     path = cache_dir() / "lm-eval-index" / f"{lm_eval_version()}-{INDEX_FORMAT}.json"
-    cached = read_json(path)
+    cached = read_json(path, dict)  # damaged: indexed again
     if cached:
         return {n: LmTask(**{**v, "members": tuple(v["members"])}) for n, v in cached.items()}
     import lm_eval.tasks

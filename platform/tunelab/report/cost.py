@@ -67,7 +67,7 @@ def of_row(tune_metas: list[dict[str, Any]], finals: list[Path], folders: Folder
     studies = {m.get("trials_file") for m in tune_metas if m.get("trials_file")}
     cost.studies = len(studies)
     for rel in sorted(studies):  # type: ignore[type-var]
-        table = read_json(folders.matrix_dir / str(rel)) or {}
+        table = read_json(folders.matrix_dir / str(rel), dict) or {}  # damaged: no cost to read from it
         full = max((r for b in table.get("schedule", []) for r in b.get("rungs", [])), default=None)
         for t in table.get("trials", []):
             f = folders.get(t.get("cell"))

@@ -14,14 +14,14 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from tunelab.core.files import read_json
-from tunelab.folders.matrix import MatrixFolder
+from tunelab.folders.matrix import REWRITE, MatrixFolder
 from tunelab.report.plots import _png
 
 
 def searches(matrix_dir: Path) -> list[dict[str, Any]]:
     """Every search's trials.json (written after each rung), in the order of tune/studies.json."""
-    index = read_json(MatrixFolder(matrix_dir).studies_file) or []
-    return [t for entry in index if (t := read_json(matrix_dir / entry["trials_file"]))]
+    index = read_json(MatrixFolder(matrix_dir).studies_file, list, REWRITE) or []
+    return [t for entry in index if (t := read_json(matrix_dir / entry["trials_file"], dict, REWRITE))]
 
 
 def by_group(tables: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

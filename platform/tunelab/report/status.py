@@ -10,8 +10,9 @@ from typing import Any
 from tunelab.folders.matrix import MatrixFolder
 
 STATE_NOTES = {
-    "interrupted": "its status says running, but no process holds its folder's lock: it died without a word "
-                   "(killed, out of memory, machine lost); `exp run` resumes it from its last checkpoint",
+    "interrupted": "stopped by Ctrl-C, or killed from outside (out of memory, a user, a lost machine: its status "
+                   "says running, but no process holds its folder's lock); `exp run` resumes it from its last "
+                   "checkpoint",
     "failed": "`exp run --rerun-failed` retries failed cells (a cell that failed for bad input is retried by a plain "
               "`exp run` once that input changed); the whole log is the cell folder's cell.log",
     "pending": "not started yet, or stopped in order (Ctrl-C, preemption): `exp run` starts or resumes it",

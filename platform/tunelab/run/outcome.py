@@ -12,11 +12,30 @@ from tunelab.matrix.expansion import Cell
 @dataclass
 class Outcome:
     cell: Cell
-    # done | done-elsewhere (another runner finished it) | failed | interrupted (it will resume) |
+    # done | done-elsewhere (another runner finished it) | failed | interrupted (this runner was stopped; it will
+    # resume) | killed (killed from outside, alone: the OOM killer, a user; it will resume) |
     # paused (it reached its stop_at: a search's rung) | skipped-done | skipped-reached (it had reached its stop_at) |
     # skipped-failed | skipped-locked | skipped-queued (SLURM holds its job) | submitted | written
     state: str
     error: str | None = None
+
+
+# Signals that end a process from outside (the OOM killer, a user, the batch system): the cell did nothing wrong
+# and resumes from its last checkpoint, `interrupted`. A crash (SIGSEGV, SIGABRT ...) is a failure.
+KILLS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _signal_of(rc: int, log_tail: list[str] | tuple[str, ...] = ()) -> int | None:
+    if rc > 0:
+        worker = [int(m.group(1)) for line in log_tail if (m := re.search(r"exitcode\s*:\s*(-\d+)", line))]
+        if worker:
+            return -worker[-1]
+    return -rc if rc < 0 else rc - 128 if rc > 128 else None  # 128+N: a shell's way of saying signal N
+
+
+def killed_from_outside(rc: int, log_tail: list[str] | tuple[str, ...] = ()) -> bool:
+    """Whether an exit status is a kill from outside (KILLS), the cell's own or, under torchrun, a worker's."""
+    return _signal_of(rc, log_tail) in KILLS
 
 
 def exit_cause(rc: int, log_tail: list[str] | tuple[str, ...] = ()) -> str:

@@ -49,7 +49,8 @@ def shown(ev: events.Event) -> dict[str, Any]:
     if isinstance(ev, events.EvalTask):
         return {"info": f"eval {ev.task}"}
     if isinstance(ev, events.Resumed):
-        return {"completed": ev.step, "info": f"resumed from {ev.checkpoint}"}
+        skipped = f" (not from {ev.skipped})" if ev.skipped else ""
+        return {"completed": ev.step, "info": f"resumed from {ev.checkpoint}{skipped}"}
     if isinstance(ev, events.CheckpointScores):
         return {"info": f"checkpoint of step {ev.step} scored"}
     return {"info": ev.name}

@@ -30,14 +30,14 @@ from rich.markup import escape
 
 from tunelab.checkpoint_scores.steps import StepScores
 from tunelab.core import events
-from tunelab.core.files import read_json
+from tunelab.core.files import read_json, write_json
 from tunelab.core.locks import LOCK_HELD_ENV, LOCKED_EXIT, CellLock
-from tunelab.folders.cell import CellFolder
+from tunelab.folders.cell import LAYOUT, CellFolder
 from tunelab.folders.matrix import MatrixFolder
 from tunelab.matrix.expansion import Cell
 from tunelab.run import slurm
 from tunelab.run.launch import STOP_AT_ENV, VALIDATE_AT_ENV, Launch, cell_command, run_env
-from tunelab.run.outcome import Outcome, exit_cause
+from tunelab.run.outcome import Outcome, exit_cause, killed_from_outside
 from tunelab.run.progress import RunView
 
 
@@ -94,7 +94,7 @@ def launch(folder: CellFolder, on_event: Callable[[events.Event], None], command
         env[LOCK_HELD_ENV], fds = str(folder.path.resolve()), (held.fileno(),)
     with (log_path or folder.log_file).open("a") as log:
         # Each attempt begins with a line of its own: the log of a resumed cell reads as its history.
-        log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} runner pid {os.getpid()} on {socket.gethostname()} "
+        log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S %z')} runner pid {os.getpid()} on {socket.gethostname()} "
                   f"starts: {' '.join(command)}\n")
         log.flush()
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env, pass_fds=fds)
@@ -118,12 +118,15 @@ def settle(folder: CellFolder, rc: int) -> dict:
     status = folder.status()
     if rc == 0 and status.get("state") == "done":
         return status
-    if status.get("state") == "pending":  # it stopped itself in order (Ctrl-C, preemption): it will resume
-        return status
+    if status.get("state") == "pending" and status.get("note"):  # it stopped itself in order (Ctrl-C, preemption,
+        return status  # a search's rung): it will resume. Without a note it never started: see below
     tail = folder.log_tail()
     cause = exit_cause(rc, tail)
     if status.get("state") == "failed":  # it said why itself; the exit and the log go beside it
         return folder.write_status("failed", exit=cause, log_tail=tail)
+    if killed_from_outside(rc, tail):  # not its own failure: the next `exp run` resumes it, as after Ctrl-C
+        return folder.write_status("pending", note=f"interrupted: cell process {cause}", exit=cause, log_tail=tail,
+                                   finished_at=time.time())
     error = f"cell process {cause}" if rc != 0 else "cell process exited without finishing (exit code 0)"
     return folder.write_status("failed", error=error, exit=cause, log_tail=tail, finished_at=time.time())
 
@@ -151,7 +154,7 @@ class Runner:
             return "skipped-done"
         if cell.stop_at is not None and (status.get("paused_at") or 0) >= cell.stop_at:
             return "skipped-reached"  # it trained that far in an earlier run (a search's rung)
-        if state == "failed" and not self.rerun_failed and not _input_changed(folder, cell):
+        if state == "failed" and not (self.rerun_failed or status.get("write_failed") or _input_changed(folder, cell)):
             return "skipped-failed"
         if self.how.launcher == "slurm" and state in ("pending", "running") and slurm.queued(status.get("slurm_job")):
             return "skipped-queued"
@@ -185,7 +188,9 @@ class Runner:
             return Outcome(cell, "paused")
         if status.get("state") == "pending":
             self.view.end_cell(handle, "[yellow]interrupted: resumes on the next exp run")
-            return Outcome(cell, "interrupted", status.get("note") or exit_cause(rc))
+            # "interrupted" (exit 130) when this runner was stopped; a cell killed from outside alone is "killed"
+            how = "interrupted" if self.stop.stopping else "killed"
+            return Outcome(cell, how, status.get("note") or exit_cause(rc))
         self.view.end_cell(handle, f"[red]failed: {escape(str(status.get('error', ''))[:80])}")
         return Outcome(cell, "failed", status.get("error"))
 
@@ -207,9 +212,9 @@ class Runner:
         return self.run_here(folder, cell, held)
 
     def wait_for(self, folder: CellFolder, cell: Cell) -> CellLock:
-        self.view.say(f"{cell.dirname}: waiting for the process that holds its lock ({folder.lock_holder()})")
+        """Its lock once free; meanwhile who holds it and what that process is doing, said at once and on change."""
         held = folder.lock()
-        held.acquire(wait=None)
+        held.acquire_saying(self.view.say, f"{cell.dirname}: waiting for the process that holds its lock")
         return held
 
     def first_pass(self, cell: Cell, later: list[tuple[Cell, CellFolder]],
@@ -220,6 +225,8 @@ class Runner:
         skip = self.skip_reason(folder, cell, probe_lock=not self.claims and self.how.node_rank == 0)
         if skip:
             self.view.say(f"[dim]{cell.dirname}: {skip.removeprefix('skipped-')}, skipped")
+            if self.how.node_rank == 0 and not folder.meta_file.is_file():  # deleted (it was damaged): again
+                write_json(folder.meta_file, {**cell_meta(cell, self.matrix.name), "layout": LAYOUT})
             return Outcome(cell, skip, folder.status().get("error"))
         if self.claims:
             held = folder.lock()
@@ -265,8 +272,12 @@ class Runner:
 
 def prepare(folder: CellFolder, cell: Cell, matrix: str) -> None:
     """A cell about to run: its config, who it is (and what its input files were), status pending."""
-    folder.prepare(cell.config, {"matrix": matrix, "id": cell.id, "slug": cell.slug, "varying": cell.varying,
-                                 "inputs": input_stamp(cell)})
+    folder.prepare(cell.config, cell_meta(cell, matrix))
+
+
+def cell_meta(cell: Cell, matrix: str) -> dict:
+    """cell.json: who the cell is (and what its input files were)."""
+    return {"matrix": matrix, "id": cell.id, "slug": cell.slug, "varying": cell.varying, "inputs": input_stamp(cell)}
 
 
 def input_stamp(cell: Cell) -> dict[str, str]:

@@ -66,8 +66,8 @@ def load_target(target: str, device) -> tuple[object, object, str | None, str]:
         else:
             model, tok = _with_adapter(cell.base, cell.final, device, **kw)
         return model, tok, trained_template(cell.raw_config()), f"cell {cell.title} ({cell.method})"
-    trained = (read_json(path / "tunelab_export.json") or {}).get("template") if path.is_dir() else None
-    adapter = read_json(path / "adapter_config.json") if path.is_dir() else None
+    trained = (read_json(path / "tunelab_export.json", dict) or {}).get("template") if path.is_dir() else None
+    adapter = read_json(path / "adapter_config.json", dict) if path.is_dir() else None
     if adapter:
         base = adapter.get("base_model_name_or_path")
         if not base:

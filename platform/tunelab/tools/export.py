@@ -153,7 +153,7 @@ def export_cell(cell_dir: Path, out: Path, *, merge: bool = False, dtype: str = 
             for f in cell.final.iterdir():
                 if f.is_file() and f.name != "README.md":  # peft's README is an empty template; ours replaces it
                     shutil.copy2(f, tmp / f.name)
-            base_path = (read_json(cell.final / "adapter_config.json") or {}).get("base_model_name_or_path") \
+            base_path = (read_json(cell.final / "adapter_config.json", dict) or {}).get("base_model_name_or_path") \
                 or cell.base
         from tunelab.tools import modelcard
 

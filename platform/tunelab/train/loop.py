@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from tunelab.core.config import CellConfig
+from tunelab.core.errors import UserError
 from tunelab.core.events import Emit, Resumed, Step, ignore
-from tunelab.core.files import append_jsonl, read_jsonl, write_json, write_text
+from tunelab.core.files import append_jsonl, read_jsonl, warn, write_json, write_text
 from tunelab.core.registries import uses_engine
 from tunelab.folders.cell import CellFolder
 from tunelab.machine.runtime import STOP, Layout, Paused, Preempted, Runtime, precision_of, stop_agreed
@@ -204,8 +205,9 @@ def _setup(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, folder: 
 
 
 def _resume(loop: Training) -> tuple[int, int | None]:
-    """(first step to run, the step resumed from): from the latest checkpoint, when there is one."""
-    ckpt = checkpoint.latest(loop.folder.checkpoints) if loop.cfg.train.resume else None
+    """(first step to run, the step resumed from): from the latest complete checkpoint, when there is one."""
+    skipped: list[str] = []
+    ckpt = _resume_from(loop, skipped) if loop.cfg.train.resume else None
     if ckpt is None:
         if loop.runtime.is_main:
             loop.metrics_path.unlink(missing_ok=True)
@@ -216,8 +218,30 @@ def _resume(loop: Training) -> tuple[int, int | None]:
     checkpoint.set_rng_state(saved["rng"])  # last: nothing may draw from the RNGs after this
     if loop.runtime.is_main:
         _truncate_metrics(loop.metrics_path, saved["step"])
-    loop.emit(Resumed(saved["step"], ckpt.name))
+    loop.emit(Resumed(saved["step"], ckpt.name, "; ".join(skipped)))
     return saved["step"] + 1, saved["step"]
+
+
+def _resume_from(loop: Training, skipped: list[str]) -> Path | None:
+    """The latest complete checkpoint (checkpoint.usable: each newer incomplete one named in cell.log, and in
+    `skipped` for the Resumed event, and skipped), chosen by the main process and the same on every process."""
+    import torch.distributed as dist
+
+    def named(path: Path, why: str) -> None:
+        warn(f"checkpoint {path} is incomplete and is not used: {why}")
+        skipped.append(f"{path.name}: {why}")
+
+    found: list[Path | None | BaseException] = [None]
+    if loop.runtime.is_main:
+        try:
+            found[0] = checkpoint.usable(loop.folder.checkpoints, named)
+        except UserError as e:  # every process raises it, not only the main one
+            found[0] = e
+    if dist.is_initialized():
+        dist.broadcast_object_list(found, src=0)
+    if isinstance(found[0], BaseException):
+        raise found[0]
+    return found[0]
 
 
 def _step(loop: Training, step: int, peak: float | None) -> None:
@@ -337,9 +361,12 @@ def train(loop: Training) -> TrainResult:
     )
     if runtime.is_main:
         write_json(loop.folder.summary_file, result.summary())
-        if t.save_final:
-            result.model.save_pretrained(loop.folder.final)
-            loop.tokenizer.save_pretrained(loop.folder.final)
+        if t.save_final:  # built beside final/ and renamed in: a kill leaves the old one or none, never half of one
+            def save(new: Path) -> None:
+                result.model.save_pretrained(new)
+                loop.tokenizer.save_pretrained(new)
+
+            loop.folder.replace_final(save)
     return result
 
 

@@ -60,7 +60,7 @@ def cpu_peak_flops(size: int = 1024, repeats: int = 8) -> float:
     path = cache_dir() / "hosts" / f"{key}.json"
     if str(path) in _MEASURED:
         return _MEASURED[str(path)]
-    cached = read_json(path)
+    cached = read_json(path, dict)  # damaged: measured again
     if cached and cached.get("flops", 0) > 0:
         return float(cached["flops"])
     g = torch.Generator().manual_seed(0)  # its own generator: training's RNG streams stay untouched

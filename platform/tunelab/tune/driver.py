@@ -10,10 +10,12 @@ read back, its decision taken, and its Optuna study and trials.json written unde
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from tunelab.core.config import CellConfig
 from tunelab.core.files import write_json
@@ -112,7 +114,7 @@ def _stages(searches: list[Search], r: _Run | None) -> bool:
                 s.collect(b, i)
                 s.decide(b, i)
                 if r is not None:
-                    _write_record(s, s.matrix_dir)
+                    _write_record(s, s.matrix_dir, lambda text: r.console.print(escape(text), highlight=False))
             if r is not None:
                 going_on = {t.cell.id for s in live for t in s.active if t.view.state == "waiting"}
                 for s in live:
@@ -148,13 +150,14 @@ def _annotated(plain: list[Cell], groups: list[Group]) -> list[Cell]:
     return out
 
 
-def _write_record(s: Search, mdir: Path) -> None:
-    """The study and trials.json, under the tune folder's lock (runners on one runs folder write in turn)."""
+def _write_record(s: Search, mdir: Path, say: Callable[[str], None]) -> None:
+    """The study and trials.json, under the tune folder's lock (runners on one runs folder write in turn; one that
+    waits says for whom, and what that process is doing)."""
     folder = MatrixFolder(mdir)
     held = CellLock(folder.tune_dir)
-    held.acquire(wait=None)
+    held.acquire_saying(say, f"waiting for the process that holds the search's lock {held.path}")
     with held:
-        record.repair_journal(mdir)
+        record.repair_journal(mdir, say)
         storage = record.open_storage(s.spec.storage, mdir)
         attrs = {"tunelab": {"group": s.group.slug, "varying": s.group.varying, "metric": s.spec.metric,
                              "direction": s.spec.direction, "sampler": s.spec.sampler, "pruner": s.spec.pruner,

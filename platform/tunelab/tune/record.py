@@ -13,8 +13,11 @@ Optuna RDB storage, shared by every node of a cluster.
 from __future__ import annotations
 
 import fcntl
+import json
 import math
+import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -26,6 +29,7 @@ from optuna.storages.journal import JournalFileOpenLock
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from tunelab.core.errors import UserError
+from tunelab.core.files import warn
 from tunelab.folders.matrix import MatrixFolder
 
 JOURNAL = MatrixFolder.journal_file.name  # the study file in runs/<matrix>/tune/
@@ -76,15 +80,52 @@ class _KernelLock(JournalFileOpenLock):
             self._file = None
 
 
-def repair_journal(matrix_dir: Path) -> None:
+def repair_journal(matrix_dir: Path, say: Callable[[str], None] = warn) -> None:
     """Cut a journal line a kill tore (no newline at its end), as Optuna's reader would skip it: the next record
-    must not run into it. Called by the only writer, under the tune folder's lock."""
-    path = MatrixFolder(matrix_dir).journal_file
+    must not run into it. A damaged line before the last (not UTF-8, not JSON: Optuna's reader stops there) moves
+    the journal aside, said with its line (`say`): the study is a record of the cells, and the next `sync` writes
+    it again whole. Called by the only writer, under the tune folder's lock."""
+    folder = MatrixFolder(matrix_dir)
+    path = folder.journal_file
     if path.is_file() and path.stat().st_size:
         data = path.read_bytes()
         if not data.endswith(b"\n"):
             with path.open("r+b") as f:
                 f.truncate(data.rfind(b"\n") + 1)
+        damage = damaged_line(data)
+        if damage is not None:
+            os.replace(path, folder.damaged_journal_file)
+            say(f"{path}: line {damage[0]} is {damage[1]}; the journal was moved aside to "
+                f"{folder.damaged_journal_file} and its studies are written again from the trials' cells")
+
+
+def damaged_line(data: bytes) -> tuple[int, str] | None:
+    """(line number, what is wrong) of the first complete journal line that is not a JSON object, or None."""
+    for n, line in enumerate(data.split(b"\n")[:-1], 1):
+        try:
+            if isinstance(json.loads(line.decode("utf-8")), dict):
+                continue
+            why = "not a JSON object"
+        except UnicodeDecodeError as e:
+            why = f"not UTF-8 (byte {e.start})"
+        except json.JSONDecodeError as e:
+            why = f"not JSON ({e.msg})"
+        return n, why
+    return None
+
+
+def damaged_journal(matrix_dir: Path) -> UserError | None:
+    """The paragraph for a reader (`exp tune status`) of a journal with a damaged line; None when it has none."""
+    path = MatrixFolder(matrix_dir).journal_file
+    try:
+        damage = damaged_line(path.read_bytes())
+    except OSError:
+        return None
+    if damage is None:
+        return None
+    return UserError(f"line {damage[0]} is {damage[1]}: the journal was damaged since it was written. The next "
+                     "`exp run` of the matrix moves it aside and writes its studies again from the trials' cells "
+                     "(or delete it; the same happens)", file=path)
 
 
 def open_storage(url: str, matrix_dir: Path) -> BaseStorage:

@@ -10,7 +10,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from tunelab.core.errors import UserError
 from tunelab.core.files import read_json
-from tunelab.folders.matrix import MatrixFolder
+from tunelab.folders.matrix import REWRITE, MatrixFolder
 from tunelab.matrix.tune_section import Dist
 from tunelab.tune import edges, record
 
@@ -32,11 +32,13 @@ def trial_row(matrix_dir: Path, t: FrozenTrial) -> dict[str, Any]:
 
 
 def study_row(matrix_dir: Path, entry: dict[str, Any]) -> dict[str, Any]:
-    storage = record.open_storage(entry["storage"], matrix_dir)
     try:
+        storage = record.open_storage(entry["storage"], matrix_dir)
         attrs, stored = record.load(storage, entry["study"])
     except KeyError:  # listed, but its first stage has not ended yet
         attrs, stored = {}, []
+    except ValueError as e:  # Optuna's journal reader stops at a damaged line (JSONDecodeError is one)
+        raise record.damaged_journal(matrix_dir) or e from None
     info = attrs.get("tunelab") or {}
     rows = [trial_row(matrix_dir, t) for t in stored]
     done = [r for r in rows if r["state"] == "complete" and r["value"] is not None]
@@ -54,7 +56,7 @@ def study_row(matrix_dir: Path, entry: dict[str, Any]) -> dict[str, Any]:
 def _edges(matrix_dir: Path, entry: dict[str, Any], params: dict[str, Any] | None) -> list[dict[str, Any]]:
     """The searched keys whose best value so far lies at an edge of its range (tune/edges.py), from the space
     trials.json records."""
-    table = read_json(matrix_dir / entry["trials_file"]) or {}
+    table = read_json(matrix_dir / entry["trials_file"], dict, REWRITE) or {}
     if not params or not table.get("space"):
         return []
     space = {k: Dist.model_validate(d) for k, d in table["space"].items()}
@@ -62,7 +64,7 @@ def _edges(matrix_dir: Path, entry: dict[str, Any], params: dict[str, Any] | Non
 
 
 def collect(matrix_dir: Path) -> list[dict[str, Any]]:
-    index = read_json(MatrixFolder(matrix_dir).studies_file)
+    index = read_json(MatrixFolder(matrix_dir).studies_file, list, REWRITE)
     if index is None:
         raise UserError("no searches here (no tune/studies.json): `exp run` a matrix with a tune: section first",
                         file=matrix_dir)

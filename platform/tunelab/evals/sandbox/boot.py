@@ -27,6 +27,10 @@ if TYPE_CHECKING:  # noqa: F821 (wire.py, prepended)
     import ctypes
 
 _WORK = "/work"
+# Signals queued to the program's processes together, and (each holds one queued signal) its POSIX
+# timers: kernel memory no descriptor bounds. The kernel's own signals (SIGCHLD, SIGSEGV, ...) are
+# queued past it.
+_SIGPENDING = 64
 
 
 def main() -> None:
@@ -44,7 +48,8 @@ def main() -> None:
         limits = [(resource.RLIMIT_CPU, cpu_s, cpu_s + 1), (resource.RLIMIT_AS, mem, mem),
                   (resource.RLIMIT_FSIZE, fsize, fsize), (resource.RLIMIT_NPROC, nproc, nproc),
                   (resource.RLIMIT_NOFILE, nofile, nofile), (resource.RLIMIT_CORE, 0, 0),
-                  (resource.RLIMIT_MSGQUEUE, 0, 0), (resource.RLIMIT_MEMLOCK, 0, 0)]  # fmt: skip
+                  (resource.RLIMIT_MSGQUEUE, 0, 0), (resource.RLIMIT_MEMLOCK, 0, 0),
+                  (resource.RLIMIT_SIGPENDING, _SIGPENDING, _SIGPENDING)]  # fmt: skip
         for res, soft, hard in limits:
             if soft >= 0:
                 resource.setrlimit(res, (soft, hard))
@@ -100,7 +105,8 @@ def _check(rc: int, what: str) -> None:
 def _mount_work(uid: int, disk: int, files: int, source: bytes) -> None:
     libc = _libc()
     owner = uid if uid >= 0 else os.getuid()
-    options = f"size={disk},nr_inodes={files},mode=0700,uid={owner},gid={owner}"
+    # huge=never: a page of a file here lent to a socket (sendfile) keeps 4 KiB alive, not a huge page's 2 MiB
+    options = f"size={disk},nr_inodes={files},mode=0700,uid={owner},gid={owner},huge=never"
     _check(libc.mount(b"tmpfs", _WORK.encode(), b"tmpfs", 0x2 | 0x4, options.encode()), "mount /work")  # nosuid, nodev
     os.chdir(_WORK)  # bwrap left us in /, above the folder this mount now covers
     os.environ["PWD"] = _WORK

@@ -9,7 +9,8 @@ interpreter that the program controls:
   its standard library, no site-packages), the devices null, zero, full, random and urandom,
   and /work: a tmpfs bounded in bytes and in files that is the working directory, HOME and
   TMPDIR. No /tmp, /proc, /sys, /etc, home folders or other binaries of the host.
-- network namespace: only a loopback interface of its own, and only AF_UNIX sockets;
+- network namespace: only a loopback interface of its own, and only AF_UNIX sockets, without
+  names (socketpairs: no listener, no backlog);
 - pid namespace: the program cannot name (so cannot signal or trace) any process
   outside, and when its first process ends the kernel kills every process in it, daemons
   that called setsid() included;
@@ -17,7 +18,8 @@ interpreter that the program controls:
 - a seccomp filter (`seccomp.py`) refusing nested namespaces, mounts, keyrings,
   ptrace, memory that RLIMIT_AS does not count (memfd, System V IPC), sockets other than
   AF_UNIX and other kernel surfaces a program never needs;
-- rlimits on CPU time, address space, processes, open files, file size and core dumps,
+- rlimits on CPU time, address space, processes, open files, pending signals (POSIX timers),
+  file size and core dumps,
   and where the machine offers one, a memory cgroup bounding all of the program's memory,
   the kernel's included (`cgroup.py`).
 
@@ -32,7 +34,9 @@ program's functions are called from there and answer with plain data
 holds the pipe that says so: no exit status, token or object of the program's can make
 a test pass; only returning the right values can. The program cannot learn its verdict
 either: the judge plans every call before the program answers any, makes them all
-whatever the answers, and checks the answers only once the program's run has ended. `run_program` runs a whole program
+whatever the answers, and checks the answers only once the program's run has ended, in a
+time that does not depend on which were right (it decodes them all first and runs the tests
+to their end). `run_program` runs a whole program
 and asks the judge whether it ran to its end (a function defined after its last line
 answers); that is for programs that hold their own asserts, not for scoring.
 
@@ -80,8 +84,9 @@ _WORK = "/work"
 _SANDBOX_UID = 65534  # the program's uid inside a user namespace
 _DEVICES = ("null", "zero", "full", "random", "urandom")
 # Bounds the pipes and sockets one process can hold (each with a kernel buffer) and file
-# descriptors in flight; far above what a HumanEval program opens.
-_MAX_OPEN_FILES = 64
+# descriptors in flight (docs/RELIABILITY.md: kernel memory without a cgroup); well above what a
+# HumanEval program opens (the interpreter and the boot hold 6; asyncio and subprocess a few more).
+_MAX_OPEN_FILES = 32
 _EXIT_GRACE_S = 0.5  # after its last call, the time a program has to exit before it is killed
 _JUDGE_MIN_MEMORY_MB = 512
 # Throwaway uids for root evaluators: random in a range no distribution hands out, and

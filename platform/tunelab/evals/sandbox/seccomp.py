@@ -20,8 +20,22 @@ before the program runs. It refuses (EPERM):
   would make shared read-only files a memory that outlives a run;
 - sockets of any address family but AF_UNIX (socket and socketpair): no AF_VSOCK, whose
   port space is the host's, no netlink, packet or anything else;
-- larger socket or pipe buffers (SO_SNDBUF, SO_RCVBUF and their FORCE forms, F_SETPIPE_SZ):
-  kernel memory that, with RLIMIT_NOFILE, bounds what a process can hold in buffers.
+- names for sockets: bind, connect and listen, and the options that bind a socket to a name
+  of the kernel's choosing as it sends (SO_PASSCRED, SO_PASSPIDFD, SO_PASSSEC). Sockets come
+  in socketpairs: each can receive from its peer only, so what waits in its queue is at most
+  one peer's send buffer, and no listener's backlog can hold the buffers of connections whose
+  clients closed (1.2 GB with no descriptor held, issue 51);
+- larger socket or pipe buffers (SO_SNDBUF, SO_RCVBUF and their FORCE forms, F_SETPIPE_SZ),
+  and pages lent to pipes (vmsplice, splice, tee: a pipe buffer holding one page of a huge
+  page or of a deleted file keeps all of it): kernel memory that, with RLIMIT_NOFILE, bounds
+  what a process can hold in buffers;
+- kernel objects no descriptor bounds: POSIX record locks (F_SETLK, F_SETLKW and their OFD
+  forms: one per byte range, without limit) and inotify (its event queues and watches are
+  bounded per user, far above a program's share);
+- counters that the kernel shares between runs and a program can advance and read: the socket
+  cookie (SO_COOKIE, a global counter: the next run read the previous value + 1), the network
+  namespace's cookie (SO_NETNS_COOKIE), and pidfds (pidfd_open, CLONE_PIDFD, SO_PEERPIDFD),
+  whose inode numbers count every process the machine starts.
 
 clone3 answers ENOSYS: its flags sit in memory that a filter cannot read, and glibc then
 falls back to clone, whose flags it can. Everything else is allowed. The filter is raw
@@ -47,6 +61,7 @@ def _errno(code: int) -> int:
 
 # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET; NEWTIME is 0x80 (also CSIGNAL's bits)
 _CLONE_NEW_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
+_CLONE_PIDFD = 0x00001000
 
 _DENIED = (
     "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd",
@@ -61,6 +76,8 @@ _DENIED = (
     "msgget", "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify",
     "mq_getsetattr",
     "mincore", "cachestat", "fadvise64", "readahead", "preadv2", "pwritev2", "process_madvise",
+    "bind", "connect", "listen", "vmsplice", "splice", "tee", "inotify_init", "inotify_init1", "inotify_add_watch",
+    "pidfd_open",
 )  # fmt: skip
 _AF_UNIX = 1
 
@@ -85,7 +102,9 @@ _NUMBERS = {
     "mq_open": (240, 180), "mq_unlink": (241, 181), "mq_timedsend": (242, 182), "mq_timedreceive": (243, 183),
     "mq_notify": (244, 184), "mq_getsetattr": (245, 185), "mincore": (27, 232), "cachestat": (451, 451),
     "fadvise64": (221, 223), "readahead": (187, 213), "preadv2": (327, 286), "pwritev2": (328, 287),
-    "process_madvise": (440, 440),
+    "process_madvise": (440, 440), "bind": (49, 200), "connect": (42, 203), "listen": (50, 201),
+    "getsockopt": (55, 209), "vmsplice": (278, 75), "splice": (275, 76), "tee": (276, 77), "inotify_init": (253, None),
+    "inotify_init1": (294, 26), "inotify_add_watch": (254, 27), "pidfd_open": (434, 434),
 }  # fmt: skip
 _ARCHES = {"x86_64": (0xC000003E, 0), "aarch64": (0xC00000B7, 1)}  # audit arch, column of _NUMBERS
 _TABLES: dict[str, tuple[int, dict[str, int]]] = {
@@ -97,8 +116,12 @@ def _op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
     return struct.pack("<HBBI", code, jt, jf, k)
 
 
-_SOL_SOCKET, _F_SETPIPE_SZ = 1, 1031
-_SO_BUFFERS = (7, 8, 32, 33)  # SO_SNDBUF, SO_RCVBUF and their FORCE forms
+_SOL_SOCKET = 1
+# setsockopt: SO_SNDBUF, SO_RCVBUF and their FORCE forms; SO_PASSCRED, SO_PASSSEC, SO_PASSPIDFD (a name as it sends)
+_SETSOCKOPT_REFUSED = (7, 8, 32, 33, 16, 34, 76)
+_GETSOCKOPT_REFUSED = (57, 71, 77)  # SO_COOKIE, SO_NETNS_COOKIE, SO_PEERPIDFD
+# fcntl: F_SETPIPE_SZ; F_SETLK, F_SETLKW, F_OFD_SETLK, F_OFD_SETLKW
+_FCNTL_REFUSED = (1031, 6, 7, 37, 38)
 
 
 def program(machine: str | None = None) -> bytes | None:
@@ -120,23 +143,30 @@ def program(machine: str | None = None) -> bytes | None:
 
 def _argument_checks(nr: dict, eperm: int) -> list[bytes]:
     """Calls refused for some arguments only. Last, because loading an argument replaces the
-    syscall number in the accumulator. Offsets count the instructions a jump skips."""
+    syscall number in the accumulator: a jump per call to its block of checks, then the blocks."""
     allow, refuse = _op(_RET_K, _ALLOW), _op(_RET_K, eperm)
     arg = [_ARG0_LOW + 8 * i for i in range(3)]  # the low 32 bits of the first three arguments
-    return [
-        _op(_JEQ_K, nr["socket"], 5, 0),  # -> family
-        _op(_JEQ_K, nr["socketpair"], 4, 0),  # -> family
-        _op(_JEQ_K, nr["clone"], 7, 0),  # -> flags
-        _op(_JEQ_K, nr["setsockopt"], 10, 0),  # -> level
-        _op(_JEQ_K, nr["fcntl"], 19, 0),  # -> command
-        allow,
+
+    def one_of(values: tuple[int, ...]) -> list[bytes]:  # the loaded value among `values`: refused
+        return [*(_op(_JEQ_K, v, len(values) - i, 0) for i, v in enumerate(values)), allow, refuse]
+
+    blocks = [
         # family: AF_UNIX only (no AF_VSOCK, whose port space is the host's, no netlink, no packet)
-        _op(_LD_W_ABS, arg[0]), _op(_JEQ_K, _AF_UNIX, 0, 1), allow, refuse,
-        # flags: no new namespaces
-        _op(_LD_W_ABS, arg[0]), _op(_JSET_K, _CLONE_NEW_FLAGS, 0, 1), refuse, allow,
-        # level, option: socket buffers stay at their default size (each is kernel memory)
-        _op(_LD_W_ABS, arg[1]), _op(_JEQ_K, _SOL_SOCKET, 1, 0), allow,
-        _op(_LD_W_ABS, arg[2]), *(_op(_JEQ_K, v, 4 - i, 0) for i, v in enumerate(_SO_BUFFERS)), allow, refuse,
-        # command: pipe buffers too
-        _op(_LD_W_ABS, arg[1]), _op(_JEQ_K, _F_SETPIPE_SZ, 0, 1), refuse, allow,
-    ]  # fmt: skip
+        (("socket", "socketpair"), [_op(_LD_W_ABS, arg[0]), _op(_JEQ_K, _AF_UNIX, 0, 1), allow, refuse]),
+        # flags: no new namespaces, no pidfd
+        (("clone",), [_op(_LD_W_ABS, arg[0]), _op(_JSET_K, _CLONE_NEW_FLAGS | _CLONE_PIDFD, 0, 1), refuse, allow]),
+        # level, option: socket buffers stay at their default size (each is kernel memory), no names, no counters
+        (("setsockopt",), [_op(_LD_W_ABS, arg[1]), _op(_JEQ_K, _SOL_SOCKET, 1, 0), allow, _op(_LD_W_ABS, arg[2]),
+                           *one_of(_SETSOCKOPT_REFUSED)]),  # fmt: skip
+        (("getsockopt",), [_op(_LD_W_ABS, arg[1]), _op(_JEQ_K, _SOL_SOCKET, 1, 0), allow, _op(_LD_W_ABS, arg[2]),
+                           *one_of(_GETSOCKOPT_REFUSED)]),  # fmt: skip
+        # command: pipe buffers, record locks
+        (("fcntl",), [_op(_LD_W_ABS, arg[1]), *one_of(_FCNTL_REFUSED)]),
+    ]
+    dispatch = [(name, b) for b, (names, _) in enumerate(blocks) for name in names]
+    starts, at = [], len(dispatch) + 1  # after the jumps and the allow between them and the blocks
+    for _, ops in blocks:
+        starts.append(at)
+        at += len(ops)
+    jumps = [_op(_JEQ_K, nr[name], starts[b] - (j + 1), 0) for j, (name, b) in enumerate(dispatch)]
+    return [*jumps, allow, *(op for _, ops in blocks for op in ops)]

@@ -58,7 +58,7 @@ def hub_reachable(repo: str) -> bool:
 
 def origin(root: Path, local: str) -> str:
     """Where a pulled test set came from (its SOURCE.json, written by `exp eval pull`), for data_source."""
-    src = read_json(root / local / "SOURCE.json")
+    src = read_json(root / local / "SOURCE.json", dict)
     if not src:
         return ""
     return f" ({src['origin']}; sha256 {src['sha256'][:16]}...; {src['questions']} questions)"

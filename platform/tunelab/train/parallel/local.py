@@ -115,7 +115,8 @@ class LocalStepper(Stepper):
         if (path / ".metadata").is_file():  # an engine's distributed checkpoint, saved under any layout
             return self._load_distributed(path)
         copy_trainable(self._model, torch.load(path / "model.pt", map_location="cpu", weights_only=True), path)
-        if (path / "optimizer.pt").is_file() and callable(getattr(self.optimizer, "load_state_dict", None)):
+        if callable(getattr(self.optimizer, "load_state_dict", None)):  # saved whenever it has a state: required
+            # (a missing one would restart the optimizer from zero under a run that says it resumed)
             self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
 
     def _load_distributed(self, path: Path) -> None:
