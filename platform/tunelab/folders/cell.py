@@ -262,15 +262,19 @@ class CellFolder:
         if state == "running" or (state == "pending" and "note" not in fields):
             for key in ATTEMPT_FIELDS:  # a new attempt: the last one's failure or stop no longer describes it
                 status.pop(key, None)
-        if before.get("state") == "running" and "finished_at" in fields and "started_at" in before:
-            self._attempt_ended(status)
         write_json(self.status_file, status)
+        if before.get("state") == "running" and "finished_at" in fields and "started_at" in before:
+            try:
+                self._attempt_ended(status)
+            except OSError:  # a full disk: the status said what matters; this run's cost goes uncounted
+                pass
         return status
 
     def _attempt_ended(self, status: dict[str, Any]) -> None:
         """A run of the cell ended (done, paused at a rung, stopped or failed): what it cost, measured by the cell
         from its start to its end, appended to attempts.jsonl (status.json keeps only the last run). A run killed
-        with its runner (kill -9) ends without a word: nothing counts its time."""
+        with its runner (kill -9) ends without a word, and one whose end could not be written (a full disk) is not
+        recorded either: nothing counts their time (report/cost.py)."""
         seconds = float(status["finished_at"]) - float(status["started_at"])
         append_jsonl(self.attempts_file, {
             "started_at": status["started_at"], "seconds": round(seconds, 3), "state": status["state"],
