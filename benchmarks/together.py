@@ -15,7 +15,7 @@ runs folders, the order alternating from repeat to repeat):
 Where each run's wall time went, from its own files: training steps (every metrics.jsonl record's step_s) and
 validation (val_s), and outside them (wall - steps - validation), split into what the processes recorded: imports
 (a process's start to its attempt's start), model load, data, adapters and loop setup, checkpoint I/O, evaluation
-(train/attempts.jsonl of every cell; a together-group's process's own in .together/*/record.json), the rest
+(attempts.jsonl of every cell; a together-group's process's own in .together/*/record.json), the rest
 (process start and exit, the runner, waits). Printed with the goals of issue 46 on this CPU: outside <= 0.25x;
 (b) wall <= 0.5x with the same winners and leaderboard (every row equal but its timing and memory columns); (c) the
 group's peak <= 1.5x one cell's, the prediction within 10% of the measured tensors (peak RSS less what the process
@@ -95,7 +95,7 @@ def where(matrix: Path, wall: float) -> dict:
     """Where a run's wall time went, from its files (see the docstring)."""
     cells = [p.parent for p in matrix.glob("*/cell.json")]
     metrics = [r for c in cells for r in jsonl(c / "train" / "metrics.jsonl")]
-    attempts = [a for c in cells for a in jsonl(c / "train" / "attempts.jsonl")]
+    attempts = [a for c in cells for a in jsonl(c / "attempts.jsonl")]
     groups = [json.loads(p.read_text()) for p in matrix.glob(".together/*/record.json")]
     alone = [a for a in attempts if not a.get("together")]
     t = lambda rows, key: sum(r["timings"].get(key, 0.0) for r in rows)  # noqa: E731

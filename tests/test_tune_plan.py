@@ -270,6 +270,11 @@ def test_the_tuned_optimizers_study_plans_as_written_and_as_its_stand_in(cli):
     small = plan_json(cli, path, *stand_in_args("paper_tuned_optimizers"))
     assert {g["schedule"] for g in small["groups"]} == {"steps 4/12: 6 -> 2"}
     assert all(c["config"]["model"]["name"] == "smollm2-135m-instruct" for c in small["cells"])
+    # Two workloads (recipes) for each optimizer, 3 studies each; the default rows on both recipes too.
+    assert [g["group"] for g in small["groups"]] == [f"{o}-{w}" for o in ("adamw", "lion", "adan", "adalomo")
+                                                     for w in ("arithmetic", "wordplay")]
+    assert {(g["studies"], tuple(g["workloads"])) for g in small["groups"]} == {(3, ("data.recipe",))}
+    assert len(small["cells"]) == 4 * 2
 
 
 def test_the_study_record_is_idempotent_follows_the_cells_and_survives_a_torn_journal_line(tmp_path):

@@ -64,10 +64,11 @@ def status(runs) -> dict:
     return studies
 
 
-def table(study: dict) -> list[dict]:
-    """What the reproducibility claim is about: each trial's point, end and values (not where its folder is)."""
+def table(study: dict) -> tuple[list[dict], list[dict]]:
+    """What the reproducibility claim is about: each trial's point, end and values (not where its folder is), and
+    every rung decision (the values it ranked, the trials it promoted)."""
     keys = ("number", "bracket", "params", "state", "intermediate", "value", "reached", "pruned_at", "cell")
-    return [{k: t[k] for k in keys} for t in study["trials"]]
+    return [{k: t[k] for k in keys} for t in study["trials"]], study["decisions"]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from tunelab.cell import environment
 from tunelab.core import events
 from tunelab.core.config import CellConfig
 from tunelab.core.events import Emit
-from tunelab.core.files import append_jsonl, write_json
+from tunelab.core.files import write_json
 from tunelab.folders.cell import CellFolder
 from tunelab.machine.runtime import Layout, Runtime
 
@@ -33,8 +33,6 @@ class Attempt:
     tracker: Tracker | None = None  # the main process's W&B run; None on the others
     stop_at: int | None = None  # this run trains up to this step only (a search's rung; run.launch.STOP_AT_ENV)
     validate_at: tuple[int, ...] = ()  # and measures validation loss at these steps (its search's rungs)
-    together: str | None = None  # the together-group it runs in (cell/group.py), None alone
-    started_at: float | None = None
 
     @classmethod
     def open(cls, run_dir: Path, emit: Emit, cfg: CellConfig | None = None, layout: Layout | None = None) -> Attempt:
@@ -71,16 +69,11 @@ class Attempt:
             self.tracker.summary(values)
 
     def finish(self, failed: bool = False) -> None:
-        """The attempt ends (done, paused, stopped or failed): its W&B run finished, and one record of where its
-        time went appended to train/attempts.jsonl (a together-group's member: its own part; the group's process
-        says the rest in its record.json)."""
+        """The attempt ends (done, paused, stopped or failed): its W&B run finished. The status written next ends
+        the run, and the cell folder records it in attempts.jsonl (its seconds, devices and timings: a
+        together-group's member its own part; the group's process says the rest in its record.json)."""
         if self.tracker is not None:
             self.tracker.finish(failed=failed)
-        if self.started_at is not None:
-            append_jsonl(self.folder.attempts_file, {
-                "pid": os.getpid(), "together": self.together, "process_started_at": _process_start(),
-                "started_at": self.started_at, "ended_at": time.time(), "failed": failed, "timings": self.timings})
-            self.started_at = None  # once an attempt
 
 
 def start(attempt: Attempt, evaluate_only: bool, together: dict | None = None) -> None:
@@ -90,10 +83,9 @@ def start(attempt: Attempt, evaluate_only: bool, together: dict | None = None) -
     if evaluate_only:  # keep the training's timings beside this evaluation's
         attempt.timings.update(folder.status().get("timings") or {})
     write_json(folder.env_file, environment.snapshot(attempt.cfg.model.name))
-    attempt.started_at, attempt.together = time.time(), (together or {}).get("group")
-    folder.write_status("running", started_at=attempt.started_at, pid=os.getpid(), process_started_at=_process_start(),
-                        timings=attempt.timings, world_size=attempt.rt.world_size, evaluating_only=evaluate_only,
-                        paused_at=None, note=None, together=together)
+    folder.write_status("running", started_at=time.time(), pid=os.getpid(), process_started_at=_process_start(),
+                        timings=attempt.timings, world_size=attempt.rt.world_size, device=attempt.rt.device.type,
+                        evaluating_only=evaluate_only, paused_at=None, note=None, together=together)
     attempt.track(resuming=evaluate_only or _has_checkpoint(folder, attempt.cfg))
 
 

@@ -157,16 +157,32 @@ def compare_cmd(
     runs_dir: RunsDir = Path("runs"),
     as_json: Json = False,
 ) -> None:
-    from tunelab.report.compare import compare_cells, pairs
+    from tunelab.report.compare import compare_cells, pairs, rankings
 
     a, b = (_named(x, runs_dir) for x in (a, b))
     if resamples < 100:
         raise UserError(f"--resamples {resamples}: use at least 100 (the p-values are counts over resamples)")
     results = [compare_cells(x, y, resamples, seed) for x, y in pairs(a, b)]
+    ranked = rankings(a, b, resamples, seed)  # two tuned rows: their studies and seeds drawn again
     if as_json:
-        return print_json([_as_json(c) for c in results])
+        return print_json([{**_as_json(c), **({"rankings": [asdict(r) for r in ranked]} if ranked else {})}
+                           for c in results])
     for c in results:
         _show(c)
+    if ranked:
+        _show_rankings(ranked, resamples, seed)
+
+
+def _show_rankings(ranked: list, resamples: int, seed: int) -> None:
+    table = Table(title=f"ranking: how often A ranks above B when its studies and seeds are drawn again (paired "
+                        f"bootstrap, {resamples} draws, seed {seed})", title_justify="left")
+    for col in ("task", "A", "B", "A above B", "studies", "seeds"):
+        table.add_column(col, justify="left" if col == "task" else "right")
+    for r in ranked:
+        table.add_row(r.task, fmt(r.a), fmt(r.b), f"{r.above:.1%}", str(r.studies), str(r.seeds))
+    out.print(table)
+    out.print("A and B: the median over studies of each study's winner (the mean over its seeds); one study and "
+              "one seed leave nothing to draw again (the share is then 0%, 50% or 100%).", soft_wrap=True)
 
 
 def check_out(out: Path) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from tunelab.cli.common import INSPECT, Json, MatrixDir, app, print_json, print_wide
+from tunelab.cli.common import INSPECT, Json, MatrixDir, app, out, print_json, print_wide
 from tunelab.report.scores import fmt
 
 tune_app = typer.Typer(no_args_is_help=True)
@@ -26,7 +26,8 @@ def _studies_table(title: str, rows: list[dict]) -> Table:
         best = r["best"]
         shown = f"{fmt(best['value'])} (trial {best['number']}: " + ", ".join(
             f"{k}={fmt(v)}" for k, v in best["params"].items()) + ")" if best else "-"
-        table.add_row(r["group"], str(r["complete"]), str(r["pruned"]), str(r["running"]), str(r["stopped"]),
+        study = f" (study {r['study_index'] + 1})" if r.get("studies", 1) > 1 else ""
+        table.add_row(r["group"] + study, str(r["complete"]), str(r["pruned"]), str(r["running"]), str(r["stopped"]),
                       str(r["waiting"]), str(r["failed"]), shown, f"{r['steps']}/{r['planned_steps'] or '?'}",
                       r["study"])
     return table
@@ -55,11 +56,17 @@ def status_cmd(
     """Each search of a matrix: trials done, pruned, running and waiting, the best so far, steps spent of the
     schedule's plan (read from its Optuna study; `optuna-dashboard runs/<matrix>/tune/optuna.journal` shows it live)."""
     from tunelab.folders.matrix import open_matrix
+    from tunelab.tune.edges import said
     from tunelab.tune.status import collect
 
     rows = collect(open_matrix(matrix_dir, "tune status").path)
     if as_json:
         return print_json(rows)
     print_wide(_studies_table(f"{matrix_dir.name}: searches", rows))
+    for r in rows:  # a best value at an edge of its range: the space may be too narrow (docs/tuning.md)
+        for e in r["edges"]:
+            study = f" (study {r['study_index'] + 1} of {r['studies']})" if r["studies"] > 1 else ""
+            best = "best" if r["waiting"] + r["running"] == 0 else "best so far"
+            out.print(f"[yellow]{r['group']}{study}: {said(e, best)}", soft_wrap=True, highlight=False)
     for r in rows if trials else []:
         print_wide(_trials_table(r))

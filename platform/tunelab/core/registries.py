@@ -49,6 +49,7 @@ FORMATS.add("messages", Lazy("tunelab.data.formats:MESSAGES"))
 
 GENERATORS: Registry[Lazy] = Registry("generator")  # .load() -> (n, seed, **args) -> rows
 GENERATORS.add("arithmetic", Lazy("tunelab.data.generators:arithmetic"))
+GENERATORS.add("wordplay", Lazy("tunelab.data.generators:wordplay"))
 
 # -- optimizers ---------------------------------------------------------------------------------------------
 

@@ -68,3 +68,39 @@ def arithmetic(n: int = 1000, seed: int = 0, held_out: bool = False) -> list[dic
 
 
 GENERATORS = registries.GENERATORS  # name -> generator function
+
+
+# A second generated workload (the tuned-optimizer study's CPU stand-in tunes on two recipes): short word
+# puzzles answered by the word or words themselves, a skill arithmetic's worked answers do not train. Short, so
+# that a 48-token row (the tests') keeps the prompt and its answer.
+WORDS = ["apple", "river", "candle", "garden", "pencil", "window", "orange", "silver", "planet", "bottle", "forest",
+         "ladder", "mirror", "rocket", "tunnel", "violin", "basket", "castle", "dragon", "island", "jacket", "kitten",
+         "lemon", "magnet", "needle", "pillow", "rabbit", "saddle", "ticket", "wallet"]
+
+
+def _reverse(r: random.Random) -> tuple[str, str]:
+    w = r.choice(WORDS)
+    return f"Spell backwards: {w}", f"{w[::-1]}"
+
+
+def _sort(r: random.Random) -> tuple[str, str]:
+    ws = r.sample(WORDS, 3)
+    return f"Sort: {' '.join(ws)}", " ".join(sorted(ws))
+
+
+def _count(r: random.Random) -> tuple[str, str]:
+    w = r.choice(WORDS)
+    letter = r.choice(sorted(set(w)))
+    return f"Count '{letter}' in {w}", str(w.count(letter))
+
+
+def _initials(r: random.Random) -> tuple[str, str]:
+    ws = r.sample(WORDS, 3)
+    return f"Initials: {' '.join(ws)}", "".join(w[0] for w in ws).upper()
+
+
+def wordplay(n: int = 1000, seed: int = 0) -> list[dict]:
+    """Short word puzzles (reverse a word, sort three words, count a letter, initials) and their answers."""
+    r = random.Random(seed)
+    kinds = (_reverse, _sort, _count, _initials)
+    return [{"instruction": q, "input": "", "output": a} for q, a in (r.choice(kinds)(r) for _ in range(n))]

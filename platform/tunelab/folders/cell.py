@@ -3,7 +3,9 @@ chat and clean all read and write it through `CellFolder`.
 
     runs/<matrix>/<slug>-<id>/       id = CellConfig.id(): a hash of the training config only
       config.yaml cell.json status.json env.json cell.log .lock
-      train/metrics.jsonl train/summary.json train/memory.json train/attempts.jsonl
+      attempts.jsonl                 one line per run of the cell that ended: how long it held how many devices,
+                                     where its time went (timings), the together-group it ran in
+      train/metrics.jsonl train/summary.json train/memory.json
       final/                         the trained model (or adapter)
       checkpoints/step-N/            what a resume needs (train/checkpoint.py writes inside)
       eval/<eval-id>/results.json    eval-id = EvalCfg.id(): each evaluation config names its results
@@ -32,7 +34,7 @@ import yaml
 
 from tunelab.core.config import CellConfig
 from tunelab.core.errors import UserError
-from tunelab.core.files import read_json, read_jsonl, write_json, write_yaml
+from tunelab.core.files import append_jsonl, read_json, read_jsonl, write_json, write_yaml
 from tunelab.core.locks import CellLock, is_locked, lock_holder
 
 LAYOUT = 2  # cell.json "layout"; absent in folders of the first layout
@@ -97,11 +99,11 @@ class CellFolder:
     status_file = At("status.json")
     env_file = At("env.json")
     log_file = At("cell.log")
+    attempts_file = At("attempts.jsonl")
     train_dir = At("train")
     metrics_file = At("train", "metrics.jsonl")
     summary_file = At("train", "summary.json")
     memory_file = At("train", "memory.json")
-    attempts_file = At("train", "attempts.jsonl")  # one record per attempt: where its time went (cell/attempt.py)
     selection_file = At("train", "selection.json")
     final = At("final")
     checkpoints = At("checkpoints")
@@ -257,12 +259,38 @@ class CellFolder:
         """Merge into status.json, keeping earlier fields (timings) unless overwritten."""
         if state not in STATES:
             raise ValueError(f"state {state!r} is none of {STATES}")
-        status = {**self.status(), **fields, "state": state, "updated_at": time.time()}
+        before = self.status()
+        status = {**before, **fields, "state": state, "updated_at": time.time()}
         if state == "running" or (state == "pending" and "note" not in fields):
             for key in ATTEMPT_FIELDS:  # a new attempt: the last one's failure or stop no longer describes it
                 status.pop(key, None)
         write_json(self.status_file, status)
+        if before.get("state") == "running" and "finished_at" in fields and "started_at" in before:
+            try:
+                self._attempt_ended(status)
+            except OSError:  # a full disk: the status said what matters; this run's cost goes uncounted
+                pass
         return status
+
+    def _attempt_ended(self, status: dict[str, Any]) -> None:
+        """A run of the cell ended (done, paused at a rung, stopped or failed): what it cost, measured by the cell
+        from its start to its end, appended to attempts.jsonl (status.json keeps only the last run). A run killed
+        with its runner (kill -9) ends without a word, and one whose end could not be written (a full disk) is not
+        recorded either: nothing counts their time (report/cost.py)."""
+        seconds = float(status["finished_at"]) - float(status["started_at"])
+        group = status.get("together")
+        append_jsonl(self.attempts_file, {
+            "started_at": status["started_at"], "ended_at": status["finished_at"], "seconds": round(seconds, 3),
+            "state": status["state"], "devices": int(status.get("world_size") or 1),
+            "device": status.get("device", "cpu"), "evaluating_only": bool(status.get("evaluating_only")),
+            "paused_at": status.get("paused_at"), "pid": status.get("pid"),
+            "process_started_at": status.get("process_started_at"),  # its imports and start-up came before
+            "together": group.get("group") if isinstance(group, dict) else None,  # a together-group's member
+            "timings": status.get("timings") or {}})  # where its time went (a member: its own turns)
+
+    def attempts(self) -> list[dict[str, Any]]:
+        """Every ended run of the cell (attempts.jsonl): seconds, devices, whether it only evaluated."""
+        return read_jsonl(self.attempts_file)
 
     def replace_final(self, write: Callable[[Path], None]) -> None:
         """final/ replaced by what `write` puts into a fresh folder (the trained model, or the checkpoint a selection

@@ -139,8 +139,12 @@ def combos(spec: MatrixFile, path: Path) -> list[Combo]:
         if not values:
             raise UserError("an axis needs at least one value", file=path, key=f"matrix.{key}")
     axes = list(spec.matrix.items())
+    workloads = _workload_axes(spec)
+    # Axes that are all workloads, and include entries: the entries are the methods, each crossed with the workloads
+    # below (the product alone would add the base cell as one more method on each workload)
+    only_workloads = bool(workloads) and len(workloads) == len(axes) and bool(spec.include)
     out: list[Combo] = []
-    for chosen in itertools.product(*(v for _, v in axes)):
+    for chosen in itertools.product(*(v for _, v in axes)) if not only_workloads else ():
         picks = {k: v for (k, _), v in zip(axes, chosen)}
         origins = {k: f"matrix.{k}[{axes[i][1].index(v)}]" for i, (k, v) in enumerate(picks.items())}
         out.append(Combo(picks, origins, spec.tune))
@@ -157,10 +161,22 @@ def combos(spec: MatrixFile, path: Path) -> list[Combo]:
     for j, inc in enumerate(spec.include):
         flat = flatten({k: v for k, v in inc.items() if k != "tune"})
         tune, at = _include_tune(spec, inc, j, path)
-        out.append(Combo(flat, {k: f"include[{j}].{k}" for k in flat}, tune, at))
+        origins = {k: f"include[{j}].{k}" for k in flat}
+        # A workload axis crosses every entry too: each method is run on each workload (tune.workloads)
+        axes = [(k, v) for k, v in workloads if k not in flat]
+        for chosen in itertools.product(*(v for _, v in axes)):
+            picks = {**flat, **{k: v for (k, _), v in zip(axes, chosen)}}
+            where = {**origins, **{k: f"matrix.{k}[{vs.index(picks[k])}]" for k, vs in axes}}
+            out.append(Combo(picks, where, tune, at))
     if not out:
         raise UserError("every cell was excluded", file=path, key="exclude")
     return out
+
+
+def _workload_axes(spec: MatrixFile) -> list[tuple[str, list[Any]]]:
+    """The matrix axes the matrix-level tune: section names as workloads (tune.workloads), with their values."""
+    names = spec.tune.workloads if spec.tune is not None else []
+    return [(k, spec.matrix[k]) for k in names if k in spec.matrix]
 
 
 def _include_tune(spec: MatrixFile, inc: dict, j: int, path: Path) -> tuple[TuneSpec | None, str]:

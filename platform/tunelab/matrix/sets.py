@@ -1,5 +1,6 @@
 """`--set KEY=VALUE`: a smaller stand-in of a study without editing its file. Cell keys go over every cell
-(matrix axes included); `seeds` and the `tune:` section's own keys change the matrix itself."""
+(matrix axes included); `seeds`, `matrix.KEY` (an axis: its values) and the `tune:` section's own keys change the
+matrix itself."""
 
 from __future__ import annotations
 
@@ -29,16 +30,27 @@ def parse_sets(pairs: list[str]) -> dict[str, Any]:
 
 
 def cell_sets(sets: dict[str, Any] | None) -> dict[str, Any]:
-    """The --set keys that go to every cell: all but the matrix-level ones (`seeds`, `tune.*`)."""
-    return {k: v for k, v in (sets or {}).items() if k != "seeds" and not k.startswith("tune.")}
+    """The --set keys that go to every cell: all but the matrix-level ones (`seeds`, `matrix.*`, `tune.*`)."""
+    return {k: v for k, v in (sets or {}).items() if k != "seeds" and not k.startswith(("tune.", "matrix."))}
 
 
 def matrix_sets(spec: MatrixFile, sets: dict[str, Any], path: Path) -> MatrixFile:
-    """The matrix-level keys --set may change (a smaller stand-in of a study): `seeds` and the keys of the
-    matrix-level `tune:` section (tune.trials, tune.min_steps, ...). They are taken out of `sets`."""
+    """The matrix-level keys --set may change (a smaller stand-in of a study): `seeds`, an axis's values
+    (`matrix.data.recipe=[a, b]`: a stand-in's workloads) and the keys of the matrix-level `tune:` section
+    (tune.trials, tune.min_steps, ...). They are taken out of `sets`."""
     changes: dict[str, Any] = {}
     if "seeds" in sets:
         changes["seeds"] = sets.pop("seeds")
+    axes = {k.removeprefix("matrix."): sets.pop(k) for k in list(sets) if k.startswith("matrix.")}
+    for key, values in axes.items():
+        if not isinstance(values, list) or not values:
+            raise UserError(f"--set matrix.{key}={values!r}: an axis is a list of one or more values, e.g. "
+                            f"--set 'matrix.{key}=[a, b]'", file=path)
+        if key in sets:
+            raise UserError(f"--set {key} and --set matrix.{key}: set the key for every cell or make it an axis, "
+                            "not both", file=path)
+    if axes:
+        changes["matrix"] = {**spec.matrix, **axes}
     tune = {k.removeprefix("tune."): sets.pop(k) for k in list(sets) if k.startswith("tune.")}
     if tune:
         if spec.tune is None:

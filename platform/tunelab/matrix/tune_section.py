@@ -20,7 +20,10 @@ NOT_SEARCHED = {"train.seed": "seeds are not a hyperparameter: the winner is ret
 STORAGE_PREFIXES = ("postgresql://", "postgresql+psycopg2://", "sqlite:///")
 # What must be the same in every tuned group, so that each gets the same budget and is judged alike.
 BUDGET_KEYS = ("trials", "metric", "mode", "sampler", "pruner", "eta", "min_steps", "intermediate", "batch", "seed",
-               "storage", "allow_test_selection")
+               "storage", "allow_test_selection", "studies", "workloads")
+# A study's best value of a searched key this close to an end of its range is "at the edge" (docs/tuning.md, after
+# Google's tuning playbook: the best trials should not sit at the boundary of the search space).
+EDGE_SHARE = 0.1
 
 
 class Dist(BaseModel):
@@ -63,6 +66,40 @@ class Dist(BaseModel):
     def bounds(self) -> tuple:
         return getattr(self, self.kind)
 
+    def edge(self, value: Any) -> str | None:
+        """"lower" or "upper" when `value` lies at that edge of the range: in its outer tenth (in log space for
+        log_uniform), or the first or last value of an int range or of a choice of numbers (sorted); None inside,
+        and for a choice of words, which has no order."""
+        if self.choice is not None:
+            ordered = sorted(v for v in self.choice if _number(v))
+            if len(ordered) < len(self.choice) or not _number(value):
+                return None
+            return "lower" if value == ordered[0] else "upper" if value == ordered[-1] else None
+        if not _number(value):
+            return None
+        low, high = self.bounds
+        if self.kind == "int":
+            return "lower" if value <= low else "upper" if value >= high else None
+        lo, hi, v = (math.log(x) for x in (low, high, value)) if self.kind == "log_uniform" else (low, high, value)
+        share = (v - lo) / (hi - lo)
+        return "lower" if share < EDGE_SHARE else "upper" if share > 1 - EDGE_SHARE else None
+
+    def edge_zones(self) -> dict[str, list[Any]]:
+        """The values that count as each edge, for a figure: [from, to] of a continuous range's outer tenths, the
+        end value of an int range or ordered choice; {} for a choice of words."""
+        if self.choice is not None:
+            ordered = sorted(v for v in self.choice if _number(v))
+            return {} if len(ordered) < len(self.choice) else {"lower": [ordered[0]] * 2, "upper": [ordered[-1]] * 2}
+        low, high = self.bounds
+        if self.kind == "int":
+            return {"lower": [low, low], "upper": [high, high]}
+        if self.kind == "log_uniform":
+            lo, hi = math.log(low), math.log(high)
+            inner = [math.exp(lo + EDGE_SHARE * (hi - lo)), math.exp(hi - EDGE_SHARE * (hi - lo))]
+        else:
+            inner = [low + EDGE_SHARE * (high - low), high - EDGE_SHARE * (high - low)]
+        return {"lower": [low, inner[0]], "upper": [inner[1], high]}
+
     def values(self) -> list[Any]:
         """The values a cell must accept: both bounds, or every choice."""
         return list(self.choice) if self.choice is not None else list(self.bounds)
@@ -72,6 +109,10 @@ class Dist(BaseModel):
         if self.choice is not None:
             return len(self.choice)
         return self.bounds[1] - self.bounds[0] + 1 if self.kind == "int" else math.inf
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _check_choice(values: list[Any]) -> None:
@@ -105,6 +146,11 @@ class TuneSpec(BaseModel):
                            "keys), with the matrix's seeds")
     allow_test_selection: bool = Field(False, description="let a test-set score be the objective (its selections "
                                        "are marked)")
+    studies: int = Field(1, gt=0, description="repeat each group's search this many times, study s with the "
+                         "sampler's seed + s: a tuned row is the median over its studies' winners")
+    workloads: list[str] = Field(default_factory=list, description="matrix axes that are workloads (e.g. "
+                                 "data.recipe): every method group is tuned on each, and the leaderboard aggregates "
+                                 "each method over them (performance profile)")
 
     @field_validator("space")
     @classmethod
@@ -119,8 +165,17 @@ class TuneSpec(BaseModel):
     @field_validator("metric")
     @classmethod
     def _metric(cls, v: str) -> str:
-        if v not in TASKS:
-            raise ValueError(f"no task produces {v!r}; tasks: {', '.join(TASKS)}")
+        # tunelab's tasks, or any task of the eval section (lm-eval's, include_path's): checked against the
+        # cells' eval section in tune/plan.py, which also reads such a task's split and direction
+        if not v.strip():
+            raise ValueError(f"an empty metric; tasks: {', '.join(TASKS)}, or a task of the eval section")
+        return v
+
+    @field_validator("workloads")
+    @classmethod
+    def _workloads(cls, v: list[str]) -> list[str]:
+        if len(set(v)) < len(v):
+            raise ValueError(f"{v}: a workload axis named twice")
         return v
 
     @field_validator("sampler")
@@ -150,11 +205,12 @@ class TuneSpec(BaseModel):
 
     @model_validator(mode="after")
     def _together(self) -> TuneSpec:
-        task = TASKS[self.metric]
-        if task.split == "test" and not self.allow_test_selection:
-            raise ValueError(f"metric {self.metric!r} is scored on its test set: choosing hyperparameters on it makes "
-                             "every score it selects optimistic. Use val_loss (the recipe's held-out split), or set "
-                             "tune.allow_test_selection: true (its selections are then marked)")
+        if self.metric in TASKS and TASKS[self.metric].split == "test" and not self.allow_test_selection:
+            raise ValueError(test_selection_refused(self.metric))
+        for key in self.workloads:
+            if key in self.space:
+                raise ValueError(f"{key} is searched and named a workload axis: a workload is what a method is "
+                                 "tuned on, not a hyperparameter")
         if not PRUNERS[self.pruner].rungs and (self.eta is not None or self.min_steps is not None):
             raise ValueError("eta and min_steps set the rungs of pruner halving or hyperband; pruner none has none")
         if not PRUNERS[self.pruner].rungs and self.intermediate != "val_loss":
@@ -166,7 +222,10 @@ class TuneSpec(BaseModel):
 
     @property
     def direction(self) -> str:
-        """minimize or maximize (Optuna's words)."""
+        """minimize or maximize (Optuna's words). A metric tunelab does not register has its mode filled in by
+        tune/plan.py from the task's own direction."""
+        if self.mode is None and self.metric not in TASKS:
+            raise ValueError(f"the direction of {self.metric!r} is read from its task at plan time (tune/plan.py)")
         mode = self.mode or ("min" if TASKS[self.metric].lower_is_better else "max")
         return "minimize" if mode == "min" else "maximize"
 
@@ -192,6 +251,12 @@ class TuneSpec(BaseModel):
     def budget(self) -> dict[str, Any]:
         """The keys that must agree between groups."""
         return {k: getattr(self, k) for k in BUDGET_KEYS}
+
+
+def test_selection_refused(metric: str) -> str:
+    return (f"metric {metric!r} is scored on its test set: choosing hyperparameters on it makes every score it selects "
+            "optimistic. Use val_loss (the recipe's held-out split) or a task scored on a validation split, or set "
+            "tune.allow_test_selection: true (its selections are then marked)")
 
 
 def _check_grid(spec: TuneSpec) -> None:

@@ -23,6 +23,9 @@ from tunelab.core.paths import cache_dir
 KINDS = {"TASK": "task", "PY_TASK": "task", "GROUP": "group", "TAG": "tag"}
 # datasets' builders that read local files: their data_files are paths on this machine (a hub dataset's are its own)
 LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")
+# The cached index's fields: 2 added the output type of tasks whose YAML names none, 3 a task's split and
+# direction; a new format indexes again.
+INDEX_FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,11 @@ class LmTask:
     output_type: str  # a task's (multiple_choice, generate_until, loglikelihood, loglikelihood_rolling); "" unknown
     yaml: str | None  # the file that defines it
     members: tuple[str, ...] = ()  # a group's member names, a tag's tasks
+    # The split a task scores, as its YAML says (lm-eval scores test_split when there is one, else
+    # validation_split): "test", "validation", or "" when it names neither.
+    split: str = ""
+    metric: str = ""  # its first metric (the headline tunelab reports), a group's first aggregate metric
+    higher_is_better: bool | None = None  # as the YAML says of that metric; None: lm-eval's default for it
 
 
 def _members(kind: str, entry: Any) -> tuple[str, ...]:
@@ -42,16 +50,31 @@ def _members(kind: str, entry: Any) -> tuple[str, ...]:
     return tuple(m if isinstance(m, str) else str(m.get("task") or m.get("group") or "") for m in items)
 
 
+def _split(cfg: dict) -> str:
+    return "test" if cfg.get("test_split") else "validation" if cfg.get("validation_split") else ""
+
+
+def _first_metric(cfg: dict, kind: str) -> tuple[str, bool | None]:
+    listed = cfg.get("aggregate_metric_list" if kind == "group" else "metric_list")
+    first = (listed[0] if isinstance(listed, list) and listed else None) or {}
+    if not isinstance(first, dict):
+        return "", None
+    hib = first.get("higher_is_better")
+    return str(first.get("metric") or ""), hib if isinstance(hib, bool) else None
+
+
 def convert(entries: dict[str, Any]) -> dict[str, LmTask]:
     """lm-eval's index entries (TaskManager.task_index) as LmTasks."""
     out = {}
     for name, e in entries.items():
         kind = KINDS.get(e.kind.name, "task")
-        cfg = e.cfg or {}
+        cfg = e.cfg if isinstance(e.cfg, dict) else {}
         # a YAML that names none runs lm-eval's default; a Python class task says nothing in its YAML
         output = (str(cfg.get("output_type") or ("python class" if "class" in cfg else "generate_until"))
                   if kind == "task" else "")
-        out[name] = LmTask(name, kind, output, str(e.yaml_path) if e.yaml_path else None, _members(kind, e))
+        metric, hib = _first_metric(cfg, kind)
+        out[name] = LmTask(name, kind, output, str(e.yaml_path) if e.yaml_path else None, _members(kind, e),
+                           _split(cfg) if kind == "task" else "", metric, hib)
     return out
 
 
@@ -67,9 +90,8 @@ def lm_eval_version() -> str:
 
 
 def index_file() -> Path:
-    """Where lm-eval's own index is kept, one file per lm-eval version (and per layout of this cache: -2 added the
-    output type of tasks whose YAML names none)."""
-    return cache_dir() / "lm-eval-index" / f"{lm_eval_version()}-2.json"
+    """Where lm-eval's own index is kept, one file per lm-eval version and INDEX_FORMAT."""
+    return cache_dir() / "lm-eval-index" / f"{lm_eval_version()}-{INDEX_FORMAT}.json"
 
 
 @functools.cache
@@ -114,10 +136,43 @@ def output_types(name: str, index: dict[str, LmTask]) -> str:
     return ", ".join(kinds) or "?"
 
 
+def find(name: str, include_path: str | None) -> LmTask | None:
+    """The task or group lm-eval runs by `name` (include_path's first: it may redefine one)."""
+    return local(include_path).get(name) or builtin().get(name)
+
+
+def split_of(name: str, include_path: str | None) -> str:
+    """The split `name` scores: "test" when it or any task of its group scores a test split, "validation" when
+    every one scores a validation split, "" when a YAML names neither (or lm-eval does not know the name)."""
+    index = {**builtin(), **local(include_path)}
+    splits = {t.split for t in leaves(name, index)}
+    if not splits:
+        return ""
+    return "test" if "test" in splits else "validation" if splits == {"validation"} else ""
+
+
+def higher_is_better(name: str, include_path: str | None) -> bool:
+    """The direction of the headline tunelab reports for `name`: its (or its group's) first metric, as the YAML
+    says, else lm-eval's default for that metric (perplexities lower, accuracies higher)."""
+    index = {**builtin(), **local(include_path)}
+    found = index.get(name)
+    firsts = [found] if found is not None and found.kind == "group" and found.metric else []
+    for t in [*firsts, *leaves(name, index)]:
+        if t.higher_is_better is not None:
+            return t.higher_is_better
+        if t.metric:
+            import lm_eval.api.metrics  # noqa: F401 - registers the metrics' defaults
+            from lm_eval.api.registry import is_higher_better
+
+            default = is_higher_better(t.metric)
+            return True if default is None else bool(default)
+    return True
+
+
 def refused(name: str, include_path: str | None) -> str | None:
     """None when lm-eval knows `name` as a task or group (include_path's first: it may redefine one); "" when it
     does not know it at all; else why it cannot be run (a tag)."""
-    found = local(include_path).get(name) or builtin().get(name)
+    found = find(name, include_path)
     if found is None:
         return ""
     if found.kind != "tag":

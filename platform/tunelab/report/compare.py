@@ -19,6 +19,7 @@ from tunelab.core.files import read_jsonl
 from tunelab.core.registries import TASKS
 from tunelab.folders.cell import CellFolder
 from tunelab.folders.matrix import MatrixFolder
+from tunelab.report.ranking import Ranking, of_rows
 from tunelab.report.records import TRAIN_FIGURES, Record, collect, read
 from tunelab.report.stats import RATIOS, Paired, paired
 
@@ -122,7 +123,8 @@ def _row_of(path: Path) -> list[Record] | None:
     if path.exists() or not MatrixFolder(path.parent).index_file.is_file():
         return None
     records = collect(path.parent)
-    return [r for r in records if path.name in (r.slug, r.slug.removesuffix(f"-s{r.config.get('train.seed')}"))]
+    return [r for r in records if path.name in (r.slug, r.slug.removesuffix(f"-s{r.config.get('train.seed')}"))
+            or (r.tune.get("role") == "tuned" and path.name == f"{r.tune.get('group')}-tuned")]
 
 
 def _rows(a: Path, b: Path) -> list[tuple[Record, Record]] | None:
@@ -134,11 +136,30 @@ def _rows(a: Path, b: Path) -> list[tuple[Record, Record]] | None:
         if not rows:
             index = MatrixFolder(path.parent).index_file
             raise UserError(f"no cell folder, and no row of {index} is labelled {path.name!r}", file=path)
-    by_seed = {r.config.get("train.seed"): r for r in rb}
-    matched = [(x, by_seed[s]) for x in ra if (s := x.config.get("train.seed")) in by_seed]
+    by_seed = {_study_seed(r): r for r in rb}
+    matched = [(x, by_seed[s]) for x in ra if (s := _study_seed(x)) in by_seed]
     if not matched:
         raise UserError(f"{a.name} and {b.name} share no seed: a paired comparison needs the same seeds")
     return matched
+
+
+def _study_seed(r: Record) -> tuple[int, int]:
+    """A tuned row's run: its study (tune.studies) and its seed."""
+    return int(r.tune.get("study_index") or 0), int(r.config.get("train.seed") or 0)
+
+
+def rankings(a: Path, b: Path, resamples: int = 10_000, seed: int = 0) -> list[Ranking]:
+    """Two tuned rows: per task both scored, how often A ranks above B when studies and seeds are drawn again
+    (report/ranking.py); [] unless both are tuned rows."""
+    ra, rb = _row_of(a), _row_of(b)
+    if not ra or not rb or not all(r.tune.get("role") == "tuned" for r in (*ra, *rb)):
+        return []
+    out = []
+    for task in dict.fromkeys(t for r in ra for t in r.scores):
+        found = of_rows(task, ra, rb, resamples, seed)
+        if found is not None:
+            out.append(found)
+    return out
 
 
 def pairs(a: Path, b: Path) -> list[tuple[Record, Record]]:

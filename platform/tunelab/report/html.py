@@ -19,11 +19,11 @@ import pandas as pd
 
 from tunelab import __version__
 from tunelab.folders.matrix import MatrixFolder
-from tunelab.report import plots, provenance, search_plots
+from tunelab.report import cost, plots, provenance, ranking, search_plots
 from tunelab.report.leaderboard import FIGURES_NOTE, to_html
 from tunelab.report.records import Record, left_out_notes
 from tunelab.report.scores import fmt
-from tunelab.report.table import build
+from tunelab.report.table import Board, build, grouped
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1200px; padding: 0 1em; color: #222; }
@@ -89,27 +89,93 @@ def _header(matrix_dir: Path, records: list[Record], generated: float) -> str:
 
 
 def _decisions(tables: list[dict]) -> list[dict]:
-    return [{"group": t["group"], "bracket": d["bracket"] + 1, "rung step": d["step"],
+    many = any(t.get("studies", 1) > 1 for t in tables)
+    return [{"group": t["group"], **({"study": t.get("study_index", 0) + 1} if many else {}),
+             "bracket": d["bracket"] + 1, "rung step": d["step"],
              "trials (value)": ", ".join(f"t{n}: {fmt(v)}" for n, v in d["values"]),
              "went on": ", ".join(f"t{n}" for n in d["promoted"]), "ranked by": d["by"]}
             for t in tables for d in t.get("decisions", [])]
 
 
-def _searches(matrix_dir: Path) -> list[str]:
-    """The searches of a matrix with a tune: section: values against the searched value, the rung decisions."""
+def _tuned_rows(records: list[Record]) -> list[tuple[str, list[Record]]]:
+    return [(label, g) for label, g in grouped(records) if g[0].tune.get("role") == "tuned"]
+
+
+def _costs(matrix_dir: Path, tuned: list[tuple[str, list[Record]]]) -> list[dict]:
+    """Each tuned row's cost and, with several workloads, each method's in all (its rows on every workload)."""
+    folders = cost.Folders(matrix_dir)
+    rows = {label: cost.of_row([r.tune for r in g], [r.dir for r in g], folders) for label, g in tuned}
+    methods: dict[str, list[Record]] = {}
+    for _, g in tuned:
+        if g[0].tune.get("workloads"):
+            name = "-".join(str(v) for v in (g[0].tune.get("method") or {}).values())
+            methods.setdefault(f"{name}-tuned, all workloads", []).extend(g)
+    rows |= {label: cost.of_row([r.tune for r in g], [r.dir for r in g], folders) for label, g in methods.items()}
+    return cost.by_group(rows)
+
+
+def _rankings(tuned: list[tuple[str, list[Record]]]) -> list[dict]:
+    """Every two tuned rows on the same workload: how often one ranks above the other on the search's objective
+    when studies and seeds are drawn again (report/ranking.py; 10,000 draws, seed 0)."""
+    rows = []
+    for i, (la, ga) in enumerate(tuned):
+        for lb, gb in tuned[i + 1:]:
+            if ga[0].tune.get("workload") != gb[0].tune.get("workload"):
+                continue
+            found = ranking.of_rows(str(ga[0].tune.get("metric")), ga, gb)
+            if found is not None:
+                rows.append({"A": la, "B": lb, "task": found.task, "A value": fmt(found.a), "B value": fmt(found.b),
+                             "A ranks above B": f"{found.above:.1%}", "studies": found.studies,
+                             "seeds": found.seeds})
+    return rows
+
+
+def _searches(matrix_dir: Path, records: list[Record], board: Board) -> list[str]:
+    """The searches of a matrix with a tune: section: values against the searched value (the edges of the space
+    shaded), the rung decisions, what each method's search cost, how often one ranks above another, and the
+    methods' profiles over the workloads."""
     tables = search_plots.searches(matrix_dir)
     if not tables:
         return []
     waiting = [f"{t['group']}: {t['blocked']}" for t in tables if t.get("blocked")]
-    return ["<h2>Searches</h2>",
-            '<p class="note">Each method group searched with the same budget (docs/tuning.md). Left: every trial\'s '
-            "intermediate value at each rung against the searched value (filled: it went on; hollow: pruned there); "
-            "right: the objective of the trials that trained the full budget, the chosen one starred; its "
-            "configuration is retrained with the matrix's seeds and scored in the leaderboard above.</p>",
-            _img(search_plots.search_figure(tables), "objective against the searched value, per group",
-                 "no trial has reported yet"),
-            *([f'<p class="note">Waiting: {_esc("; ".join(waiting))}</p>'] if waiting else []),
-            _table(_decisions(tables), "no rung decided yet (pruner none, or its first rung is not complete)")]
+    at_edge = [f"{t['group']}" + (f" (study {t.get('study_index', 0) + 1})" if t.get("studies", 1) > 1 else "")
+               + f": best at the {e['side']} edge of {e['key']} ({fmt(e['value'])})"
+               for t in tables for e in (t.get("summary") or {}).get("edges") or []]
+    tuned = _tuned_rows(records)
+    out = ["<h2>Searches</h2>",
+           '<p class="note">Each method group searched with the same budget (docs/tuning.md). Left: every trial\'s '
+           "intermediate value at each rung against the searched value (filled: it went on; hollow: pruned there); "
+           "right: the objective of the trials that trained the full budget, each study's chosen one starred (red: "
+           "at an edge of the space, shaded: the outer tenth of the range); its configuration is retrained with the "
+           "matrix's seeds and scored in the leaderboard above.</p>",
+           _img(search_plots.search_figure(tables), "objective against the searched value, per group",
+                "no trial has reported yet"),
+           *([f'<p class="note">Waiting: {_esc("; ".join(waiting))}</p>'] if waiting else []),
+           *([f'<p class="note">At the edge of the space, widen it: {_esc("; ".join(at_edge))}</p>'] if at_edge
+             else []),
+           _table(_decisions(tables), "no rung decided yet (pruner none, or its first rung is not complete)")]
+    if tuned:
+        out += ["<h3>What each search cost</h3>",
+                '<p class="note">Device-hours (CPU-hours on a CPU) of every run of the row\'s cells, measured by the '
+                "cells (attempts.jsonl): its search (every trial of every study, by the rung step a run stopped at) "
+                "and its retraining (each study's winner with the other seeds, and its evaluation on the suite). A "
+                "run killed with its runner left no end and is not counted.</p>",
+                _table(_costs(matrix_dir, tuned), "no run has ended yet"),
+                "<h3>How often one method ranks above another</h3>",
+                '<p class="note">On the search\'s objective, for two tuned rows on the same workload: the share of '
+                "paired bootstrap draws of their studies and seeds (10,000, seed 0) in which A's median over studies "
+                "is better than B's (ties count half). One study and one seed leave nothing to draw again.</p>",
+                _table(_rankings(tuned), "no two tuned rows with scores yet")]
+    if board.profiles:
+        from tunelab.report.profiles import TAU_MAX
+
+        out += ["<h3>Across workloads</h3>",
+                _img(search_plots.profile_figure(board.profiles, TAU_MAX), "performance profiles over the workloads",
+                     "no method has a score on every workload yet"),
+                f'<p class="note">Each method\'s share of workloads on which its score is within a factor tau of the '
+                f"best method's (Dolan & More 2002), from 1 to {TAU_MAX:g}; the legend gives the area under it over "
+                f"{TAU_MAX - 1:g} (AlgoPerf's benchmark score). The table under the leaderboard lists the ratios.</p>"]
+    return out
 
 
 def page(matrix_dir: Path, records: list[Record], generated: float | None = None) -> str:
@@ -119,7 +185,7 @@ def page(matrix_dir: Path, records: list[Record], generated: float | None = None
         _header(matrix_dir, records, generated),
         f'<div class="scroll">{to_html(board, "Leaderboard")}</div>' if board.rows
         else '<h2>Leaderboard</h2>\n<p class="note">no cell has started yet</p>',
-        *_searches(matrix_dir),
+        *_searches(matrix_dir, records, board),
         "<h2>Loss curves</h2>",
         _img(plots.loss_curves(records), "loss curves of every cell", "no cell has logged a training step yet"),
         "<h2>Scores along training</h2>",

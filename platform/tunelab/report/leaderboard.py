@@ -23,6 +23,8 @@ from tunelab.report.scores import MARKS, TEST_SELECTED, fmt, marked
 from tunelab.report.table import Board, Stat, build
 
 FORMATS = ("md", "csv", "latex", "html", "json")
+PROFILE_TITLE = ("Across workloads: each method's performance profile rho(tau) (the share of workloads within a "
+                 "factor tau of the best), its score and its ratio r on each workload")
 FIGURES_NOTE = ("tok/s: non-padding tokens per second of training; peak MB: measured, the peak resident memory of the "
                 "process on CPU (interpreter, libraries and freed memory the allocator keeps included) or CUDA's max "
                 "allocated on GPU (tensors), of the main process under multi-process layouts; predicted MB: `exp "
@@ -49,7 +51,7 @@ def frame(board: Board, bold=lambda text: text, spread: bool = True, joined: boo
             row["runs"] = r["runs"]
         for col in board.columns:
             st: Stat = r[col.name]
-            text = marked(st.mean, st.subset, st.unavailable, st.test_selected)
+            text = marked(st.mean, st.subset, st.unavailable, st.test_selected) + _range(st)
             with_spread = spread and (col.kind == "score" or many) and st.spread is not None
             if joined and with_spread:
                 text = f"{text} ± {fmt(st.spread)}"
@@ -62,9 +64,16 @@ def frame(board: Board, bold=lambda text: text, spread: bool = True, joined: boo
     return df.drop(columns=empty)
 
 
+def _range(st: Stat) -> str:
+    """A tuned row of several studies: its value is their median, shown with [min, max] over them."""
+    return f" [{fmt(st.low)}, {fmt(st.high)}]" if st.studies > 1 else ""
+
+
 def to_csv(board: Board) -> str:
     """Numbers stay numbers (a program reads them as written): each score or figure is its value, its spread
-    and its marks (subset, stand-in, unavailable, best), each in a column of its own."""
+    and its marks (subset, stand-in, unavailable, best, the median of N studies), each in a column of its own; a
+    board with studies adds each value's min and max over them."""
+    studied = any(r[c.name].studies > 1 for r in board.rows for c in board.columns)
     out = []
     for r in board.rows:
         row = {"cell": r["cell"], **{k: r[k] for k in board.keys}, "status": r["status"], "runs": r["runs"]}
@@ -72,10 +81,21 @@ def to_csv(board: Board) -> str:
             st: Stat = r[col.name]
             marks = [m for m, on in (("subset", st.subset), ("stand-in", st.stand_in),
                                       ("unavailable", st.unavailable), ("best", st.best),
-                                      ("test-selected", st.test_selected)) if on]
+                                      ("test-selected", st.test_selected),
+                                      (f"median-of-{st.studies}-studies", st.studies > 1)) if on]
             row |= {col.name: st.mean, f"{col.name} ±": st.spread, f"{col.name} marks": " ".join(marks)}
+            if studied:
+                row |= {f"{col.name} min": st.low, f"{col.name} max": st.high}
         out.append(row)
     return pd.DataFrame(out).to_csv(index=False)
+
+
+def profile_frame(board: Board) -> pd.DataFrame:
+    """Each method's profile over the workloads as display strings (empty without tune.workloads)."""
+    rows = [{"method": p["method"], "workloads": p["workloads"], "score": f"{p['score']:.3f}",
+             **{k: f"{v:.2f}" for k, v in p.items() if k.startswith("rho(")},
+             **{f"r {w}": "inf" if r is None else f"{r:.3g}" for w, r in p["ratios"].items()}} for p in board.profiles]
+    return pd.DataFrame(rows)
 
 
 def _latex_escape(text: str) -> str:
@@ -93,6 +113,11 @@ def to_latex(board: Board, title: str) -> str:
     numeric = {_latex_escape(c.name) for c in board.columns} | {"runs"}
     body = df.to_latex(index=False, escape=False,  # numbers right-aligned, so their digits line up
                        column_format="".join("r" if c in numeric else "l" for c in df.columns))
+    if board.profiles:
+        prof = profile_frame(board).map(lambda v: _latex_escape(str(v)))
+        prof.columns = [_latex_escape(c) for c in prof.columns]
+        body += f"% {PROFILE_TITLE}\n" + prof.to_latex(index=False, escape=False,
+                                                         column_format="l" + "r" * (len(prof.columns) - 1))
     return f"% {title}: {note(board)}\n{body}"
 
 
@@ -100,6 +125,9 @@ def to_html(board: Board, title: str) -> str:
     df = frame(board, bold=lambda t: f"<b>{html.escape(t)}</b>", joined=True)  # a page to read: spreads in cells
     df = df.map(lambda v: v if str(v).startswith("<b>") else html.escape(str(v)))
     table = df.to_html(index=False, escape=False, classes="leaderboard", border=0)
+    if board.profiles:
+        table += (f"\n<h3>{html.escape(PROFILE_TITLE)}</h3>\n"
+                  + profile_frame(board).to_html(index=False, classes="leaderboard", border=0))
     text = re.sub(r"`([^`]*)`", r"<code>\1</code>", html.escape(note(board)))  # the marks note is markdown
     return f"<h2>{html.escape(title)}</h2>\n{table}\n<p class=\"note\">{text}</p>\n"
 
@@ -110,7 +138,8 @@ def to_json(board: Board) -> str:
         rows.append({"cell": r["cell"], "status": r["status"], "runs": r["runs"], **{k: r[k] for k in board.keys},
                      "columns": {c.name: {**r[c.name].__dict__, "kind": c.kind, "higher_is_better": c.higher_is_better}
                                  for c in board.columns}})
-    return json.dumps({"rows": rows, "spread": board.spread_kind, "note": note(board)}, indent=2, default=str)
+    return json.dumps({"rows": rows, "spread": board.spread_kind, "note": note(board),
+                       **({"profiles": board.profiles} if board.profiles else {})}, indent=2, default=str)
 
 
 def _md_bold(text: str) -> str:
@@ -121,6 +150,8 @@ def _md_bold(text: str) -> str:
 def render(board: Board, fmt_name: str, title: str) -> str:
     if fmt_name == "md":  # the marks stay outside the bold markers, the subset's escaped
         table = frame(board, bold=_md_bold).to_markdown(index=False, tablefmt="pipe")
+        if board.profiles:
+            table += f"\n\n## {PROFILE_TITLE}\n\n" + profile_frame(board).to_markdown(index=False, tablefmt="pipe")
         return f"# {title}\n\n{table}\n\n{note(board)}\n"
     if fmt_name == "csv":
         return to_csv(board)

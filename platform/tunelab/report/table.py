@@ -17,6 +17,7 @@ from typing import Any
 
 from tunelab.core.errors import UserError, did_you_mean
 from tunelab.core.registries import PEFT
+from tunelab.report import tuned_rows
 from tunelab.report.records import TRAIN_FIGURES, Record
 from tunelab.report.scores import TEST_SELECTED_NOTE
 
@@ -33,6 +34,9 @@ class Stat:
     stand_in: bool = False
     best: bool = False
     test_selected: bool = False  # its configuration was chosen on a test set's score (tune.allow_test_selection)
+    studies: int = 0  # > 1: a tuned row's value is the median over its studies' winners (tune.studies) ...
+    low: float | None = None  # ... and these the smallest and largest of them
+    high: float | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class Board:
     rows: list[dict] = field(default_factory=list)  # cell, status, runs, key values, column name -> Stat
     aggregated: bool = False
     notes: list[str] = field(default_factory=list)  # said under the table in every format
+    profiles: list[dict] = field(default_factory=list)  # each method over the workloads (tune.workloads)
 
     @property
     def spread_kind(self) -> str:
@@ -85,41 +90,30 @@ def _stat(values: list[float], stderrs: list, subset: bool, unavailable: bool, s
     return Stat(statistics.fmean(values), statistics.stdev(values), len(values), subset, False, stand_in)
 
 
-TUNE_KEYS = ("tuning", "tuned", "search trials", "search steps", "search best", "search median", "search worst")
-
-
-def tune_values(rec: Record) -> dict:
-    """A row's search columns: the tuned configuration, the budget it spent and the spread of its trials' objective
-    (best, median, worst of those that trained the full budget); `default` for a group's cell as written."""
-    t = rec.tune
-    if t.get("role") == "default":
-        return {"tuning": "default"}
-    if t.get("role") != "tuned":
-        return {}
-    return {"tuning": f"tuned ({t['sampler']}, {t['pruner']})",
-            "tuned": ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["tuned"].items()),
-            "search trials": f"{t['trials']} ({t['pruned']} pruned)",
-            "search steps": f"{t['search_steps']} of {t['full_steps']}",
-            **{f"search {k}": t[k] for k in ("best", "median", "worst")}}
-
-
-def _row(group: list[Record], keys: list[str], columns: list[Column], label: str) -> dict:
+def _row(group: list[Record], keys: list[str], columns: list[Column], label: str, costs: Any = None) -> dict:
     done = [r for r in group if r.state == "done"]
     states = Counter(r.state for r in group)
+    searched = tuned_rows.values(group, costs)
+    several = len({r.tune.get("study_index") for r in group if r.tune.get("role") == "tuned"}) > 1
+    varied = set(group[0].tune.get("tuned") or {}) if several else set()  # each study's own: in `tuned`
     row = {"cell": label, "status": next(iter(states)) if len(states) == 1 else
            ", ".join(f"{n} {s}" for s, n in states.items()), "runs": len(done),
-           **{k: value_of(group[0], k) for k in keys}}
-    searched = tune_values(group[0])
-    row.update({k: searched.get(k) for k in keys if k in TUNE_KEYS})
+           **{k: None if k in varied else value_of(group[0], k) for k in keys}}
+    row.update({k: searched.get(k) for k in keys if k in tuned_rows.KEYS})
     on_test = bool(group[0].tune.get("test_selected"))
     for col in columns:
         if col.kind == "score":
-            scores = [s for r in done if (s := r.scores.get(col.source)) is not None]
-            ok = [s for s in scores if s.ok]
-            values = [s.value if not col.field else dict(s.columns).get(col.field) for s in ok]
-            row[col.name] = _stat([v for v in values if v is not None],
-                                  [s.stderr for s in ok] if not col.field else [], any(s.subset for s in scores),
-                                  bool(scores) and not ok, any(s.stand_in for s in scores))
+            pairs = [(r, s) for r in done if (s := r.scores.get(col.source)) is not None]
+            scores = [s for _, s in pairs]
+            ok = [(r, s) for r, s in pairs if s.ok]
+            values = [(r, float(v)) for r, s in ok
+                      if (v := s.value if not col.field else dict(s.columns).get(col.field)) is not None]
+            studied = tuned_rows.median_of_studies([(int(r.tune.get("study_index") or 0), v) for r, v in values]) \
+                if several else None
+            flags = (any(s.subset for s in scores), bool(scores) and not ok, any(s.stand_in for s in scores))
+            row[col.name] = (Stat(**studied, subset=flags[0], stand_in=flags[2]) if studied
+                             else _stat([v for _, v in values], [s.stderr for _, s in ok] if not col.field else [],
+                                        *flags))
             if on_test:
                 row[col.name] = Stat(**{**row[col.name].__dict__, "test_selected": True})
         else:
@@ -145,6 +139,8 @@ def _label(group: list[Record], by: list[str] | None, aggregate: bool) -> str:
     if by:
         return ", ".join(f"{k}={value_of(group[0], k)}" for k in by)
     first = group[0]
+    if aggregate and first.tune.get("role") == "tuned" and first.tune.get("group"):
+        return f"{first.tune['group']}-tuned"
     if aggregate and SEED in first.varying:  # seeds folded: the slug without its seed part
         return first.slug.removesuffix(f"-s{first.config.get(SEED)}") or first.slug
     return first.slug
@@ -182,13 +178,23 @@ def build(records: list[Record], *, aggregate: bool = True, by: list[str] | None
                         + "; ".join(f"{k} takes {', '.join(vs)}" for k, vs in values.items()))
     records = kept
     keys = by or shown_keys(records, exclude=(SEED,) if aggregate else ())
+    tuned = [r for r in records if r.tune.get("role") == "tuned"]
     if any(r.tune.get("role") in ("tuned", "default") for r in records):
-        keys = [*keys, *(k for k in TUNE_KEYS if k not in keys)]
+        keys = [*keys, *(k for k in tuned_rows.keys(records) if k not in keys)]
     columns = _columns(records)
     notes = (_model_notes(records) + ([TEST_SELECTED_NOTE] if any(r.tune.get("test_selected") for r in records)
                                       else []) + list(notes or []))
-    board = Board(keys, columns, aggregated=aggregate or bool(by), notes=notes)
-    board.rows = [_row(g, keys, columns, label) for label, g in grouped(records, aggregate, by)]
+    board = Board(keys, columns, aggregated=aggregate or bool(by), notes=notes + tuned_rows.notes(tuned))
+    costs = None
+    if tuned:
+        from tunelab.report.cost import Folders
+
+        costs = Folders(tuned[0].dir.parent)
+    groups = grouped(records, aggregate, by)
+    board.rows = [_row(g, keys, columns, label, costs) for label, g in groups]
+    if "profile score" in keys:
+        board.profiles, note = tuned_rows.profiles_of(board.columns, board.rows, [g for _, g in groups])
+        board.notes += [note] if note else []
     _mark_best(board)
     if sort:
         _sort(board, sort)
@@ -197,13 +203,16 @@ def build(records: list[Record], *, aggregate: bool = True, by: list[str] | None
 
 def grouped(records: list[Record], aggregate: bool = True,
             by: list[str] | None = None) -> list[tuple[str, list[Record]]]:
-    """The leaderboard's rows as groups of records, with their labels: one per configuration (seeds folded),
-    per value of `by`, or per cell (aggregate False)."""
+    """The leaderboard's rows as groups of records, with their labels: one per configuration (seeds folded; a
+    tuned group's studies fold into its one row), per value of `by`, or per cell (aggregate False)."""
     group_keys = by or ([k for k in dict.fromkeys(k for r in records for k in r.varying) if k != SEED]
                         if aggregate else None)
     groups: dict[tuple, list[Record]] = {}
     for i, r in enumerate(records):
-        gid = tuple(repr(value_of(r, k)) for k in group_keys) if group_keys is not None else (i,)
+        if aggregate and not by and r.tune.get("role") == "tuned" and r.tune.get("group"):  # each study's own values
+            gid: tuple = ("tuned", r.tune.get("group"))
+        else:
+            gid = tuple(repr(value_of(r, k)) for k in group_keys) if group_keys is not None else (i,)
         groups.setdefault(gid, []).append(r)
     return [(_label(g, by, aggregate), g) for g in groups.values()]
 

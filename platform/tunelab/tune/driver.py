@@ -34,7 +34,7 @@ from tunelab.run.outcome import Outcome
 from tunelab.run.progress import view
 from tunelab.run.together import Setting
 from tunelab.tools import clean
-from tunelab.tune import record, sampling, trials
+from tunelab.tune import edges, record, sampling, trials, workloads
 from tunelab.tune.plan import Group
 from tunelab.tune.search import Search
 
@@ -93,7 +93,8 @@ def run(groups: list[Group], chosen: list[Group], cells: list[Cell], plain: list
     mdir = folder.path
     searches = [Search(g, mdir) for g in groups]
     running = [s for s in searches if s.group.study in {g.study for g in chosen}]
-    write_json(folder.studies_file, [{"group": g.slug, "study": g.study, "storage": g.spec.storage,
+    write_json(folder.studies_file, [{"group": g.slug, "study": g.study, "study_index": g.study_index,
+                                      "studies": g.spec.studies, "storage": g.spec.storage,
                                       "trials_file": str(folder.trials_file(g.study).relative_to(mdir))}
                                      for g in groups])
     folder.write_index(_annotated(cells, groups))  # the winners join once their searches end
@@ -108,8 +109,9 @@ def run(groups: list[Group], chosen: list[Group], cells: list[Cell], plain: list
     finals = {s.group.study: trials.final_cells(s.group, w.view.params, s.summary())
               for s in searches if (w := s.winner())}
     folder.write_index([*_annotated(cells, groups), *(c for f in finals.values() for c in f)])
-    waiting = [f"{s.group.slug}: {s.blocked}" for s in running if s.blocked]
-    ours = [c for s in running for c in finals.get(s.group.study, [])]
+    waiting = [f"{s.group.label}: {s.blocked}" for s in running if s.blocked]
+    _say_edges(running, console)
+    ours = _unique([c for s in running for c in finals.get(s.group.study, [])])
     if ours and not r.go(ours):
         return Result(list(r.last.values()), waiting)
     if plain:  # none: no word of an empty batch
@@ -129,7 +131,7 @@ def _stages(searches: list[Search], r: _Run | None) -> bool:
             s.start_bracket(b)
         for i, step in enumerate(bracket.rungs):
             live = [s for s in live if not s.blocked]
-            cells = [c for s in live for c in s.cells(b, i)]
+            cells = _unique([c for s in live for c in s.cells(b, i)])  # two studies may draw one point
             if not cells:
                 return True
             if r is not None:
@@ -144,8 +146,12 @@ def _stages(searches: list[Search], r: _Run | None) -> bool:
                 s.decide(b, i)
                 if r is not None:
                     _write_record(s, s.matrix_dir, r.say)
-                    r.release([t.cell for t in s.trials if t.view.state == "pruned"])  # before their checkpoints go
-                    _free_pruned(s, s.matrix_dir)
+            if r is not None:
+                going_on = {t.cell.id for s in live for t in s.active if t.view.state == "waiting"}
+                r.release([t.cell for s in live for t in s.trials  # out of their processes before their checkpoints go
+                           if t.view.state == "pruned" and t.cell.id not in going_on])
+                for s in live:
+                    _free_pruned(s, s.matrix_dir, going_on)
     return True
 
 
@@ -158,6 +164,18 @@ def _record_progress(live: list[Search], b: int, i: int, collect: bool, say: Cal
         _write_record(s, s.matrix_dir, say)
 
 
+def _unique(cells: list[Cell]) -> list[Cell]:
+    """Each cell once (by id and how far it runs)."""
+    return list({(c.id, c.stop_at): c for c in cells}.values())
+
+
+def _say_edges(searches: list[Search], console: Console) -> None:
+    """`exp run` says which study's winner sits at an edge of its space (tune/edges.py)."""
+    for s in searches:
+        for e in s.summary()["edges"]:
+            console.print(f"[yellow]search {s.group.label}: {edges.said(e)}", soft_wrap=True, highlight=False)
+
+
 def _unseeded(config: CellConfig) -> str:
     return config.model_copy(update={"train": config.train.model_copy(update={"seed": 0})}).id()
 
@@ -168,7 +186,9 @@ def _annotated(plain: list[Cell], groups: list[Group]) -> list[Cell]:
     out = []
     for c in plain:
         g = baselines.get(_unseeded(c.config))
-        out.append(replace(c, meta={"tune": {"role": "default", "group": g.slug}}) if g else c)
+        out.append(replace(c, meta={"tune": {"role": "default", "group": g.slug, "metric": g.spec.metric,
+                                             "workloads": list(g.spec.workloads),
+                                             **workloads.parts(g.varying, g.spec.workloads)}}) if g else c)
     return out
 
 
@@ -191,12 +211,12 @@ def _write_record(s: Search, mdir: Path, say: Callable[[str], None]) -> None:
         write_json(folder.trials_file(s.group.study), s.table())
 
 
-def _free_pruned(s: Search, mdir: Path) -> None:
+def _free_pruned(s: Search, mdir: Path, going_on: set[str]) -> None:
     """A pruned trial never trains again: its rung checkpoint goes (as `exp clean` deletes: under the cell's lock,
     renamed aside first) and its status says it was pruned; its metrics stay. A later run that asks for it again
     starts it over and validates at the same rungs (validate_at), so nothing the search reads is lost."""
     for t in s.trials:
-        if t.view.state != "pruned":
+        if t.view.state != "pruned" or t.cell.id in going_on:  # the same point promoted in another study
             continue
         d = MatrixFolder(mdir).folder(t.cell)
         if d.checkpoints.is_dir():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from tunelab.matrix import expansion, input_checks
 from tunelab.matrix.schema import MatrixFile
 from tunelab.matrix.sets import cell_sets
 from tunelab.matrix.tune_section import TuneSpec
+from tunelab.tune import objective, workloads
 from tunelab.tune import schedule as sched
 
 
@@ -37,6 +38,8 @@ class Group:
     varying: dict[str, Any]  # the keys that tell the groups apart
     seeds: tuple[int, ...]  # the winner is retrained with each; trials train with the first
     schedule: sched.Schedule
+    on_test: bool = False  # its objective is scored on a test set (tune.allow_test_selection let it)
+    study_index: int = 0  # which of the group's tune.studies this search is (tune/studies.py)
 
     def identity(self) -> dict[str, Any]:
         """What decides the search's trials: the trial cell without the searched keys, and the search itself."""
@@ -44,15 +47,28 @@ class Group:
         cfg["eval"] = {**cfg["eval"], "tasks": [self.spec.metric]}
         for key in self.spec.space:
             _pop_dotted(cfg, key)
-        search = self.spec.model_dump(mode="json", exclude={"storage", "baseline"})
+        # How many studies there are, and which axes are workloads, decide no trial of this one
+        search = self.spec.model_dump(mode="json", exclude={"storage", "baseline", "studies", "workloads"})
         if search["intermediate"] == "val_loss":  # added later: at its default, studies keep their names
             del search["intermediate"]
         return {"cell": cfg, "search": search}
 
     @property
+    def tag(self) -> str:
+        """What tells a group's studies apart in names: "-st2" (none when the group has one study)."""
+        return f"-st{self.study_index}" if self.spec.studies > 1 else ""
+
+    @property
     def study(self) -> str:
-        """The Optuna study's name: readable, and new whenever what decides the trials changes."""
-        return f"{self.slug}-{content_id(self.identity())}"
+        """The Optuna study's name: readable, and new whenever what decides the trials changes. Study 0 keeps the
+        name of the group's single study (the same search: raising tune.studies adds studies beside it)."""
+        return f"{self.slug}{self.tag if self.study_index else ''}-{content_id(self.identity())}"
+
+    @property
+    def label(self) -> str:
+        """The group as messages name it: "adamw", or "adamw (study 2 of 3)"."""
+        return self.slug + (f" (study {self.study_index + 1} of {self.spec.studies})" if self.spec.studies > 1
+                            else "")
 
 
 def _pop_dotted(d: dict, key: str) -> None:
@@ -103,19 +119,35 @@ def _groups(spec: MatrixFile, path: Path, sets: dict[str, Any] | None, errors: E
         return []
     with errors.collecting():
         _same_budget(built, path)
+    with errors.collecting():
+        workloads.check(spec, [(t.spec, t.combo.tune_at) for t in built], path)
     if errors:
         return []
     input_checks.check([t.config for t in built], path)
     cells = [(t.config, {k: v for k, v in t.combo.picks.items() if k not in t.spec.space}) for t in built]
     out = []
-    for t, cell in zip(built, expansion.named(spec.name, cells)):
-        seeds = tuple(spec.seeds) if spec.seeds is not None else (t.config.train.seed,)
+    for written, cell in zip(built, expansion.named(spec.name, cells)):
+        seeds = tuple(spec.seeds) if spec.seeds is not None else (written.config.train.seed,)
         with errors.collecting():
+            tune, on_test = objective.resolved(written.spec, written.config, path, written.combo.tune_at)
+            t = replace(written, spec=tune)
             schedule = _schedule(t.spec, t.config, path, t.combo.tune_at)
             if INTERMEDIATES[t.spec.intermediate].checkpoints:
                 _check_rung_checkpoints(t, schedule, path)
-            out.append(Group(cell.slug, t.spec, t.combo.tune_at, t.raw, t.config, cell.varying, seeds, schedule))
-    return out
+            out.append(Group(cell.slug, t.spec, t.combo.tune_at, t.raw, t.config, cell.varying, seeds, schedule,
+                             on_test))
+    return _studies(out)
+
+def _studies(groups: list[Group]) -> list[Group]:
+    """Repeated studies (tune.studies: S): each group once per study, study s sampling with seed tune.seed + s and
+    the group's whole budget (tune.trials). Independent seeds, not one sequence split in S parts (AlgoPerf
+    partitions its S x O quasi-random points at random into studies of O): each study draws its own scrambled
+    Sobol sequence (a randomized quasi-Monte Carlo replicate, Owen 1997), so the studies are independent draws of
+    "the search a method gets", which is what the bootstrap over studies resamples, and it holds for every sampler
+    (TPE's rounds cannot be split). Study 0 is the search a single study runs: raising studies keeps it. Study s
+    of two groups with the same space draws the same points, so the comparison stays paired study by study."""
+    return [replace(g, spec=g.spec.model_copy(update={"seed": g.spec.seed + s}), study_index=s)
+            for g in groups for s in range(g.spec.studies)]
 
 
 def trial_raw(raw: dict[str, Any], spec: TuneSpec, schedule: sched.Schedule, trial: int) -> dict[str, Any]:

@@ -15,12 +15,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tunelab.core.registries import INTERMEDIATES, TASKS
+from tunelab.core.registries import INTERMEDIATES
 from tunelab.folders.cell import CellFolder, EvalFolder
 from tunelab.folders.matrix import MatrixFolder
 from tunelab.matrix.expansion import Cell
 from tunelab.matrix.tune_section import TuneSpec
-from tunelab.tune import sampling, trials
+from tunelab.tune import edges, sampling, trials, workloads
 from tunelab.tune.objective import final_value, is_number
 from tunelab.tune.plan import Group
 from tunelab.tune.record import TrialView
@@ -136,7 +136,9 @@ class Search:
         values = sorted(v for t in self.trials if t.view.state == "complete" and (v := t.view.value) is not None
                         and is_number(v))
         ordered = values if self.spec.direction == "minimize" else values[::-1]
-        return {"group": self.group.slug, "study": self.group.study, "metric": self.spec.metric,
+        return {"group": self.group.slug, "study": self.group.study, "study_index": self.group.study_index,
+                "studies": self.spec.studies, "workloads": list(self.spec.workloads),
+                **workloads.parts(self.group.varying, self.spec.workloads), "metric": self.spec.metric,
                 "direction": self.spec.direction, "sampler": self.spec.sampler, "pruner": self.spec.pruner,
                 "tuned": win.view.params if win else None, "winner": win.view.number if win else None,
                 "trials": len(self.trials), "completed": len(values),
@@ -144,15 +146,18 @@ class Search:
                 "search_steps": sum(t.view.reached for t in self.trials),
                 "full_steps": self.group.schedule.full_steps(), "planned_steps": self.group.schedule.planned_steps(),
                 "best": ordered[0] if ordered else None, "worst": ordered[-1] if ordered else None,
-                "median": statistics.median(values) if values else None,
-                "test_selected": TASKS[self.spec.metric].split == "test", "trials_file": str(
+                "median": statistics.median(values) if values else None, "values": values,
+                "edges": [asdict(e) for e in edges.of(self.spec.space, win.view.params)] if win else [],
+                "test_selected": self.group.on_test, "trials_file": str(
                     MatrixFolder(self.matrix_dir).trials_file(self.group.study).relative_to(self.matrix_dir))}
 
     def table(self) -> dict[str, Any]:
         """trials.json: the search as a file (the report's figures read it)."""
-        return {"group": self.group.slug, "study": self.group.study, "varying": self.group.varying,
+        return {"group": self.group.slug, "study": self.group.study, "study_index": self.group.study_index,
+                "studies": self.spec.studies, "varying": self.group.varying,
                 "space": {k: {d.kind: d.bounds if d.choice is None else d.choice}
                           for k, d in self.spec.space.items()},
+                "edge_zones": {k: d.edge_zones() for k, d in self.spec.space.items()},
                 "metric": self.spec.metric, "direction": self.spec.direction, "intermediate": self.spec.ranked_by,
                 "schedule": [{"rungs": list(b.rungs), "sizes": list(b.sizes)}
                              for b in self.group.schedule.brackets],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,8 @@ from tunelab.core.errors import UserError
 from tunelab.core.files import read_json
 from tunelab.folders.cell import CellFolder
 from tunelab.folders.matrix import REWRITE, MatrixFolder
-from tunelab.tune import record
+from tunelab.matrix.tune_section import Dist
+from tunelab.tune import edges, record
 
 STATE = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "failed",
          TrialState.RUNNING: "waiting", TrialState.WAITING: "waiting"}
@@ -57,11 +59,23 @@ def study_row(matrix_dir: Path, entry: dict[str, Any]) -> dict[str, Any]:
     best = (max if info.get("direction") == "maximize" else min)(done, key=lambda r: r["value"], default=None)
     count = {s: sum(r["state"] == s for r in rows)
              for s in ("complete", "pruned", "failed", "running", "stopped", "waiting")}
-    return {"group": entry["group"], "study": entry["study"], "storage": record.shown_url(entry["storage"]),
+    return {"group": entry["group"], "study": entry["study"], "study_index": entry.get("study_index", 0),
+            "studies": entry.get("studies", 1), "edges": _edges(matrix_dir, entry, best and best["params"]),
+            "storage": record.shown_url(entry["storage"]),
             "metric": info.get("metric"), "schedule": info.get("schedule"), "trials": rows, **count,
             "best": best and {"number": best["number"], "value": best["value"], "params": best["params"]},
             "steps": sum(r["reached"] or 0 for r in rows), "planned_steps": info.get("planned_steps"),
             "full_steps": info.get("full_steps"), "decisions": attrs.get("decisions", [])}
+
+
+def _edges(matrix_dir: Path, entry: dict[str, Any], params: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The searched keys whose best value so far lies at an edge of its range (tune/edges.py), from the space
+    trials.json records."""
+    table = read_json(matrix_dir / entry["trials_file"], dict, REWRITE) or {}
+    if not params or not table.get("space"):
+        return []
+    space = {k: Dist.model_validate(d) for k, d in table["space"].items()}
+    return [asdict(e) for e in edges.of(space, params)]
 
 
 def collect(matrix_dir: Path) -> list[dict[str, Any]]:

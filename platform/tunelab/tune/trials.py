@@ -30,16 +30,18 @@ def _config(group: Group, params: dict[str, Any], seed: int, trial: int | None) 
 def trial_cell(group: Group, number: int, params: dict[str, Any], stop_at: int | None = None) -> Cell:
     config = _config(group, params, group.seeds[0], number)
     meta = {"tune": {"role": "trial", "group": group.slug, "study": group.study, "trial": number}}
-    return Cell(config, config.id(), f"{group.slug}-t{number:02d}", {**group.varying, **params}, config.eval.id(),
+    return Cell(config, config.id(), f"{group.slug}{group.tag}-t{number:02d}", {**group.varying, **params},
+                config.eval.id(),
                 stop_at=stop_at, meta=meta)
 
 
 def final_cells(group: Group, params: dict[str, Any], summary: dict[str, Any]) -> list[Cell]:
-    """The winner, once per seed of the matrix, evaluated as the matrix says (its suite)."""
+    """The winner, once per seed of the matrix, evaluated as the matrix says (its suite). With several studies
+    each study's winner is retrained (the row is the median over them)."""
     out = []
     for seed in group.seeds:
         config = _config(group, params, seed, None)
-        suffix = f"-s{seed}" if len(group.seeds) > 1 else ""
+        suffix = group.tag + (f"-s{seed}" if len(group.seeds) > 1 else "")
         varying = {**group.varying, **params, **({"train.seed": seed} if len(group.seeds) > 1 else {})}
         out.append(Cell(config, config.id(), f"{group.slug}-tuned{suffix}", varying, config.eval.id(),
                         meta={"tune": {"role": "tuned", **summary}}))
