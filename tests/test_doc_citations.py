@@ -18,6 +18,7 @@ TESTS = REPO / "tests"
 # `tests/x.py`, `tests/parallel/x.py`, or a test module named without its folder (`test_x.py`)
 FILE = re.compile(r"(?<![\w/.-])((?:tests/)?[\w/]*?test_\w+\.py|tests/[\w/]+\.py)(?:::(test_\w+))?")
 NAME = re.compile(r"(?<![\w/.])(test_\w+)(?![\w.])")
+NOT_TESTS = {"test_split"}  # names of other tools that look like tests: lm-eval's task YAML key
 
 
 @functools.cache  # read once for all the docs
@@ -38,7 +39,7 @@ def citations(text: str) -> tuple[list[tuple[str, str | None]], list[str]]:
     text = re.sub(r"\[[^\]\n]*\]", "", text)  # parametrized ids, and markdown link texts' brackets
     files = [(m.group(1), m.group(2)) for m in FILE.finditer(text)]
     rest = FILE.sub(" ", text)
-    return files, [m.group(1) for m in NAME.finditer(rest)]
+    return files, [m.group(1) for m in NAME.finditer(rest) if m.group(1) not in NOT_TESTS]
 
 
 def module_for(cited: str, modules: dict[str, set[str]]) -> str | None:

@@ -182,9 +182,11 @@ def validation(tok):
 
 
 def comparable(out_dir: Path) -> tuple[dict, list[str]]:
-    """results.json less what depends on how it was run (the wall time, the group's mark), and samples.jsonl."""
+    """results.json less what depends on how it was run (the wall time, the group's mark, the process's threads),
+    and samples.jsonl."""
     res = json.loads((out_dir / "results.json").read_text())
     res.pop("together", None)
+    res.pop("threads", None)
     for task in res["tasks"].values():
         task.pop("seconds")
     return res, (out_dir / "samples.jsonl").read_text().splitlines()

@@ -22,7 +22,8 @@ BASE = {"model": {"name": "tiny-random-llama"}, "data": {"recipe": "arithmetic",
         "val_batches": 1}, "tracking": {"wandb": False}}
 LAYOUTS = {"dp4": {"parallel.dp": 4}, "dp2": {"parallel.dp": 2, "parallel.pp": 2, "parallel.microbatches": 2}}
 # What a one-node run writes into a cell folder.
-CELL_FILES = {".lock", "cell.json", "config.yaml", "status.json", "env.json", "cell.log", "train", "final", "eval"}
+CELL_FILES = {".lock", "cell.json", "config.yaml", "status.json", "attempts.jsonl", "env.json", "cell.log", "train",
+              "final", "eval"}
 TIMEOUT = 600
 
 

@@ -23,7 +23,8 @@ from rich.console import Console
 
 from tunelab.core import events
 from tunelab.core.errors import UserError
-from tunelab.core.files import read_json, read_jsonl
+from tunelab.core.files import read_json, read_jsonl, write_json
+from tunelab.folders.cell import CellFolder
 from tunelab.machine import load
 from tunelab.machine.threads import (
     CPUS_ENV,
@@ -83,7 +84,7 @@ def test_the_users_count_wins_over_the_share():
         shares(1, env={"OMP_NUM_THREADS": "zero"}, cpus=two)
 
 
-def test_each_process_of_a_cell_gets_its_part_and_a_resumed_cell_keeps_its_count():
+def test_each_process_of_a_cell_gets_its_part_and_a_resumed_cell_keeps_its_count(tmp_path):
     auto = Share(4, "auto", "4 CPU(s)")
     env = process_env(auto, ranks=2, env={})
     assert env["OMP_NUM_THREADS"] == "2" and env[FROM_ENV] == "auto" and CPUS_ENV not in env
@@ -91,10 +92,16 @@ def test_each_process_of_a_cell_gets_its_part_and_a_resumed_cell_keeps_its_count
     assert process_env(Share(3, "--threads", "--threads 3"), ranks=2, env={})["OMP_NUM_THREADS"] == "3"  # per process
     assert process_env(Share(1, "auto", "", (1,)), env={})[CPUS_ENV] == "1"
     # A cell that trained before keeps the count it trained with (every rung of a trial rounds alike) ...
-    kept = threads_env(Share(1, "auto", "2 CPUs / 2 cells"), 1, {"threads": {"intra": 2}})
+    ran = CellFolder(tmp_path)
+    write_json(ran.env_file, {"threads": {"intra": 2}})
+    kept = threads_env(Share(1, "auto", "2 CPUs / 2 cells"), 1, ran)
     assert kept["OMP_NUM_THREADS"] == "2" and "earlier attempt" in kept["TUNELAB_THREADS_WHY"]
     # ... unless the user says otherwise now.
-    assert threads_env(Share(1, "--threads", "--threads 1"), 1, {"threads": {"intra": 2}})["OMP_NUM_THREADS"] == "1"
+    assert threads_env(Share(1, "--threads", "--threads 1"), 1, ran)["OMP_NUM_THREADS"] == "1"
+    # A damaged env.json is the cell's to rewrite (or to fail on, saying why): the runner sizes it afresh.
+    ran.env_file.unlink()
+    ran.env_file.mkdir()
+    assert threads_env(Share(1, "auto", "2 CPUs / 2 cells"), 1, ran)["OMP_NUM_THREADS"] == "1"
     # A user's waiting policy is theirs: tunelab adds none of its own.
     assert not set(WAIT_KNOBS) & set(process_env(auto, env={"OMP_WAIT_POLICY": "ACTIVE"}))
 

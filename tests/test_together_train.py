@@ -2,7 +2,7 @@
 train/members.py), each member exactly the cell alone.
 
 The reference is each cell run alone in this process (`run_cell`, the cell process's own stages). Against it, the
-group's worker process (`python -m tunelab.cell.group`) steered as the runner steers it: every step's loss, grad
+group's worker process (`python -m tunelab.cell --together`) steered as the runner steers it: every step's loss, grad
 norm, learning rate and validation loss, every checkpoint's model.pt, optimizer.pt and state.pt (random states
 included) and final/'s adapter file are equal bit for bit, for LoRA with dropout, LoRA of another rank, targets,
 seed and schedule, DoRA with Lion and LoRA with AdaLomo (updates inside backward) in one group, and IA3 in another.
@@ -81,8 +81,8 @@ class Worker:
 
     def __init__(self, dirs: list[Path], log: Path):
         self.dirs = dirs
-        self.proc = subprocess.Popen([sys.executable, "-m", "tunelab.cell.group", "--name", "g", *map(str, dirs)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("a"),
+        command = [sys.executable, "-m", "tunelab.cell", "--together", "--name", "g", *map(str, dirs)]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("a"),
                                      text=True, start_new_session=True)
         self.events: list[tuple[int | None, object]] = []
 

@@ -184,7 +184,6 @@ def test_two_runners_one_killed_mid_search_end_with_the_same_trial_table(ref, tm
     # only, which its trial has already done (the suite's other task is the reference's to show).
     only = ("--only", "lora-*", "--set", "eval.tasks=[val_loss]")
     a = start_exp("run", path, "--runs-dir", runs, *only, log=tmp_path / "a.log")
-    b = start_exp("run", path, "--runs-dir", runs, *only, log=tmp_path / "b.log")
 
     def held_by_a():
         for d in runs.joinpath("ts").glob("lora-t*"):
@@ -192,9 +191,14 @@ def test_two_runners_one_killed_mid_search_end_with_the_same_trial_table(ref, tm
                 return d
         return None
 
+    # A first: a rung's trials train together, so whichever runner starts the rung holds all of them, and A must
+    # hold one to be killed with it. B then starts beside it and waits for what A holds.
     wait_for(held_by_a, "runner A to run a trial", a)
-    # Every trial A's together-group held at that moment, training or paused in memory (its lock A's).
+    b = start_exp("run", path, "--runs-dir", runs, *only, log=tmp_path / "b.log", env={"PYTHONUNBUFFERED": "1"})
+    wait_for(lambda: "tune" in (tmp_path / "b.log").read_text(), "runner B to start the search's stage", b)
+    # Every trial A's together-group holds now, training or paused in memory (its lock A's).
     victims = {d for d in runs.joinpath("ts").glob("lora-t*") if is_locked(d) and f"pid {a.pid} " in lock_holder(d)}
+    assert victims, "runner A ended its trials before B started"
     kill_group(a)
     assert b.wait(timeout=900) == 0, (tmp_path / "b.log").read_text()[-4000:]
     after = status(runs / "ts")["lora"]

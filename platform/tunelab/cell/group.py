@@ -1,4 +1,4 @@
-"""A together-group's process, `python -m tunelab.cell.group --name NAME RUN_DIR...`: several cells' adapters
+"""A together-group's process, `python -m tunelab.cell --together --name NAME RUN_DIR...`: several cells' adapters
 trained over one base model loaded once (run/together.py plans the groups; the runner starts this process, hands it
 the members' folder locks and steers it).
 
@@ -50,7 +50,7 @@ from tunelab.folders.cell import CellFolder
 from tunelab.folders.matrix import MatrixFolder
 from tunelab.machine.runtime import STOP, Paused, Preempted, stop_agreed
 
-USAGE = "usage: python -m tunelab.cell.group --name NAME RUN_DIR [RUN_DIR ...]"
+USAGE = "usage: python -m tunelab.cell --together --name NAME RUN_DIR [RUN_DIR ...]"
 
 
 @dataclass
@@ -465,7 +465,3 @@ def main(argv: list[str] | None = None) -> int:
         group.end()
         group.write_record(started)
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -56,9 +56,7 @@ def run_cmd(
     start_process(threads)  # first: before torch loads (its waiting policy, its threads: machine/threads.py)
     from rich.console import Console
 
-    from tunelab import plan
-    from tunelab.core.config import EvalCfg
-    from tunelab.core.errors import UserError, explain
+    from tunelab.core.errors import UserError
     from tunelab.folders.targets import resolve
 
     if device not in ("auto", "cpu", "cuda"):
@@ -71,19 +69,7 @@ def run_cmd(
                         else f"--adapters needs the cells to evaluate ({usage})")
     if adapters and out is not None:
         raise UserError("--out: with --adapters each cell's results go to its own eval/<eval-id>/")
-    raw: dict[str, object] = {**_settings_of(target, suite, bool(tasks)),
-                              **{k: v for k, v in given.items() if v is not None}}
-    if limit is not None:
-        raw["limits"] = {}  # the suite's per-task limits too: --limit is the one limit
-    if tasks:
-        raw["tasks"] = [t.strip() for t in tasks.split(",") if t.strip()]
-    try:
-        model_cfg = plan.section_config("model", {"name": target.model_name}) if target.kind in (
-            "alias", "model", "hub") else None
-        cfg = plan.eval_config(raw)
-    except plan.Invalid as e:
-        where = lambda loc: "--" + (".".join(map(str, loc)).replace("_", "-") or "suite")  # noqa: E731
-        raise explain(e, EvalCfg, file="command line", where=where) from None
+    model_cfg, cfg = _configs(target, suite, tasks, given)
     quiet_libraries()
     console = Console()
     if adapters:  # each cell's own eval section unless the command line sets one
@@ -95,6 +81,27 @@ def run_cmd(
             libraries_to(EvalFolder(out).log_file):
         result = _evaluate(target, model_cfg, cfg, out, device, console)
     _show(result, out, console)
+
+
+def _configs(target: Any, suite: str | None, tasks: str | None, given: dict) -> tuple[Any, Any]:
+    """The model section (a model named, not a cell) and the eval section the command line asks for."""
+    from tunelab import plan
+    from tunelab.core.config import EvalCfg
+    from tunelab.core.errors import explain
+
+    raw: dict[str, object] = {**_settings_of(target, suite, bool(tasks)),
+                              **{k: v for k, v in given.items() if v is not None}}
+    if given.get("limit") is not None:
+        raw["limits"] = {}  # the suite's per-task limits too: --limit is the one limit
+    if tasks:
+        raw["tasks"] = [t.strip() for t in tasks.split(",") if t.strip()]
+    try:
+        model_cfg = plan.section_config("model", {"name": target.model_name}) if target.kind in (
+            "alias", "model", "hub") else None
+        return model_cfg, plan.eval_config(raw)
+    except plan.Invalid as e:
+        where = lambda loc: "--" + (".".join(map(str, loc)).replace("_", "-") or "suite")  # noqa: E731
+        raise explain(e, EvalCfg, file="command line", where=where) from None
 
 
 def _evaluate(target: Any, model_cfg: Any, cfg: Any, out: Path, device: str, console: Any) -> dict:

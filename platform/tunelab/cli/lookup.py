@@ -103,28 +103,14 @@ def memory(
     """Predict per-device memory (parameters, gradients, optimizer state, activations) from the model's config."""
     from tunelab.train.parallel.memory import estimate_group, load_shape
 
-    allowed: dict[str, tuple[object, Collection]] = {
-        "--optim": (optim, OPTIMIZERS), "--peft": (peft, ("none", "lora")), "--dtype": (dtype, DTYPE_BYTES),
-        "--pp-schedule": (pp_schedule, ("gpipe", "1f1b", "interleaved_1f1b")), "--zero": (zero, (1, 2, 3)),
-        "--backend": (backend, ENGINES)}
-    for flag, (value, choices) in allowed.items():
-        if value not in choices:
-            raise UserError(f"{flag} {value!r} is not one of {', '.join(map(str, choices))}")
-    if not 0 <= lora_dropout < 1:
-        raise UserError(f"--lora-dropout {lora_dropout} is not in [0, 1)")
-    if min(dp, tp, pp, microbatches, seq, batch, lora_r, together) < 1 or device_gb <= 0:
-        raise UserError("--dp, --tp, --pp, --microbatches, --seq, --batch, --lora-r, --together and --device-gb must "
-                        "be positive")
-    if together > 1 and (peft == "none" or dp * tp * pp > 1):
-        raise UserError("--together N: members of a together-group share a frozen base on one process: give --peft "
-                        "lora and no --dp, --tp or --pp")
+    s = Setup(optim=optim, peft=peft, lora_r=lora_r, lora_dropout=lora_dropout, dtype=dtype, dp=dp, tp=tp, pp=pp,
+              zero=zero, seq=seq, batch=batch, microbatches=microbatches, pp_schedule=pp_schedule,
+              activation_checkpointing=activation_checkpointing, backend=backend)
+    _check_setup(s, together, device_gb)
     try:
         shape = load_shape(model)
     except (OSError, ValueError) as err:
         raise UserError(f"cannot read the config of {model!r}: {err}", key="--model") from None
-    s = Setup(optim=optim, peft=peft, lora_r=lora_r, lora_dropout=lora_dropout, dtype=dtype, dp=dp, tp=tp, pp=pp,
-              zero=zero, seq=seq, batch=batch, microbatches=microbatches, pp_schedule=pp_schedule,
-              activation_checkpointing=activation_checkpointing, backend=backend)
     est, need = estimate(shape, s), devices_needed(shape, s, device_gb)
     group = estimate_group(shape, [s] * together) if together > 1 else None
     if as_json:
@@ -139,6 +125,25 @@ def memory(
                   f"{more / GB:.3f} GB more per member after the first (its adapter, optimizer state and objects), "
                   f"one member's step at a time: peak {group.peak / GB:.2f} GB "
                   f"({'fits' if group.peak <= device_gb * GB else 'does not fit'} {device_gb:g} GB)", highlight=False)
+
+
+def _check_setup(s: Setup, together: int, device_gb: float) -> None:
+    """`exp memory`'s options against what each allows (exit 2, naming the option)."""
+    allowed: dict[str, tuple[object, Collection]] = {
+        "--optim": (s.optim, OPTIMIZERS), "--peft": (s.peft, ("none", "lora")), "--dtype": (s.dtype, DTYPE_BYTES),
+        "--pp-schedule": (s.pp_schedule, ("gpipe", "1f1b", "interleaved_1f1b")), "--zero": (s.zero, (1, 2, 3)),
+        "--backend": (s.backend, ENGINES)}
+    for flag, (value, choices) in allowed.items():
+        if value not in choices:
+            raise UserError(f"{flag} {value!r} is not one of {', '.join(map(str, choices))}")
+    if not 0 <= s.lora_dropout < 1:
+        raise UserError(f"--lora-dropout {s.lora_dropout} is not in [0, 1)")
+    if min(s.dp, s.tp, s.pp, s.microbatches, s.seq, s.batch, s.lora_r, together) < 1 or device_gb <= 0:
+        raise UserError("--dp, --tp, --pp, --microbatches, --seq, --batch, --lora-r, --together and --device-gb must "
+                        "be positive")
+    if together > 1 and (s.peft == "none" or s.dp * s.tp * s.pp > 1):
+        raise UserError("--together N: members of a together-group share a frozen base on one process: give --peft "
+                        "lora and no --dp, --tp or --pp")
 
 
 def _print_estimate(model: str, s: Setup, est: Estimate, need: int | None, device_gb: float) -> None:

@@ -215,6 +215,7 @@ class _Stop:
     signal: str | None = None  # the name of the signal received
     armed: bool = False  # the training loop runs: stop at its next step boundary (elsewhere: at once)
     interrupts: int = 0  # SIGINTs received: the first is a stop request, the second stops at once
+    raised: bool = False  # a Preempted was raised: a later request is the same stop, said once
 
 
 STOP = _Stop()
@@ -226,11 +227,12 @@ def catch_stop_signals() -> None:
     SIGUSR1 and SIGTERM (a scheduler, the runner passing on a Ctrl-C) and a first SIGINT (Ctrl-C) ask for a
     stop at the next step boundary, with a checkpoint; a second SIGINT stops at once (KeyboardInterrupt)."""
     def handler(signum: int, frame: object) -> None:
-        first = STOP.signal is None
         STOP.signal = STOP.signal or signal.Signals(signum).name
-        # Only the first request raises: a terminal's Ctrl-C reaches the cell and the runner, which passes it on as
-        # SIGTERM, and a second Preempted would cut short the handling of the first (the cell's status unwritten).
-        if not STOP.armed and first:
+        # Raised once: a terminal's Ctrl-C reaches the cell and the runner, which passes it on as SIGTERM, and a
+        # second Preempted would cut short the handling of the first (the cell's status unwritten). A request
+        # during training (armed) raises nothing, so one outside it later still stops at once.
+        if not STOP.armed and not STOP.raised:
+            STOP.raised = True
             raise Preempted(STOP.signal)
 
     def interrupt(signum: int, frame: object) -> None:
@@ -242,7 +244,7 @@ def catch_stop_signals() -> None:
     for s in STOP_SIGNALS:
         signal.signal(s, handler)
     signal.signal(signal.SIGINT, interrupt)
-    STOP.installed = True
+    STOP.installed, STOP.raised = True, False
 
 
 def stop_agreed(layout: Layout) -> bool:

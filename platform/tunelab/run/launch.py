@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tunelab.core.errors import UserError
+from tunelab.core.files import StateFileDamaged
+from tunelab.folders.cell import CellFolder
 from tunelab.machine.threads import Share, process_env, shares
 from tunelab.matrix.launcher import SlurmCfg
 
@@ -38,10 +40,14 @@ def run_env(stop_at: int | None, validate_at: tuple[int, ...]) -> dict[str, str]
     return {**out, VALIDATE_AT_ENV: ",".join(map(str, validate_at))} if validate_at else out
 
 
-def threads_env(share: Share | None, ranks: int, earlier: dict) -> dict[str, str]:
+def threads_env(share: Share | None, ranks: int, folder: CellFolder) -> dict[str, str]:
     """The threads, CPUs and waiting policy of a cell's processes on this node (tunelab.machine.threads), from
-    its share (None: this machine's, one cell at a time). `earlier`: its env.json; a cell that ran before keeps
-    the thread count it ran with, so every rung of a search's trial rounds alike (docs/tuning.md)."""
+    its share (None: this machine's, one cell at a time). A cell that ran before keeps the thread count its
+    env.json says it ran with, so every rung of a search's trial rounds alike (docs/tuning.md)."""
+    try:
+        earlier = folder.env()
+    except StateFileDamaged:  # the cell's own start-up rewrites env.json, or fails saying why
+        earlier = {}
     keep = (earlier.get("threads") or {}).get("intra")
     return process_env(share or shares(1)[0], ranks, keep if isinstance(keep, int) and keep > 0 else None)
 
@@ -92,7 +98,7 @@ def cell_command(run_dir: Path, world_size: int, launch: Launch | None = None) -
 
 def worker_command(name: str, run_dirs: list[Path]) -> list[str]:
     """A together-group's process (cell/group.py): its members' folders, in member order."""
-    return [sys.executable, "-m", "tunelab.cell.group", "--name", name, *map(str, run_dirs)]
+    return [sys.executable, "-m", "tunelab.cell", "--together", "--name", name, *map(str, run_dirs)]
 
 
 def _sbatch_lines(launch: Launch, job_name: str, output: str, array: int | None) -> list[str]:

@@ -190,7 +190,7 @@ class Runner:
         command = (cell_command(folder.path, 1, Launch()) if evaluate_only
                    else cell_command(folder.path, cell.world_size, self.how))
         ranks = 1 if evaluate_only else procs_per_node(cell.world_size, self.how)
-        threads = threads_env(self.shares[0] if self.shares else None, ranks, folder.env())
+        threads = threads_env(self.shares[0] if self.shares else None, ranks, folder)
         rc = launch(folder, lambda ev: self.view.on_event(handle, ev), command, held,
                     self.matrix.node_log(folder, self.how.node_rank), self.stop, None if evaluate_only else cell,
                     threads)

@@ -133,7 +133,7 @@ def start(key: str, members: list[tuple[CellFolder, CellLock]], matrix: MatrixFo
     fds = {str(d): held.fileno() for d, (_, held) in zip(dirs, members)}
     env = {k: v for k, v in os.environ.items() if k not in (STOP_AT_ENV, VALIDATE_AT_ENV, *OWN_ENV)}
     # Its threads sized as a cell process's (run/launch.py): this machine's CPUs, the first member's count kept
-    env.update({"PYTHONUNBUFFERED": "1", LOCK_FDS_ENV: json.dumps(fds), **threads_env(None, 1, members[0][0].env())})
+    env.update({"PYTHONUNBUFFERED": "1", LOCK_FDS_ENV: json.dumps(fds), **threads_env(None, 1, members[0][0])})
     when = f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} runner pid {os.getpid()} on {socket.gethostname()}"
     with log.open("a") as out:
         out.write(f"{when} starts: {' '.join(command)}\n")
