@@ -190,6 +190,8 @@ def test_a_group_trains_each_member_bit_for_bit_as_alone(reference, tmp_path, na
         status = read_json(b / "status.json")
         assert status["together"]["members"] == len(cells) and status["together"]["group"] == "g"
         assert read_json(b / "train" / "summary.json")["together"]["member"] == dirs.index(b)
+        scored = read_json(next((b / "eval").glob("*/results.json")))["together"]  # in shared passes (evals.together)
+        assert scored["adapters"] == len(cells) and scored["member"] == dirs.index(b)
         assert not is_locked(b)
 
 

@@ -39,13 +39,43 @@ def run(attempt: Attempt, model: Any, tokenizer: Any, datasets: dict | None, val
     `unmerged`: the model is evaluated as given, its adapter not merged (a together-group's member: the base
     is shared, cell/group.py)."""
     from tunelab import evals
-    from tunelab.report.scores import Score, wandb_key, wandb_value
     from tunelab.train import peft
 
-    folder, t0 = attempt.folder, time.perf_counter()
-    ctx = evaluate.context(folder, folder.eval_dir(attempt.cfg.eval.id()), datasets, val_loss)
+    t0 = time.perf_counter()
+    ctx = context(attempt, datasets, val_loss)
     scores = evals.run(model if unmerged else peft.for_eval(model), tokenizer, attempt.cfg.eval, ctx, attempt.emit)
-    attempt.timings["eval_s"] = time.perf_counter() - t0
+    scored(attempt, scores, time.perf_counter() - t0)
+
+
+def run_together(attempts: list[Attempt], model: Any, adapters: list[str], tokenizer: Any, datasets: dict | None,
+                 val_losses: list[float | None]) -> None:
+    """Several members of a together-group that share an eval section, scored in shared passes over the unmerged
+    base (evals.run_together: each row through its own adapter, each results.json what the member alone writes).
+    Each member's eval_s is the group's time; its progress shows the group's."""
+    from tunelab import evals
+
+    t0 = time.perf_counter()
+    contexts = [context(a, datasets, v) for a, v in zip(attempts, val_losses)]
+
+    def emit(event: Any) -> None:
+        for a in attempts:
+            a.emit(event)
+
+    results = evals.run_together(model, tokenizer, attempts[0].cfg.eval, contexts, adapters, emit)
+    for attempt, scores in zip(attempts, results):
+        scored(attempt, scores, time.perf_counter() - t0)
+
+
+def context(attempt: Attempt, datasets: dict | None, val_loss: float | None) -> Any:
+    folder = attempt.folder
+    return evaluate.context(folder, folder.eval_dir(attempt.cfg.eval.id()), datasets, val_loss)
+
+
+def scored(attempt: Attempt, scores: dict, seconds: float) -> None:
+    """An evaluation's scores to the attempt: its time, and W&B's summary (marks included)."""
+    from tunelab.report.scores import Score, wandb_key, wandb_value
+
+    attempt.timings["eval_s"] = seconds
     shown = [Score.of(task, res) for task, res in scores["tasks"].items()]  # marks travel to W&B too
     attempt.summary({wandb_key(s): v for s in shown if (v := wandb_value(s)) is not None})
 

@@ -274,25 +274,61 @@ class Group:
         seat.state = "trained"
 
     def _evaluate(self, seats: list[Seat]) -> None:
-        """The trained members' final evaluation. Today one after another, each member's adapter active alone and
-        unmerged (the base is shared): the call site where shared passes of several adapters go."""
-        from tunelab.train import members
+        """The trained members' final evaluation, over the shared base, unmerged. Members that share an eval section
+        and whose adapters evaluation can route (LoRA, DoRA, IA3 Linear layers of the body: evals/engine/route.py)
+        are scored together in shared passes; any other member alone, its adapter active."""
+        from tunelab.evals.engine import route
+
+        by_section: dict[str, list[Seat]] = {}
+        for seat in seats:
+            assert seat.attempt is not None
+            by_section.setdefault(seat.attempt.cfg.eval.id(), []).append(seat)
+        for same in by_section.values():
+            if len(same) > 1 and route.unroutable(self.model, [s.member.name for s in same]) is None:
+                self._scored(same, lambda same=same: self._evaluate_together(same))
+                continue
+            for seat in same:
+                self._scored([seat], lambda seat=seat: self._evaluate_alone(seat))
+
+    def _evaluate_together(self, seats: list[Seat]) -> None:
+        attempts = [s.attempt for s in seats if s.attempt is not None]
+        evaluation.run_together(attempts, self._scoring_model(), [s.member.name for s in seats], self.tokenizer,
+                                self.datasets, [s.val_loss for s in seats])
+
+    def _scoring_model(self) -> Any:
         from tunelab.train.parallel.anatomy import causal_lm
 
+        self.model.eval()
+        return causal_lm(self.model)
+
+    def _evaluate_alone(self, seat: Seat) -> None:
+        from tunelab.train import members
+
+        assert seat.attempt is not None
+        members.activate(self.model, seat.member.name)
+        evaluation.run(seat.attempt, self._scoring_model(), self.tokenizer, self.datasets, seat.val_loss,
+                       unmerged=True)
+
+    def _scored(self, seats: list[Seat], score: Any) -> None:
+        """Run `score` for these members; each is then done (or, when it raised, failed), its folder let go."""
+        try:
+            score()
+        except (Preempted, KeyboardInterrupt):
+            raise
+        except Exception as e:  # noqa: BLE001
+            for seat in seats:
+                self._fail(seat, e)
+            return
         for seat in seats:
-            attempt = seat.attempt
-            assert attempt is not None
+            assert seat.attempt is not None
             try:
-                members.activate(self.model, seat.member.name)
-                self.model.eval()
-                evaluation.run(attempt, causal_lm(self.model), self.tokenizer, self.datasets, seat.val_loss,
-                               unmerged=True)
-                stages.done(attempt)
+                stages.done(seat.attempt)
                 seat.state = "done"
             except (Preempted, KeyboardInterrupt):
                 raise
             except Exception as e:  # noqa: BLE001
                 self._fail(seat, e)
+                continue
             self._drop(seat)
             _let_go(seat)  # done: its folder is free (the runner closes its own copy too)
 
