@@ -61,7 +61,8 @@ def run_cmd(
 
     if device not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device {device!r}: allowed are auto, cpu, cuda")
-    target = resolve(model, "eval run", ("alias", "cell", "checkpoint", "model", "hub"), runs_dir)
+    # With --adapters MODEL is the cells' base, checked against their model section (tools/evaluate_adapters.py)
+    target = None if adapters else resolve(model, "eval run", ("alias", "cell", "checkpoint", "model", "hub"), runs_dir)
     given = {"limit": limit, "data_dir": data_dir, "batch_size": batch_size, "include_path": include_path}
     if bool(cells) != adapters:
         usage = "several cells' adapters over one base: exp eval run BASE --adapters CELL..."
@@ -96,8 +97,8 @@ def _configs(target: Any, suite: str | None, tasks: str | None, given: dict) -> 
     if tasks:
         raw["tasks"] = [t.strip() for t in tasks.split(",") if t.strip()]
     try:
-        model_cfg = plan.section_config("model", {"name": target.model_name}) if target.kind in (
-            "alias", "model", "hub") else None
+        model_cfg = plan.section_config("model", {"name": target.model_name}) if target is not None and \
+            target.kind in ("alias", "model", "hub") else None
         return model_cfg, plan.eval_config(raw)
     except plan.Invalid as e:
         where = lambda loc: "--" + (".".join(map(str, loc)).replace("_", "-") or "suite")  # noqa: E731
@@ -165,7 +166,7 @@ def _settings_of(target: Any, suite: str | None, tasks: bool) -> dict:
     """The settings --suite names; without it, a checkpoint's as its cell scores its checkpoints, a cell's as its
     eval section says; anything else the quick suite's, or none at all with --tasks (every item of those
     tasks, as lm_eval runs them: a suite's limit is not taken silently)."""
-    if suite is not None or target.kind not in ("cell", "checkpoint"):
+    if suite is not None or target is None or target.kind not in ("cell", "checkpoint"):
         return {"suite": suite} if suite else {} if tasks else {"suite": "quick"}
     cfg = target.cell.config()
     ecfg = (cfg.eval.at_checkpoints() or cfg.eval) if target.kind == "checkpoint" else cfg.eval
