@@ -1,6 +1,6 @@
 """A fair share of the machine (issue #52): tunelab's cells beside other processes that want the same CPUs.
 
-    python benchmarks/shared_cpu.py [--steps 6] [--repeats 1] [--only alone,beside,before,runners,workers]
+    python benchmarks/shared_cpu.py [--steps 6] [--repeats 1] [--only alone,beside,before,runners,workers,together]
                                     [--model smollm2-135m-instruct] [--out FILE]
 
 Every figure is `exp run` as a user runs it (a fresh runs folder each time, the model and data cache shared and
@@ -20,6 +20,9 @@ and the waiting policy are unset, so tunelab sizes each cell itself (docs/traini
 - runners: a matrix of 4 such cells (4 learning rates), one `exp run` against two `exp run` started together on
            one runs folder (they share its cells): wall time from start to the last exit. Goal: two <= one.
 - workers: the same matrix with `exp run --workers 2` against one `exp run` (one cell at a time). Goal: <= one.
+- together: the same matrix as one together-group (`exp run`'s default since #46: the 4 cells share the base in one
+           process) against one cell at a time, for scale (benchmarks/together.py measures it properly).
+The runners and workers figures run each cell in its own process (`--together off`), which is what #52 is about.
 
 The machine's load average (1 minute) is printed before and after each measurement: other users' jobs show there.
 """
@@ -129,6 +132,7 @@ def the_matrix(tmp: Path, tag: str, model: str, steps: int, runners: int, *args:
     runs = tmp / f"runs-{tag}"
     before = load()
     t0 = time.perf_counter()
+    args = args if "--together" in args else ("--together", "off", *args)  # each cell its own process
     finish(*[exp_run(path, runs, *args) for _ in range(runners)])
     wall = time.perf_counter() - t0
     return {"what": tag, "wall_s": round(wall, 1), "threads": sorted({t["intra"] for t in threads_of(runs)}),
@@ -140,7 +144,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--only", default="alone,beside,before,runners,workers")
+    ap.add_argument("--only", default="alone,beside,before,runners,workers,together")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
@@ -162,6 +166,7 @@ def main() -> None:
                 ("runners", lambda r=r: the_matrix(tmp, f"one-runner{r}", a.model, a.steps, 1)),
                 ("runners", lambda r=r: the_matrix(tmp, f"two-runners{r}", a.model, a.steps, 2)),
                 ("workers", lambda r=r: the_matrix(tmp, f"workers2-{r}", a.model, a.steps, 1, "--workers", "2")),
+                ("together", lambda r=r: the_matrix(tmp, f"together{r}", a.model, a.steps, 1, "--together", "auto")),
             ]
             for group, measure in todo:
                 if group in only:
@@ -190,6 +195,10 @@ def main() -> None:
         if one and w2:
             print(f"  [{r}] --workers 2 / one at a time: {w2['wall_s'] / one['wall_s']:.2f}x the time (goal <= 1; "
                   f"{w2['wall_s']} s vs {one['wall_s']} s)")
+        tg = by.get(f"together{r}")
+        if one and tg:
+            print(f"  [{r}] one together-group / one at a time: {tg['wall_s'] / one['wall_s']:.2f}x the time "
+                  f"({tg['wall_s']} s vs {one['wall_s']} s)")
     if a.out:
         a.out.write_text(json.dumps(results, indent=1))
 

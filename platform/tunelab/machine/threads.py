@@ -12,9 +12,9 @@ itself to the share of the machine it has:
 `--threads N` or the user's `OMP_NUM_THREADS` wins over that. The launcher (`shares`, `process_env`) puts the
 count and the waiting policy into the child's environment before it starts, and the child (`start_process`, the
 first thing `python -m tunelab.cell`, the checkpoint evaluator and `exp eval run` do) applies them before torch
-loads its OpenMP runtime, which reads the waiting policy once, when it loads: `OMP_WAIT_POLICY=PASSIVE` (idle
-threads sleep instead of spinning against other processes), plus the runtime's own knob (libgomp's
-`GOMP_SPINCOUNT=0`, Intel's `KMP_BLOCKTIME=0`). A user who sets any of those sets the policy alone.
+loads its OpenMP runtime, which reads the waiting policy once, when it loads: idle threads spin a moment and then
+sleep instead of spinning against other processes (libgomp's `GOMP_SPINCOUNT=3000`; another runtime
+`OMP_WAIT_POLICY=PASSIVE`, Intel's `KMP_BLOCKTIME=0`). A user who sets any of those sets the policy alone.
 
 Nothing here imports torch at module level: the runner (tunelab.run), which never imports torch, plans with it.
 """
@@ -210,12 +210,22 @@ def openmp_runtime() -> str | None:
     return None
 
 
+# libgomp (torch's Linux wheels): idle threads spin GOMP_SPIN briefly, then sleep. Its default, 300,000 spins, took
+# a LoRA step from 1.9 s alone to 4.8-14.9 s beside one other busy torch process on 2 cores; sleeping at once
+# (PASSIVE, 0 spins) held it at 3.6-4.2 s beside but cost every step alone 1.5x (3.2-3.4 s). 3,000 spins: 2.6 s
+# alone, 4.0 s beside (benchmarks/README.md, "A shared machine": more spins are faster alone, slower beside).
+GOMP_SPIN = "3000"
+
+
 def wait_env(env: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The waiting policy: idle OpenMP threads sleep (PASSIVE) rather than spin, unless the user set it."""
+    """The waiting policy: idle OpenMP threads spin a moment, then sleep, rather than spin against other processes;
+    unless the user set it. libgomp: GOMP_SPIN spins; another runtime (not measured here): PASSIVE, no spin."""
     if any(k in env for k in WAIT_KNOBS):
         return {}
-    knob = {"libgomp": {"GOMP_SPINCOUNT": "0"}, "libiomp5": {"KMP_BLOCKTIME": "0"}}.get(openmp_runtime() or "", {})
-    return {"OMP_WAIT_POLICY": "PASSIVE", **knob}
+    runtime = openmp_runtime()
+    if runtime == "libgomp":
+        return {"GOMP_SPINCOUNT": GOMP_SPIN}
+    return {"OMP_WAIT_POLICY": "PASSIVE", **({"KMP_BLOCKTIME": "0"} if runtime == "libiomp5" else {})}
 
 
 _RECORD: dict[str, Any] = {}
