@@ -15,7 +15,7 @@ from processes import attempts, run_exp, start_exp, wait_for
 
 from tunelab.core.files import read_json, read_jsonl
 from tunelab.core.locks import CellLock, is_locked
-from tunelab.folders.cell import CellFolder
+from tunelab.folders.cell import OWN_TIMINGS, CellFolder
 from tunelab.matrix import expansion
 
 MATRIX = """name: NAME
@@ -67,6 +67,10 @@ def test_a_matrix_runs_its_lora_cells_as_one_group_with_the_numbers_of_separate_
     for d in lora:  # each member's own progress lines and end, as a cell's
         slug = CellFolder(d).meta()["slug"]
         assert f"{slug}: started" in log and f"{slug}: done after" in log
+    for d in lora:  # a member's cost is its own part of the group's run: less than the run's wall time
+        (ended,) = CellFolder(d).attempts()
+        parts = read_json(d / "status.json")["timings"]
+        assert ended["seconds"] == round(sum(parts.get(k, 0.0) for k in OWN_TIMINGS), 3) < ended["wall_s"]
     record = read_json(next((tmp_path / "runs" / "tr" / ".together").glob("*/record.json")))
     assert record["states"] == {"0": "done", "1": "done", "2": "done"} and record["peak_mb"] > 0
 

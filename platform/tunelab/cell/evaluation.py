@@ -51,7 +51,7 @@ def run_together(attempts: list[Attempt], model: Any, adapters: list[str], token
                  val_losses: list[float | None]) -> None:
     """Several members of a together-group that share an eval section, scored in shared passes over the unmerged
     base (evals.run_together: each row through its own adapter, each results.json what the member alone writes).
-    Each member's eval_s is the group's time; its progress shows the group's."""
+    Each member's eval_s is its share of the group's time; its progress shows the group's."""
     from tunelab import evals
 
     t0 = time.perf_counter()
@@ -62,8 +62,9 @@ def run_together(attempts: list[Attempt], model: Any, adapters: list[str], token
             a.emit(event)
 
     results = evals.run_together(model, tokenizer, attempts[0].cfg.eval, contexts, adapters, emit)
+    share = (time.perf_counter() - t0) / len(attempts)  # each member's share of the shared passes
     for attempt, scores in zip(attempts, results):
-        scored(attempt, scores, time.perf_counter() - t0)
+        scored(attempt, scores, share)
 
 
 def context(attempt: Attempt, datasets: dict | None, val_loss: float | None) -> Any:

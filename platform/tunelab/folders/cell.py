@@ -89,6 +89,9 @@ class EvalFolder:
     log_file = At("eval.log")  # `exp eval run`: what the libraries print (bars, warnings), not the terminal
 
 
+OWN_TIMINGS = ("setup_s", "train_s", "eval_s", "checkpoints_s")  # a together-group member's own parts of its run
+
+
 @dataclass(frozen=True)
 class CellFolder:
     path: Path
@@ -277,10 +280,16 @@ class CellFolder:
         from its start to its end, appended to attempts.jsonl (status.json keeps only the last run). A run killed
         with its runner (kill -9) ends without a word, and one whose end could not be written (a full disk) is not
         recorded either: nothing counts their time (report/cost.py)."""
-        seconds = float(status["finished_at"]) - float(status["started_at"])
+        wall = float(status["finished_at"]) - float(status["started_at"])
         group = status.get("together")
+        timings = status.get("timings") or {}
+        # A together-group's member shares its process with the others: its whole run overlaps theirs, so what
+        # it cost is its own part (its setup, its turns of training, its share of the evaluation), the group's
+        # shared start-up and load left out (the group's record.json has them).
+        seconds = sum(float(timings.get(k) or 0.0) for k in OWN_TIMINGS) if isinstance(group, dict) else wall
         append_jsonl(self.attempts_file, {
             "started_at": status["started_at"], "ended_at": status["finished_at"], "seconds": round(seconds, 3),
+            "wall_s": round(wall, 3),
             "state": status["state"], "devices": int(status.get("world_size") or 1),
             "device": status.get("device", "cpu"), "evaluating_only": bool(status.get("evaluating_only")),
             "paused_at": status.get("paused_at"), "pid": status.get("pid"),
