@@ -282,6 +282,10 @@ def test_workers_are_refused_where_cells_do_not_run_here_and_a_bad_thread_count_
     assert not (tmp_path / "r").exists()
     got = exp("run", path, "--runs-dir", tmp_path / "r", "--workers", "0")
     assert got.returncode == 2 and "--workers" in got.stderr and not (tmp_path / "r").exists()
+    if len(os.sched_getaffinity(0)) >= 2:  # two cells side by side need two CPUs; a together-group is one process
+        got = exp("run", path, "--runs-dir", tmp_path / "r", "--workers", "2", "--together", "2")
+        assert got.returncode == 2 and "--workers 2 and --together 2" in " ".join(got.stderr.split())
+        assert "Traceback" not in got.stderr and not (tmp_path / "r").exists()
 
 
 def test_a_stop_signal_reaches_every_running_cell():

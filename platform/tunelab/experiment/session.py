@@ -96,9 +96,6 @@ def plan(req: Request) -> Planned:
     tracking.check_env()
     make_dir(cache_dir(), "the cache: $TUNELAB_CACHE, else ~/.cache/tunelab")
     shares, notes = _shares(req, how, configs)
-    make_dir(req.runs_dir / spec.name, "--runs-dir")
-    if not req.replace:  # a run folder of another file with this name (experiment/ownership.py)
-        ownership.refuse(MatrixFolder(req.runs_dir / spec.name), req.file, req.file.read_text())
     if len(shares) > 1 and not setting.off:  # a group is one process: side by side, each cell runs alone
         if req.together is not None:
             raise UserError(f"--workers {req.workers} and --together {req.together}: cells side by side run "
@@ -106,6 +103,9 @@ def plan(req: Request) -> Planned:
                             "(--together off, or --workers 1)", file=req.file)
         notes.append(f"--workers {req.workers}: each cell in its own process (together-groups are off)")
         setting = Setting("off", setting.mode)
+    make_dir(req.runs_dir / spec.name, "--runs-dir")
+    if not req.replace:  # a run folder of another file with this name (experiment/ownership.py)
+        ownership.refuse(MatrixFolder(req.runs_dir / spec.name), req.file, req.file.read_text())
     return Planned(spec, cells, chosen, how, req.runs_dir, together=setting, groups=groups,
                    chosen_groups=chosen_groups, shares=shares, notes=notes)
 
