@@ -130,14 +130,13 @@ def _matrices(runs: Path) -> list[MatrixFolder]:
         return []
 
 
-def _row_label(slug: str, entry: dict) -> str:
-    """A cells.json entry's leaderboard row label (report.table's): a tuned group's winners (its seeds and its
-    studies) fold into `<group>-tuned`, any other cell's seeds into its slug without them."""
-    tune = entry.get("tune")
+def row_label(slug: str, tune: object, seed: object) -> str:
+    """The leaderboard row a cell folds into (report.table and this resolver): a tuned group's winners (its seeds
+    and its studies) into `<group>-tuned`, any other cell's seeds into its slug without them (`seed`: its
+    train.seed when the matrix varies it, else None)."""
     if isinstance(tune, dict) and tune.get("role") == "tuned" and tune.get("group"):
         return f"{tune['group']}-tuned"
-    seed = (entry.get("varying") or {}).get("train.seed")
-    return slug.removesuffix(f"-s{seed}") if seed is not None else slug
+    return (slug.removesuffix(f"-s{seed}") or slug) if seed is not None else slug
 
 
 def find(name: str, runs: Path = Path("runs")) -> list[Target]:
@@ -159,7 +158,8 @@ def find(name: str, runs: Path = Path("runs")) -> list[Target]:
         for entry in m.index() or []:  # the leaderboard's labels: a tuned winner lives in its trial's folder
             if isinstance(entry, dict) and isinstance(entry.get("slug"), str):
                 rows.setdefault(entry["slug"], []).append(entry)
-                if (label := _row_label(entry["slug"], entry)) != entry["slug"]:
+                seed = (entry.get("varying") or {}).get("train.seed")
+                if (label := row_label(entry["slug"], entry.get("tune"), seed)) != entry["slug"]:
                     rows.setdefault(label, []).append(entry)
         entries = rows.get(short, [])
         if len(entries) == 1 and (winner := m.find(str(entries[0].get("id")))) is not None:

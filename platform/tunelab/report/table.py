@@ -17,6 +17,7 @@ from typing import Any
 
 from tunelab.core.errors import UserError, did_you_mean
 from tunelab.core.registries import PEFT
+from tunelab.folders.targets import row_label
 from tunelab.report import tuned_rows
 from tunelab.report.records import TRAIN_FIGURES, Record
 from tunelab.report.scores import TEST_SELECTED_NOTE
@@ -139,11 +140,9 @@ def _label(group: list[Record], by: list[str] | None, aggregate: bool) -> str:
     if by:
         return ", ".join(f"{k}={value_of(group[0], k)}" for k in by)
     first = group[0]
-    if aggregate and first.tune.get("role") == "tuned" and first.tune.get("group"):
-        return f"{first.tune['group']}-tuned"
-    if aggregate and SEED in first.varying:  # seeds folded: the slug without its seed part
-        return first.slug.removesuffix(f"-s{first.config.get(SEED)}") or first.slug
-    return first.slug
+    if not aggregate:
+        return first.slug
+    return row_label(first.slug, first.tune, first.config.get(SEED) if SEED in first.varying else None)
 
 
 def _mark_best(board: Board) -> None:
