@@ -1,6 +1,6 @@
 """Together-groups against one process per trial and rung (#46), side by side in one invocation.
 
-    python benchmarks/together.py [--out DIR] [--scenarios a,b,c] [--repeats 1] [--threads 1]
+    python benchmarks/together.py [--out DIR] [--scenarios a,b,c] [--repeats 1] [--threads 1] [--batched]
 
 Scenarios (each run twice per repeat, `exp run --together off` and `exp run` with the default `auto`, in separate
 runs folders, the order alternating from repeat to repeat):
@@ -20,6 +20,10 @@ validation (val_s), and outside them (wall - steps - validation), split into wha
 (b) wall <= 0.5x with the same winners and leaderboard (every row equal but its timing and memory columns); (c) the
 group's peak <= 1.5x one cell's, the prediction within 10% of the measured tensors (peak RSS less what the process
 held before the model).
+
+--batched adds a third run to a and b: `exp run --together-mode batched` (train/batched.py: each step's rows of all
+members in one pass through the base). It is close to alone, not bit for bit, so its trial table is compared by
+what a search decides (which trials each rung keeps, the winner) and its values by their largest difference.
 """
 
 from __future__ import annotations
@@ -150,10 +154,13 @@ def scenario_run(name: str, a: argparse.Namespace, env: dict, repeat: int) -> di
         file.write_text(SEARCH)
         extra, matrix_name = [], "together-search"
     order = ["off", "auto"] if repeat % 2 == 0 else ["auto", "off"]
+    if a.batched:
+        order.append("batched")
     got = {}
     for mode in order:
         runs = a.out / f"{name}-r{repeat}-{mode}"
-        wall, load = exp_run(file, runs, [*extra, "--together", mode], env)
+        flags = ["--together", "auto", "--together-mode", "batched"] if mode == "batched" else ["--together", mode]
+        wall, load = exp_run(file, runs, [*extra, *flags], env)
         got[mode] = {"where": where(runs / matrix_name, wall), "load": load, "board": board(runs / matrix_name),
                      "trials": trials(runs / matrix_name)}
     off, on = got["off"], got["auto"]
@@ -170,7 +177,31 @@ def scenario_run(name: str, a: argparse.Namespace, env: dict, repeat: int) -> di
                                       else "")
           + f"; leaderboard rows equal but timing/memory columns: {r['same_board']}; trial tables equal: "
           f"{r['same_trials']}")
+    if a.batched:
+        b = got["batched"]
+        show_where("batched", b["where"], b["load"])
+        r.update(batched=b["where"], wall_batched=b["where"]["wall"] / off["where"]["wall"],
+                 same_decisions_batched=decisions(b["trials"]) == decisions(off["trials"]),
+                 largest_value_difference_batched=largest_difference(b["trials"], off["trials"]))
+        print(f"  batched/alone: wall {r['wall_batched']:.3f}x"
+              + (f" (goal <= 0.5x: {'met' if r['wall_batched'] <= 0.5 else 'NOT met'})" if name == "b" else "")
+              + f"; the same rung decisions and winners: {r['same_decisions_batched']}; largest difference of a "
+              f"trial's value from alone's: {r['largest_value_difference_batched']:.2e}")
     return r
+
+
+def decisions(studies: list) -> list:
+    """What a search decided: each trial's parameters, how far it went and the order of the finished ones."""
+    out = []
+    for study in studies:
+        done = sorted((t for t in study if t[3] is not None), key=lambda t: t[3])
+        out.append(([(n, p, state, len(inter or {})) for n, p, state, _, inter in study], [t[0] for t in done]))
+    return out
+
+
+def largest_difference(a: list, b: list) -> float:
+    pairs = [(x[3], y[3]) for sa, sb in zip(a, b) for x, y in zip(sa, sb) if x[3] is not None and y[3] is not None]
+    return max((abs(x - y) for x, y in pairs), default=float("nan"))
 
 
 def scenario_memory(a: argparse.Namespace, env: dict, repeat: int) -> dict:
@@ -209,6 +240,7 @@ def main() -> None:
     p.add_argument("--scenarios", default="a,b,c")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="threads a process (on a shared 2-core machine, 2 spin)")
+    p.add_argument("--batched", action="store_true", help="a and b: also --together-mode batched")
     a = p.parse_args()
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     print(f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "

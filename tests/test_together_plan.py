@@ -122,8 +122,8 @@ def test_the_run_section_and_the_flag_change_no_cell_id(cli, tmp_path):
 
 @pytest.mark.parametrize(("args", "run", "words"), [
     (("--together", "banana"), "", ["--together 'banana'", "auto, off, or a number"]),
-    (("--together-mode", "batched"), "", ["--together-mode batched", "not available yet", "exact"]),
-    ((), "run: {together_mode: batched}\n", ["tg.yaml", "run.together_mode batched", "not available yet"]),
+    (("--together-mode", "fast"), "", ["--together-mode 'fast'", "exact, batched"]),
+    ((), "run: {together_mode: fast}\n", ["tg.yaml", "run.together_mode", "exact", "batched"]),
     ((), "run: {together: 0}\n", ["tg.yaml", "run.together", "a number of members"]),
     ((), "run: {togethr: 2}\n", ["tg.yaml", "run.togethr"]),
 ], ids=["flag", "mode", "file-mode", "file-zero", "file-typo"])

@@ -50,7 +50,7 @@ from tunelab.folders.cell import CellFolder
 from tunelab.folders.matrix import MatrixFolder
 from tunelab.machine.runtime import STOP, Paused, Preempted, stop_agreed
 
-USAGE = "usage: python -m tunelab.cell --together --name NAME RUN_DIR [RUN_DIR ...]"
+USAGE = "usage: python -m tunelab.cell --together --name NAME [--mode exact|batched] RUN_DIR [RUN_DIR ...]"
 
 
 @dataclass
@@ -69,6 +69,7 @@ class Seat:
     trained_from: int = 1  # its first step in this operation
     train_s: float = 0.0  # seconds of its own turns in this attempt (steps, validation, checkpoints)
     turns_s: float = 0.0  # and in all its attempts in this process
+    joined: int = 0  # batched mode: its steps in this process that joined the group's passes
 
 
 @dataclass
@@ -85,6 +86,8 @@ class Group:
     record: dict = field(default_factory=dict)  # .together/<name>/record.json
     rss_before: float = 0.0
     longest: int | None = None  # the longest training row (the memory model's sequence length)
+    mode: str = "exact"  # exact | batched (train/batched.py): how members' steps meet the base
+    unbatched: str | None = None  # batched mode: why this group's base cannot take a joined pass (then exact)
 
     def emit(self, k: int) -> Emit:
         return lambda event: self.write(events.encode(event, member=k))
@@ -95,8 +98,18 @@ class Group:
 
     def info(self, seat: Seat) -> dict:
         """What status.json and the summary say of the group a member runs in."""
-        return {"group": self.name, "member": seat.k, "members": len(self.seats), "pid": os.getpid(),
-                "log": str(self.matrix.together_log(self.name))}
+        info = {"group": self.name, "member": seat.k, "members": len(self.seats), "pid": os.getpid(),
+                "log": str(self.matrix.together_log(self.name)), "mode": self.mode}
+        if self.mode == "batched":
+            why = self._why_not_batched(seat)
+            info["batched"] = f"steps exact: {why}" if why else f"{seat.joined} steps in the group's passes"
+        return info
+
+    def _why_not_batched(self, seat: Seat) -> str | None:
+        """None when the member's rows join the group's batched passes; else why it steps exact."""
+        from tunelab.run.together import why_not_batched
+
+        return self.unbatched or why_not_batched(seat.cfg)
 
     # -- operations ------------------------------------------------------------------------------------------
     def train(self, asks: dict[int, tuple[int | None, tuple[int, ...]]]) -> None:
@@ -182,6 +195,12 @@ class Group:
             model = members.inject(model, members.member_name(seat.k), seat.cfg)
             seat.rng = checkpoint.rng_state()
         self.model, self.peak = model, peak_flops(first.rt.device)
+        if self.mode == "batched":
+            from tunelab.train.batched import unroutable
+
+            self.unbatched = unroutable(model)
+            if self.unbatched:
+                print(f"batched mode: every member steps exact: {self.unbatched}", file=sys.stderr, flush=True)
         self.record.update(load_s=t1 - t0, data_s=t2 - t1, inject_s=time.perf_counter() - t2,
                            rss_before_load_mb=self.rss_before)
 
@@ -233,15 +252,17 @@ class Group:
 
         while live := [s for s in seats if s.state == "training"]:
             step = min(s.member.next for s in live)
-            for seat in live:
+            due = [s for s in live if s.member.next == step]
+            joined = self._joined(due) if self.mode == "batched" else {}
+            for seat in due:
                 m = seat.member
-                if m.next != step:
+                if seat.state != "training":  # failed in the joined pass
                     continue
                 t0 = time.perf_counter()
                 try:
                     with m.turn():
                         try:
-                            loop.advance(m.loop, step, self.peak)
+                            loop.advance(m.loop, step, self.peak, done=joined.get(seat.k))
                         finally:
                             m.next = step + 1
                         if step >= loop.last_step(m.loop):
@@ -258,6 +279,39 @@ class Group:
                 self._stop(seats)
                 raise Preempted(STOP.signal or "a stop signal")
 
+    def _joined(self, due: list[Seat]) -> dict[int, Any]:
+        """Batched mode: the backward passes of this step of every member that can join, in one pass per micro-batch
+        (train/batched.py) -> {member: loop.Backward}; the others step exact in their turns. A pass that fails
+        fails its members (it was theirs alone together)."""
+        from tunelab.train import batched, loop
+        from tunelab.train.data import label_tokens
+
+        ready = [s for s in due if self._why_not_batched(s) is None]
+        if len(ready) < 2:
+            return {}
+        t0 = time.perf_counter()
+        try:
+            micro = []
+            for seat in ready:  # each draws its batches as alone, its random streams in place
+                m = seat.member
+                with m.turn():
+                    micro.append([next(m.loop.stream) for _ in range(m.cfg.train.grad_accum)])
+            first = ready[0].member.loop
+            with first.attention():
+                done = batched.backward([s.member for s in ready], micro,
+                                        [sum(label_tokens(b) for b in mb) for mb in micro],
+                                        self.tokenizer.pad_token_id, first.runtime.device, first.runtime.precision)
+        except (Preempted, KeyboardInterrupt):
+            raise
+        except Exception as e:  # noqa: BLE001 - the pass's members fail, the group goes on
+            for seat in ready:
+                self._fail(seat, e)
+            return {}
+        spent = (time.perf_counter() - t0) / len(ready)
+        for seat in ready:
+            seat.train_s, seat.turns_s, seat.joined = seat.train_s + spent, seat.turns_s + spent, seat.joined + 1
+        return {s.k: loop.Backward(micro[j], done.losses[j], done.seconds) for j, s in enumerate(ready)}
+
     def _trained(self, seat: Seat) -> None:
         """Its last step done (inside its turn): final validation, summary, final/, memory.json, checkpoints'
         scores; its optimizer freed. Its evaluation comes with the others' (`_evaluate`)."""
@@ -265,6 +319,7 @@ class Group:
 
         attempt, m = seat.attempt, seat.member
         assert attempt is not None
+        m.loop.together = self.info(seat)  # (batched mode: how many of its steps joined the passes)
         result = loop.finish(m.loop, m.resumed_from)
         attempt.timings["train_s"] = seat.train_s
         attempt.timings["checkpoint_s"] = m.loop.spent.get("checkpoint_s", 0.0)
@@ -413,7 +468,8 @@ class Group:
         predicted = None
         if self.model is not None and self.rt is not None:  # what `exp memory --together` predicts for it
             predicted = group_peak_mb(self.model.config, [s.cfg for s in self.seats],
-                                      str(self.rt.dtype).removeprefix("torch."), seq=self.longest)
+                                      str(self.rt.dtype).removeprefix("torch."), seq=self.longest,
+                                      batched=self.mode == "batched")
         self.record.update(name=self.name, pid=os.getpid(), members=[str(s.folder.path) for s in self.seats],
                            states={s.k: s.state for s in self.seats}, turns_s=steps,
                            import_s=started - psutil.Process().create_time(), wall_s=time.time() - started,
@@ -468,7 +524,11 @@ def main(argv: list[str] | None = None) -> int:
     from tunelab.machine.runtime import catch_stop_signals
 
     started = time.time()
-    name, dirs = argv[1], [Path(p).resolve() for p in argv[2:]]
+    name, rest = argv[1], argv[2:]
+    mode = "exact"
+    if rest[:1] == ["--mode"] and len(rest) >= 3 and rest[1] in ("exact", "batched"):
+        mode, rest = rest[1], rest[2:]
+    dirs = [Path(p).resolve() for p in rest]
     write = line_stream()
     catch_stop_signals()
     try:
@@ -477,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{e.args[0]} is locked by {lock_holder(e.args[0])}", file=sys.stderr)
         return LOCKED_EXIT
     folders = [CellFolder(d) for d in dirs]
-    group = Group(name, [Seat(k, f, f.config(), lock) for k, (f, lock) in enumerate(zip(folders, held))], write)
+    group = Group(name, [Seat(k, f, f.config(), lock) for k, (f, lock) in enumerate(zip(folders, held))], write,
+                  mode=mode)
     code = 0
     try:
         while line := sys.stdin.readline():

@@ -98,6 +98,8 @@ def memory(
     device_gb: Annotated[float, typer.Option(help="memory of one device, GB")] = 80.0,
     together: Annotated[int, typer.Option(help="members of a together-group with this setup each (one process, one "
                                                "device): the base once, adapters and optimizer state per member")] = 1,
+    batched: Annotated[bool, typer.Option(help="--together N in batched mode (`exp run --together-mode batched`): "
+                                               "every member's activations in one pass")] = False,
     as_json: Json = False,
 ) -> None:
     """Predict per-device memory (parameters, gradients, optimizer state, activations) from the model's config."""
@@ -112,18 +114,21 @@ def memory(
     except (OSError, ValueError) as err:
         raise UserError(f"cannot read the config of {model!r}: {err}", key="--model") from None
     est, need = estimate(shape, s), devices_needed(shape, s, device_gb)
-    group = estimate_group(shape, [s] * together) if together > 1 else None
+    group = estimate_group(shape, [s] * together, batched) if together > 1 else None
     if as_json:
         return print_json({"model": model, "setup": asdict(s), "estimate_bytes": est.as_dict(),
                            "devices": dp * tp * pp, "device_gb": device_gb, "fits": est.peak <= device_gb * GB,
-                           "devices_needed": need, **({"together": together, "group_bytes": group.as_dict(),
+                           "devices_needed": need, **({"together": together, "batched": batched,
+                                                       "group_bytes": group.as_dict(),
                                                        "group_fits": group.peak <= device_gb * GB} if group else {})})
     _print_estimate(model, s, est, need, device_gb)
     if group is not None:
         more = (group.params + group.optimizer - est.params - est.optimizer) / (together - 1)
-        out.print(f"together-group of {together} such members on one device (exact mode): the base's weights once, "
+        steps = "every member's step in one pass" if batched else "one member's step at a time"
+        out.print(f"together-group of {together} such members on one device "
+                  f"({'batched' if batched else 'exact'} mode): the base's weights once, "
                   f"{more / GB:.3f} GB more per member after the first (its adapter, optimizer state and objects), "
-                  f"one member's step at a time: peak {group.peak / GB:.2f} GB "
+                  f"{steps}: peak {group.peak / GB:.2f} GB "
                   f"({'fits' if group.peak <= device_gb * GB else 'does not fit'} {device_gb:g} GB)", highlight=False)
 
 

@@ -91,7 +91,8 @@ def _cuda(device: str) -> bool:
 def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets = None, as_json: Json = False,
          runs_dir: RunsDir = Path("runs"),
          together: Annotated[str | None, typer.Option(help="as `exp run --together`: which cells would train in "
-                                                           "one process")] = None) -> None:
+                                                           "one process")] = None,
+         together_mode: Annotated[str | None, typer.Option(help="as `exp run --together-mode`")] = None) -> None:
     """Expand a matrix file and print its cells (and which train together); runs nothing."""
     from tunelab.core.errors import Errors
     from tunelab.experiment import ownership
@@ -109,7 +110,7 @@ def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets =
     # The run folder this file would run in belongs to another file of its name: `exp run` would refuse it too.
     ownership.refuse(MatrixFolder(runs_dir / spec.name), file, file.read_text())
     setting = joining.Setting.parse(together if together is not None else spec.run.together,
-                                    spec.run.together_mode)
+                                    together_mode or spec.run.together_mode)
     units = joining.plan(cells, setting)
     unit_of = {id(c): (n, u) for n, u in enumerate(units) for c in u.cells}
     from tunelab.plan.warnings import cell_warnings
@@ -168,7 +169,9 @@ def run(
         help="cells that share a frozen base train in one process: auto (as many as memory fits), off, or at most N "
              "members (overrides the file's run.together; docs/training.md)")] = None,
     together_mode: Annotated[str | None, typer.Option(
-        help="exact: each member steps alone over the shared base, bit for bit the cell alone (batched: not yet)")
+        help="exact: each member steps alone over the shared base, bit for bit the cell alone; batched: all "
+             "members' rows in one pass through the base, each row through its own adapter (close to alone, not "
+             "bit for bit; overrides the file's run.together_mode; docs/training.md)")
                              ] = None,
     sets: Sets = None,
 ) -> None:

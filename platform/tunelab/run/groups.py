@@ -43,12 +43,12 @@ class Runner(Protocol):
     def _ended(self, folder: CellFolder, cell: Cell, handle: int, rc: int | None) -> Outcome: ...
 
 
-def auto_cap(cells: list[Cell]) -> int:
+def auto_cap(cells: list[Cell], batched: bool = False) -> int:
     """`--together auto`: how many of these cells (one base) fit one group on this machine, by the memory model
     (train/parallel/capacity.py: reads the model's config and the device's memory)."""
     from tunelab.train.parallel import capacity
 
-    return capacity.members([c.config for c in cells], together.AUTO_MAX)
+    return capacity.members([c.config for c in cells], together.AUTO_MAX, batched)
 
 
 def alone_now(runner: Runner, cell: Cell) -> str | None:
@@ -114,7 +114,7 @@ def _train(runner: Runner, key: str, joined: list[tuple[Cell, CellFolder, CellLo
             runner.stop.proc = proc
 
         w = workers.start(key, [(folder, held) for _, folder, held in fresh if held is not None], runner.matrix,
-                          told)
+                          told, runner.together.mode)
         if runner.pool is not None:
             runner.pool.add(w)
         groups[id(w)] = (w, [(cell, folder) for cell, folder, _ in fresh])

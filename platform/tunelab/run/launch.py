@@ -96,9 +96,10 @@ def cell_command(run_dir: Path, world_size: int, launch: Launch | None = None) -
     return [*torchrun, *entry]
 
 
-def worker_command(name: str, run_dirs: list[Path]) -> list[str]:
-    """A together-group's process (cell/group.py): its members' folders, in member order."""
-    return [sys.executable, "-m", "tunelab.cell", "--together", "--name", name, *map(str, run_dirs)]
+def worker_command(name: str, run_dirs: list[Path], mode: str = "exact") -> list[str]:
+    """A together-group's process (cell/group.py): its members' folders, in member order; `mode`: exact or batched."""
+    batched = ["--mode", "batched"] if mode == "batched" else []
+    return [sys.executable, "-m", "tunelab.cell", "--together", "--name", name, *batched, *map(str, run_dirs)]
 
 
 def _sbatch_lines(launch: Launch, job_name: str, output: str, array: int | None) -> list[str]:

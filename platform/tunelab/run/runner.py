@@ -331,7 +331,8 @@ class Runner:
         """The cells as they run: together-groups and cells alone (run/together.py); none joins unless this runner
         holds its cells' locks here (the local launcher, node 0)."""
         setting = self.together if self.claims else together.Setting("off")
-        return together.plan(cells, setting, cap_of=groups.auto_cap, alone=lambda c: groups.alone_now(self, c))
+        return together.plan(cells, setting, cap_of=lambda cs: groups.auto_cap(cs, setting.mode == "batched"),
+                             alone=lambda c: groups.alone_now(self, c))
 
 
 def prepare(folder: CellFolder, cell: Cell, matrix: str) -> None:

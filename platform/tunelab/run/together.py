@@ -24,7 +24,7 @@ from typing import Any
 
 from tunelab.core.config import CellConfig, content_id, world_size
 from tunelab.core.errors import UserError
-from tunelab.core.registries import PEFT, uses_engine
+from tunelab.core.registries import PEFT, optimizer_spec, uses_engine
 
 AUTO_MAX = 32  # members of one group at most under `auto`
 MODES = ("exact", "batched")
@@ -47,10 +47,6 @@ class Setting:
         mode = mode or "exact"
         if mode not in MODES:
             raise UserError(f"{names[1]} {mode!r}: allowed values are {', '.join(MODES)}")
-        if mode == "batched":
-            raise UserError(f"{names[1]} batched (all members' rows in one pass through the base) is not available "
-                            "yet: together-groups train in exact mode (each member steps with the shapes it has "
-                            "alone, bit for bit the cell alone); leave the mode out or set it to exact")
         return cls("off" if value == "1" else value, mode)
 
     @property
@@ -90,6 +86,20 @@ def why_alone(cfg: CellConfig) -> str | None:
                 "each loading the base again; with workers: 0 they are scored in the group's process")
     if cfg.train.select is not None:
         return "train.select puts a chosen checkpoint's weights into the model after training (the base is shared)"
+    return None
+
+
+def why_not_batched(cfg: CellConfig) -> str | None:
+    """Why this member of a group in batched mode steps exact instead (each with its own pass), in words; None: its
+    rows can join the group's pass (train/batched.py). The model's own reasons (tuner layers, a base that draws
+    random numbers) are found when it is loaded."""
+    if cfg.data.pack:
+        return "data.pack: packed rows carry a block mask per row and are not joined"
+    if optimizer_spec(cfg.optim.name).fused:
+        return f"optim.name {cfg.optim.name} updates inside its own backward pass"
+    if cfg.train.gradient_checkpointing and cfg.peft.method in ("lora", "dora") and cfg.peft.dropout > 0:
+        return ("gradient checkpointing with peft.dropout > 0: the recomputation would draw its dropout again from "
+                "a member's stream that the pass has moved on")
     return None
 
 
@@ -144,6 +154,9 @@ def describe(units: list[Unit], setting: Setting, searches: Sequence = ()) -> li
     out = []
     for n, u in enumerate([u for u in units if u.together], 1):
         out.append(f"{head}: group {n} ({len(u.cells)} members, one base): " + ", ".join(c.slug for c in u.cells))
+        if setting.mode == "batched":
+            out += [f"{head}: {c.slug} steps exact in its group: {why}" for c in u.cells
+                    if (why := why_not_batched(c.config))]
     for u in units:
         if not u.together:
             out.append(f"{head}: {u.cells[0].slug} runs alone: {u.why}")
@@ -154,6 +167,8 @@ def describe(units: list[Unit], setting: Setting, searches: Sequence = ()) -> li
             out.append(f"{head}: search {g.slug}'s trials run alone: {why}")
         else:
             by_key.setdefault(key(g.config), []).append(g.slug)
+            if setting.mode == "batched" and (why := why_not_batched(g.config)):
+                out.append(f"{head}: search {g.slug}'s trials step exact in their groups: {why}")
     for slugs in by_key.values():
         out.append(f"{head}: the trials of search{'es' * (len(slugs) > 1)} {', '.join(slugs)} train together at "
                    "each rung (one base; a promoted trial goes on in memory)")

@@ -122,14 +122,14 @@ class Worker:
 
 
 def start(key: str, members: list[tuple[CellFolder, CellLock]], matrix: MatrixFolder,
-          stop: Callable[[subprocess.Popen], None] | None = None) -> Worker:
+          stop: Callable[[subprocess.Popen], None] | None = None, mode: str = "exact") -> Worker:
     """Start a worker over these members (folder, the runner's lock of it), in this order. Each member's cell.log
     gets a line of its own: the attempt's first line, as a cell process's."""
     name = f"{key}-{os.getpid()}-{next(_COUNT)}"
     log = matrix.together_log(name)
     log.parent.mkdir(parents=True, exist_ok=True)
     dirs = [f.path.resolve() for f, _ in members]
-    command = worker_command(name, dirs)
+    command = worker_command(name, dirs, mode)
     fds = {str(d): held.fileno() for d, (_, held) in zip(dirs, members)}
     env = {k: v for k, v in os.environ.items() if k not in (STOP_AT_ENV, VALIDATE_AT_ENV, *OWN_ENV)}
     # Its threads sized as a cell process's (run/launch.py): this machine's CPUs, the first member's count kept

@@ -257,17 +257,28 @@ def _resume_from(loop: Training, skipped: list[str]) -> Path | None:
     return found[0]
 
 
-def _step(loop: Training, step: int, peak: float | None) -> None:
+@dataclass
+class Backward:
+    """A step's backward passes done outside its loop (a together-group in batched mode, train/batched.py): the
+    micro-batches it drew, their summed loss, and the seconds the loop counts as its own (its share of the pass)."""
+
+    micro: list[dict]
+    loss: torch.Tensor
+    seconds: float
+
+
+def _step(loop: Training, step: int, peak: float | None, done: Backward | None = None) -> None:
     t, st = loop.cfg.train, loop.state
     t0 = time.perf_counter()
-    micro = [next(loop.stream) for _ in range(t.grad_accum)]
+    micro = done.micro if done is not None else [next(loop.stream) for _ in range(t.grad_accum)]
     n_items = sum(label_tokens(b) for b in micro)
     tokens = sum(batch_tokens(b) for b in micro)
     lr = loop.sched.get_last_lr()[0]
     with loop.attention():
-        loss, norm = loop.stepper.train_step(micro, n_items, step)
+        loss, norm = (loop.stepper.train_step(micro, n_items, step) if done is None
+                      else loop.stepper.finish_step(done.loss, micro, step))
     loop.sched.step()
-    dt = time.perf_counter() - t0
+    dt = time.perf_counter() - t0 + (done.seconds if done is not None else 0.0)
     st.tokens_total, st.seconds, st.loss = st.tokens_total + tokens, st.seconds + dt, loss
     mem, _ = peak_memory_mb(loop.runtime.device)
     record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens,
@@ -312,12 +323,14 @@ def paused_before(loop: Training, start: int) -> int | None:
     return None
 
 
-def advance(loop: Training, step: int, peak: float | None, stopping: Callable[[], bool] = lambda: False) -> None:
+def advance(loop: Training, step: int, peak: float | None, stopping: Callable[[], bool] = lambda: False,
+            done: Backward | None = None) -> None:
     """Optimizer step `step` and what follows it: its checkpoint when due; then, when `stopping()` says a stop
     signal came, a checkpoint of this step and Preempted; at stop_at (a search's rung) a checkpoint and Paused.
     The loop runs it step after step (`_steps`); a together-group runs it for each member in turn, each member's
-    adapter, head settings and random streams in place (train/members.py)."""
-    _step(loop, step, peak)
+    adapter, head settings and random streams in place (train/members.py); `done`: its backward passes were run
+    with the other members' in one (batched mode)."""
+    _step(loop, step, peak, done)
     saved = _saves(loop, step)
     if stopping():
         if not saved:

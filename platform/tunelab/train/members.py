@@ -72,6 +72,16 @@ def activate(model: Any, name: str) -> None:
         model.active_adapter = name  # the PeftModel's active config (train/loss.py asks is_prompt_learning)
 
 
+def activate_all(model: Any, names: list[str]) -> None:
+    """These members' adapters all active and trainable at once (a batched pass, train/batched.py, which routes each
+    row to its own member's adapter itself)."""
+    for layer in tuner_layers(model):
+        layer._active_adapter = [n for n in names if _hosts(layer, n)]
+        for attr in layer.adapter_layer_names:
+            for key, module in getattr(layer, attr).items():
+                module.requires_grad_(key in names)
+
+
 def inject(model: Any, name: str, cfg: CellConfig) -> Any:
     """Member `name`'s adapter, drawn from its own seed (so its init is the alone init), onto `model` (the base, or
     the PeftModel of the members before it) -> the PeftModel."""

@@ -41,15 +41,16 @@ def _model(cfg: CellConfig) -> tuple[object, str] | None:
     return config, str(dtype).removeprefix("torch.")
 
 
-def members(cfgs: list[CellConfig], most: int) -> int:
-    """How many of these cells (which share one base, in order) one group holds on this machine, 1..most."""
+def members(cfgs: list[CellConfig], most: int, batched: bool = False) -> int:
+    """How many of these cells (which share one base, in order) one group holds on this machine, 1..most
+    (`batched`: in batched mode, every member's activations at once)."""
     from tunelab.train.parallel.predict import members_that_fit
 
     model = _model(cfgs[0])
     if model is None:
         return min(most, FALLBACK)
     budget = SHARE * device_memory_mb(cfgs[0].train.device)
-    n = members_that_fit(model[0], cfgs[:most], model[1], budget, most)
+    n = members_that_fit(model[0], cfgs[:most], model[1], budget, most, batched)
     return min(most, FALLBACK) if n is None else n
 
 

@@ -95,6 +95,13 @@ class LocalStepper(Stepper):
                 step_loss = forward_loss(model, b, n_items, device, self.precision)
             step_loss.backward()
             loss += step_loss.detach()
+        return self.finish_step(loss, micro_batches, step)
+
+    def finish_step(self, loss: torch.Tensor, micro_batches, step: int = 0) -> tuple[float, float]:
+        """The step after its backward passes (the gradients in place, `loss` their summed loss): clipping, the
+        optimizer, Sophia's refresh. A together-group in batched mode runs the backward passes of all its members
+        in one (train/batched.py) and each member's rest here."""
+        model, device, opt = self._model, self.layout.device, self.optimizer
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm or float("inf"))
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -233,16 +233,18 @@ def estimate(shape: Shape, s: Setup) -> Estimate:
 MEMBER_OVERHEAD = 4 * 2**20
 
 
-def estimate_group(shape: Shape, setups: list[Setup]) -> Estimate:
-    """A together-group's peak on its one device (run/together.py, exact mode): the base's weights once; each
-    member's adapter weights and optimizer state for as long as it lives, and a fixed overhead (MEMBER_OVERHEAD);
-    the members step one at a time, so a step's gradients, temporaries and activations are those of the largest.
+def estimate_group(shape: Shape, setups: list[Setup], batched: bool = False) -> Estimate:
+    """A together-group's peak on its one device (run/together.py): the base's weights once; each member's adapter
+    weights and optimizer state for as long as it lives, and a fixed overhead (MEMBER_OVERHEAD). In exact mode the
+    members step one at a time, so a step's gradients, temporaries and activations are those of the largest; in
+    batched mode (train/batched.py) one pass holds every member's activations and gradients at once: their sum.
     One process only (a group has no engine)."""
     ests = [estimate(shape, s) for s in setups]
     base = _stage_params(shape, setups[0]) * DTYPE_BYTES[setups[0].dtype]
     adapters = sum(e.params - base for e in ests)
-    return Estimate(params=base + adapters + MEMBER_OVERHEAD * len(setups), grads=max(e.grads for e in ests),
-                    optimizer=sum(e.optimizer for e in ests), activations=max(e.activations for e in ests),
+    most = sum if batched else max
+    return Estimate(params=base + adapters + MEMBER_OVERHEAD * len(setups), grads=most(e.grads for e in ests),
+                    optimizer=sum(e.optimizer for e in ests), activations=most(e.activations for e in ests),
                     trainable=sum(e.trainable for e in ests), total_params=ests[0].total_params,
                     load=max(e.load for e in ests), step=max(e.step for e in ests))
 

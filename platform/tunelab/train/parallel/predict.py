@@ -46,7 +46,8 @@ def predicted_peak_mb(model_config, cell, dtype: str, seq: int | None = None) ->
     return None if s is None else estimate(shape, s).peak / 2**20  # bytes -> MiB
 
 
-def group_peak_mb(model_config, cells: list, dtype: str, seq: int | None = None) -> float | None:
+def group_peak_mb(model_config, cells: list, dtype: str, seq: int | None = None, batched: bool = False,
+                  ) -> float | None:
     """A together-group's peak MB on its device by the memory model (memory.estimate_group: tensors only), or None
     when the model does not cover one of its members (a method or optimizer it does not know)."""
     setups = [setup_of(c, dtype, seq) for c in cells]
@@ -56,15 +57,16 @@ def group_peak_mb(model_config, cells: list, dtype: str, seq: int | None = None)
         return None
     if not setups or any(s is None for s in setups):
         return None
-    return estimate_group(shape, [s for s in setups if s is not None]).peak / 2**20
+    return estimate_group(shape, [s for s in setups if s is not None], batched).peak / 2**20
 
 
-def members_that_fit(model_config, cells: list, dtype: str, budget_mb: float, most: int) -> int | None:
+def members_that_fit(model_config, cells: list, dtype: str, budget_mb: float, most: int, batched: bool = False,
+                     ) -> int | None:
     """How many of these cells (in order) one group holds within `budget_mb` by the memory model, at least 1 and at
     most `most`; None when the model does not cover them."""
     n = 0
     for k in range(1, min(most, len(cells)) + 1):
-        peak = group_peak_mb(model_config, cells[:k], dtype)
+        peak = group_peak_mb(model_config, cells[:k], dtype, batched=batched)
         if peak is None:
             return None
         if peak > budget_mb:
