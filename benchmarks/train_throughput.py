@@ -197,12 +197,12 @@ def run_tunelab(cfg, device, ds, tok, steps, warmup, plain_loss: bool = False, c
     kept: list[dict] = []
     step_fn = loop._step
 
-    def first_stamped(lp, step, peak):
+    def first_stamped(lp, step, peak, *rest):
         if step == 1:
             stamps[0] = _now()
         if step == COMPILE_STEPS + 1:  # the first timed step: untimed steps stay out of a profile
             step_profile.start()
-        return step_fn(lp, step, peak)
+        return step_fn(lp, step, peak, *rest)
 
     def emit(ev):
         if isinstance(ev, Step):

@@ -169,7 +169,8 @@ def describe(units: list[Unit], setting: Setting, searches: Sequence = ()) -> li
             by_key.setdefault(key(g.config), []).append(g.slug)
             if setting.mode == "batched" and (why := why_not_batched(g.config)):
                 out.append(f"{head}: search {g.slug}'s trials step exact in their groups: {why}")
-    for slugs in by_key.values():
+    for named in by_key.values():
+        slugs = list(dict.fromkeys(named))  # a search's studies: named once
         out.append(f"{head}: the trials of search{'es' * (len(slugs) > 1)} {', '.join(slugs)} train together at "
                    "each rung (one base; a promoted trial goes on in memory)")
-    return out
+    return list(dict.fromkeys(out))  # (a search's studies say the same once)
