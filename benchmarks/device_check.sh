@@ -21,5 +21,10 @@ timeout 300 python3 benchmarks/eval_gpu_check.py --tiny "$tiny" --out "$OUT/eval
 # 4. Four adapters of a random ~1B Llama evaluated one at a time vs together on the quick suite's shapes (~2 min).
 timeout 420 python3 benchmarks/together_eval_gpu.py --tiny "$tiny" --out "$OUT/together_eval_gpu.json" 2>&1 | tail -4 \
   | tee "$OUT/together_eval_gpu.txt"
-# 5. Sharded initialisation, multi-process and multi-node (about 4 minutes; writes $OUT/scale/).
+# 5. A together-group's training step, exact (members in turn) against batched (one pass), 4 LoRA members of a
+#    random ~1B Llama, bf16 autocast, 4 rows of up to 512 tokens each (~2 min).
+timeout 300 python3 benchmarks/together_step.py --model random-1b --members 4 --batch 4 --length 512 \
+  --precision bf16 --steps 5 --repeats 3 --out "$OUT/together_step_gpu.json" 2>&1 | grep -v -i warn | tail -8 \
+  | tee "$OUT/together_step_gpu.txt"
+# 6. Sharded initialisation, multi-process and multi-node (about 4 minutes; writes $OUT/scale/).
 bash benchmarks/device_scale_check.sh

@@ -11,7 +11,9 @@ one that runs the base layer once over all rows and adds each member's part on i
 own modules of that member (LoRA's A, B, dropout and scaling; DoRA's variant forward; IA3's vector), on the member's
 rows and its own width, so a member's dropout draws the same numbers, in the same order and shapes, as alone: its
 own random stream (`Route.stream`) is put in place for each draw. peft's `adapter_names=` batches are for inference
-and refuse DoRA; this routes in plain torch for training.
+and refuse DoRA; this routes in plain torch for training. Evaluation's router (evals/engine/route.py) is its
+inference counterpart: it writes in place under no_grad and routes token ranges of packed passes; this one is
+differentiable (no in-place writes), routes whole rows, and draws each member's dropout from its own stream.
 
 The loss: the decoder body once over the joined batch, then each member's output head and loss on its rows
 (train/loss.py's head at labelled positions, its head settings in place), divided by its own label tokens; the
