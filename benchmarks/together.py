@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -160,6 +161,7 @@ def scenario_run(name: str, a: argparse.Namespace, env: dict, repeat: int) -> di
     for mode in order:
         runs = a.out / f"{name}-r{repeat}-{mode}"
         flags = ["--together", "auto", "--together-mode", "batched"] if mode == "batched" else ["--together", mode]
+        shutil.rmtree(runs, ignore_errors=True)  # a runs folder of an earlier invocation would make this one a no-op
         wall, load = exp_run(file, runs, [*extra, *flags], env)
         got[mode] = {"where": where(runs / matrix_name, wall), "load": load, "board": board(runs / matrix_name),
                      "trials": trials(runs / matrix_name)}
@@ -213,6 +215,7 @@ def scenario_memory(a: argparse.Namespace, env: dict, repeat: int) -> dict:
         file.parent.mkdir(parents=True, exist_ok=True)
         file.write_text(MEMORY.replace("LRS", json.dumps(lrs[:n])))
         runs = a.out / f"c-r{repeat}-{label}"
+        shutil.rmtree(runs, ignore_errors=True)
         wall, load = exp_run(file, runs, flags, pinned)
         matrix = runs / "together-memory"
         if label == "one":

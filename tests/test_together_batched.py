@@ -191,3 +191,43 @@ def test_the_memory_model_holds_every_members_activations_in_batched_mode():
     assert exact.activations == one.activations and joined.activations == 4 * one.activations
     assert joined.grads == 4 * one.grads and joined.params == exact.params and joined.optimizer == exact.optimizer
     assert joined.peak > exact.peak
+
+
+SEARCH = """name: bs
+base:
+  model: {name: tiny-random-llama}
+  data: {recipe: arithmetic, max_length: 48}
+  peft: {method: lora, dropout: 0.1}
+  train: {steps: 6, batch_size: 4, warmup_steps: 1, device: cpu}
+  eval: {tasks: [val_loss], val_batches: 2}
+  tracking: {wandb: false}
+tune:
+  space: {optim.lr: {log_uniform: [1.0e-4, 1.0e-1]}}
+  trials: 4
+  pruner: halving
+  min_steps: 2
+"""
+
+
+def test_a_search_in_batched_mode_decides_as_in_exact_mode(cli, tmp_path):
+    """A rung's trials step in one pass, pause at their rung and go on in memory: the same trials, rung decisions
+    and winner as exact mode, every value within 1e-3 (rounding, not bit for bit)."""
+    path = write(tmp_path / "bs.yaml", SEARCH)
+    tables = {}
+    for runs, how in (("e", []), ("b", ["--together-mode", "batched"])):
+        code, out, err = cli("run", str(path), *how, "--runs-dir", str(tmp_path / runs))
+        assert code == 0, out + err
+        [study] = sorted((tmp_path / runs / "bs").glob("tune/*/trials.json"))
+        tables[runs] = read_json(study)["trials"]
+    exact, joined = tables["e"], tables["b"]
+    assert [(t["number"], t["params"], t["state"]) for t in exact] == \
+        [(t["number"], t["params"], t["state"]) for t in joined]
+    best = [min((t for t in table if t["value"] is not None), key=lambda t: t["value"])["number"]
+            for table in (exact, joined)]
+    assert best[0] == best[1]
+    assert max(abs(a["value"] - b["value"]) for a, b in zip(exact, joined) if a["value"] is not None) <= 1e-3
+    trials = [read_json(s) for s in (tmp_path / "b" / "bs").glob("*/train/summary.json")]
+    promoted = [t for t in trials if t.get("continued_in_memory_from")]
+    assert promoted and all(t["together"]["mode"] == "batched" for t in promoted)
+    assert all(t["together"]["batched"].endswith("steps in the group's passes")
+               and not t["together"]["batched"].startswith("0 ") for t in promoted)
