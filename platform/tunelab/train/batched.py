@@ -41,8 +41,6 @@ import torch
 from tunelab.train.loss import IGNORE, _causal_lm, head_loss, shifted_labels
 from tunelab.train.parallel.local import autocast
 
-ROUTES_ATTR = "_tunelab_routes"
-
 
 @dataclass
 class Route:
@@ -132,7 +130,9 @@ def _lora_forward(layer: Any, routes: list[Route], x: torch.Tensor, *args: Any, 
 def _routed(layer: Any, routes: list[Route]) -> Any:
     from peft.tuners.ia3.layer import IA3Layer
 
-    mine = [r for r in routes if any(r.name in getattr(layer, a) for a in layer.adapter_layer_names)]
+    from tunelab.train.members import hosts
+
+    mine = [r for r in routes if hosts(layer, r.name)]
     fn = _ia3_forward if isinstance(layer, IA3Layer) else _lora_forward
     return types.MethodType(lambda self, x, *a, **k: fn(self, mine, x, *a, **k) if mine else
                             self.base_layer(x, *a, **k), layer)
@@ -162,10 +162,11 @@ def unroutable(model: Any) -> str | None:
 
     if _causal_lm(model) is None:
         return "the model does not take the head-at-labels path (train/loss.py)"
-    other = {type(layer).__name__ for layer in tuner_layers(model) if not isinstance(layer, (LoraLinear, IA3Linear))}
+    layers = tuner_layers(model)
+    other = {type(layer).__name__ for layer in layers if not isinstance(layer, (LoraLinear, IA3Linear))}
     if other:
         return f"tuner layers other than linear ones ({', '.join(sorted(other))})"
-    adapters = {id(m) for layer in tuner_layers(model) for m in layer.modules()}
+    adapters = {id(m) for layer in layers for m in layer.modules()}
     draws = [n for n, m in model.named_modules()
              if isinstance(m, torch.nn.Dropout) and m.p > 0 and id(m) not in adapters]
     if draws or any(getattr(model.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "dropout")):
@@ -175,7 +176,7 @@ def unroutable(model: Any) -> str | None:
 
 @dataclass
 class Pass:
-    """One batched step of several members: each one's micro-batches, summed loss and share of the pass's time."""
+    """One batched step of several members: each one's summed loss, and each one's share of the pass's time."""
 
     losses: list[torch.Tensor]
     seconds: float
@@ -199,24 +200,25 @@ def backward(members: Sequence[Any], micro: Sequence[list[dict]], n_items: Seque
     losses = [torch.zeros((), device=device) for _ in members]
     activate_all(model, [m.name for m in members])
     model.train()
-    for i in range(len(micro[0])):
-        batch, spans = join([mb[i] for mb in micro], pad_id)
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        for r, (rows, width) in zip(routes, spans):
-            r.rows, r.width = rows, width
-        with routing(model, routes), autocast(precision, device):
-            hidden = body(**{k: v for k, v in batch.items() if k != "labels"}).last_hidden_state
-            total = None
-            for j, (m, (rows, width)) in enumerate(zip(members, spans)):
-                if m.head is not None:
-                    m.head.put()
-                shift = shifted_labels(batch["labels"][rows, :width]).flatten()
-                keep = (shift != IGNORE).nonzero().squeeze(1)
-                loss = head_loss(head, hidden[rows, :width].flatten(0, 1)[keep], shift[keep]) / n_items[j]
-                losses[j] += loss.detach()
-                total = loss if total is None else total + loss
-        assert total is not None
-        total.backward()
+    with routing(model, routes):  # the routes' rows and widths are set for each micro-batch below
+        for i in range(len(micro[0])):
+            batch, spans = join([mb[i] for mb in micro], pad_id)
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            for r, (rows, width) in zip(routes, spans):
+                r.rows, r.width = rows, width
+            with autocast(precision, device):
+                hidden = body(**{k: v for k, v in batch.items() if k != "labels"}).last_hidden_state
+                total = None
+                for j, (m, (rows, width)) in enumerate(zip(members, spans)):
+                    if m.head is not None:
+                        m.head.put()
+                    shift = shifted_labels(batch["labels"][rows, :width]).flatten()
+                    keep = (shift != IGNORE).nonzero().squeeze(1)
+                    loss = head_loss(head, hidden[rows, :width].flatten(0, 1)[keep], shift[keep]) / n_items[j]
+                    losses[j] += loss.detach()
+                    total = loss if total is None else total + loss
+            assert total is not None
+            total.backward()
     for m, r in zip(members, routes):  # each member's stream, advanced by its own draws
         if cuda:
             m.rng["cuda"][device.index or 0] = r.rng

@@ -55,7 +55,7 @@ def tuner_layers(model: Any) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
 
-def _hosts(layer: Any, name: str) -> bool:
+def hosts(layer: Any, name: str) -> bool:
     return any(name in getattr(layer, attr) for attr in layer.adapter_layer_names)
 
 
@@ -64,7 +64,7 @@ def activate(model: Any, name: str) -> None:
     the others (a layer of another method, or a module it does not adapt). What peft's BaseTunerLayer.set_adapter
     does per layer, for nested layers of several tuner types too."""
     for layer in tuner_layers(model):
-        layer._active_adapter = [name] if _hosts(layer, name) else []
+        layer._active_adapter = [name] if hosts(layer, name) else []
         for attr in layer.adapter_layer_names:
             for key, module in getattr(layer, attr).items():
                 module.requires_grad_(key == name)
@@ -76,7 +76,7 @@ def activate_all(model: Any, names: list[str]) -> None:
     """These members' adapters all active and trainable at once (a batched pass, train/batched.py, which routes each
     row to its own member's adapter itself)."""
     for layer in tuner_layers(model):
-        layer._active_adapter = [n for n in names if _hosts(layer, n)]
+        layer._active_adapter = [n for n in names if hosts(layer, n)]
         for attr in layer.adapter_layer_names:
             for key, module in getattr(layer, attr).items():
                 module.requires_grad_(key in names)
@@ -108,7 +108,7 @@ def inject(model: Any, name: str, cfg: CellConfig) -> Any:
 def remove(model: Any, name: str) -> None:
     """A member's adapter gone from every tuner layer (a released or failed member: its memory back)."""
     for layer in tuner_layers(model):
-        if _hosts(layer, name):
+        if hosts(layer, name):
             layer._active_adapter = []  # (peft would pick another member to activate; each turn activates its own)
             layer.delete_adapter(name)
     getattr(model, "peft_config", {}).pop(name, None)
