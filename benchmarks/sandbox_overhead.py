@@ -9,11 +9,13 @@ interleaved so that machine load hits all sides alike, as:
            the program's interpreter, as root a throwaway uid), read from git;
   sandbox: what HumanEval scoring runs now, `humaneval.run_completion` (prompt + solution under
            bubblewrap, seccomp, rlimits and, where one can be made, a memory cgroup; the tests in the
-           judge, a second process outside it, which plans, asks and then checks).
+           judge, a second process outside it, which plans, asks and then checks);
+  no watch: where no memory cgroup can be made (an unprivileged evaluator), the same sandbox with its memory
+           watch (evals/sandbox/watch.py) replaced by nothing: what the watch costs a program.
 Prints medians and means in ms, the ratio sandbox/former, any program that did not pass, the
 machine's load average, and the sandbox side's memory per program: the peak of its memory cgroup
-(where there is one) and the judge's peak resident memory. Run it as root and as an unprivileged
-user: the two sandboxes do different work in each case.
+(where there is one) or what its watch saw at most, and the judge's peak resident memory. Run it as root
+and as an unprivileged user: the two sandboxes do different work in each case.
 """
 
 from __future__ import annotations
@@ -62,6 +64,28 @@ def former_sandbox(commit: str, file: str | None) -> types.ModuleType:
     return module
 
 
+class _NoWatch:
+    """watch.Watch's interface, watching nothing."""
+
+    def __init__(self, *_: object) -> None:
+        self.peak, self.exceeded = 0, False
+
+    def stop(self) -> None:
+        pass
+
+
+def unwatched(run):
+    """`run` with the sandbox's memory watch replaced by nothing while it runs."""
+    def side(p: dict, code: str) -> bool:
+        real, contain.watch.Watch = contain.watch.Watch, _NoWatch
+        try:
+            return run(p)
+        finally:
+            contain.watch.Watch = real
+
+    return side
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--problems", type=int, default=164)
@@ -87,19 +111,23 @@ def main() -> None:
         "former": lambda p, code: former.run_program(code).passed,
         "sandbox": lambda p, code: humaneval.run_completion(p, p["canonical_solution"]).passed,
     }
-    times: dict[str, list[float]] = {k: [] for k in sides}
-    failed: dict[str, list[str]] = {k: [] for k in sides}
-    memory: dict[str, list[float]] = {"cgroup peak": [], "judge peak": []}
+    memory: dict[str, list[float]] = {"cgroup peak": [], "watched peak": [], "judge peak": []}
 
     def contained(p: dict, code: str) -> bool:
         r = humaneval.run_completion(p, p["canonical_solution"])
         if r.memory_peak is not None:
             memory["cgroup peak"].append(r.memory_peak / 2**20)
+        if r.watched_peak is not None:
+            memory["watched peak"].append(r.watched_peak / 2**20)
         if r.judge_peak_kb is not None:
             memory["judge peak"].append(r.judge_peak_kb / 1024)
         return r.passed
 
     sides["sandbox"] = contained
+    if contain.describe()["cgroup"] is None:
+        sides["no watch"] = unwatched(lambda p: humaneval.run_completion(p, p["canonical_solution"]).passed)
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    failed: dict[str, list[str]] = {k: [] for k in sides}
     loads = [os.getloadavg()[0]]
     for _ in range(args.repeats):
         for problem, code in programs:
@@ -118,6 +146,9 @@ def main() -> None:
               f"  not passed: {failed[side] or 'none'}")  # fmt: skip
     ratio = statistics.median(times["sandbox"]) / statistics.median(times["former"])
     print(f"sandbox / former (medians): {ratio:.2f}")
+    if "no watch" in times:
+        paired = statistics.median(a - b for a, b in zip(times["sandbox"], times["no watch"], strict=True))
+        print(f"the memory watch: {1000 * paired:+.1f} ms a program (median of the paired differences)")
     for name, xs in memory.items():
         print(f"{name}: median {statistics.median(xs):.1f} MiB, max {max(xs):.1f} MiB" if xs else f"{name}: not here")
 

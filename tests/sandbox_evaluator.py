@@ -88,7 +88,7 @@ def main() -> None:
                 leftovers = sorted(sandboxed_tasks(r.host_uid) - elsewhere)
                 answer = {"status": r.status, "returncode": r.returncode, "stderr_tail": r.stderr_tail,
                           "host_uid": r.host_uid, "leftovers": leftovers, "memory_peak": r.memory_peak,
-                          "judge_peak_kb": r.judge_peak_kb}  # fmt: skip
+                          "judge_peak_kb": r.judge_peak_kb, "watched_peak": r.watched_peak}  # fmt: skip
             elif request["op"] == "samples":
                 answer = {"samples": run_samples(contain, request["code"], request["tests"], request["calls"],
                                                  request["n"], request["workers"], request.get("judge"),

@@ -59,6 +59,7 @@ class InProcess:
         leftovers = sorted(sandboxed_tasks(r.host_uid) - self.elsewhere)
         return {"status": r.status, "returncode": r.returncode, "stderr_tail": r.stderr_tail, "host_uid": r.host_uid,
                 "leftovers": leftovers, "memory_peak": r.memory_peak, "judge_peak_kb": r.judge_peak_kb,
+                "watched_peak": r.watched_peak,
                 "signals": len(self.signals), "environ_same": _environ() == self.environ}  # fmt: skip
 
     def describe(self) -> dict:

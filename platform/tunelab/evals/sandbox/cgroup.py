@@ -15,7 +15,8 @@ Used, in this order:
 - cgroup v1's memory controller (a child of our own memory cgroup), whose folders a root
   evaluator may usually make, as in the containers this project's CI runs in.
 
-Elsewhere `Cgroup.create` returns None and `contain.py` relies on its other bounds.
+Elsewhere `Cgroup.create` returns None and `contain.py` relies on its other bounds and a watch
+over all the program's processes together (`watch.py`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ interpreter that the program controls:
 - rlimits on CPU time, address space, processes, open files, pending signals (POSIX timers),
   file size and core dumps,
   and where the machine offers one, a memory cgroup bounding all of the program's memory,
-  the kernel's included (`cgroup.py`).
+  the kernel's included (`cgroup.py`); where it offers none, a watch over all the program's
+  processes together, their page tables included (`watch.py`).
 
 Who the program runs as: an unprivileged evaluator gets a user namespace (the program is
 uid 65534 inside, with no capabilities); a root evaluator runs bwrap without one and the
@@ -67,7 +68,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from tunelab.evals.sandbox import cgroup, wire
+from tunelab.evals.sandbox import cgroup, watch, wire
 from tunelab.evals.sandbox import seccomp as seccomp_filter
 from tunelab.evals.sandbox.cgroup import Cgroup
 from tunelab.evals.sandbox.view import python_view
@@ -108,6 +109,7 @@ class SandboxResult:
     host_uid: int | None = None  # the program's uid as the host sees it
     memory_peak: int | None = None  # bytes, the most the program's cgroup held (None: no cgroup here)
     judge_peak_kb: int | None = None  # the judge's peak resident memory (its ru_maxrss)
+    watched_peak: int | None = None  # bytes: without a cgroup, the most the watch saw held together (watch.py)
 
     @property
     def passed(self) -> bool:
@@ -144,6 +146,8 @@ def describe(allow_unsandboxed: bool = False) -> dict:
             "seccomp": seccomp_filter.program() is not None,
             "view": python_view(sys.executable).kind,
             "cgroup": cgroup.describe(),
+            # how all the program's processes are held to memory_mb together: the cgroup, else the watch
+            "memory_total": "cgroup" if cgroup.describe() else f"watched every {watch.POLL_S * 1000:.0f} ms",
             "unsandboxed": False,
         }
     return {"kind": "none", "version": None, "unsandboxed": bool(allow_unsandboxed), "reason": reason}
@@ -185,8 +189,9 @@ def run_tests(
 
     `max_procs` counts threads too; `max_disk_mb` bounds all files the program writes
     together (its working directory), `max_file_mb` each one, `max_files` their number
-    (folders included); `memory_mb` bounds each process, and all of them together where a
-    memory cgroup can be made (`describe()["cgroup"]`). `timeout_s` is the wall time the
+    (folders included); `memory_mb` bounds each process, and all of them together: with a
+    memory cgroup where one can be made (`describe()["cgroup"]`), else with a watch
+    (`watch.py`: not a kernel limit, see docs/RELIABILITY.md). `timeout_s` is the wall time the
     program has to answer every call; checking the answers afterwards may take as long
     again. Raises UserError when containment is unavailable and `allow_unsandboxed` is False.
     """
@@ -284,7 +289,9 @@ class _Started:
     end: Callable[[], None]  # kill every process of the program and wait for them
     cgroup: Cgroup | None = None
     memory_peak: int | None = None  # read from the cgroup by end(), before it is removed
-    oom_killed: bool = False
+    oom_killed: bool = False  # by the cgroup, or by the watch
+    watch: watch.Watch | None = None  # without a cgroup
+    watched_peak: int | None = None
 
 
 @dataclass
@@ -366,7 +373,8 @@ def _result(started: _Started, judge: subprocess.Popen, judge_overran: bool, pip
         tail += "\n[sandbox] the program was killed: its processes held more than its memory limit together"
     if t := _tail(errs[1]).strip():
         tail += "\n[tests] " + t
-    return SandboxResult(status, rc, tail[-_TAIL_CHARS:], duration, started.host_uid, started.memory_peak, peak_kb)
+    return SandboxResult(status, rc, tail[-_TAIL_CHARS:], duration, started.host_uid, started.memory_peak, peak_kb,
+                         started.watched_peak)
 
 
 def _start_judge(job: dict, ends: tuple[int, ...], limits: list[str], err: int, fds: _Fds) -> subprocess.Popen:
@@ -426,6 +434,8 @@ def _start_contained(program: str, limits: _Limits, ends: _Ends, err: int, fds: 
     fds.release(*[fd for fd in handed if fd not in tuple(ends)])
     init = _sandbox_init(info_r, proc, limits.timeout_s)
     started = _Started(proc, host_uid, lambda: None, group)
+    if group is None and init is not None:  # no cgroup: all the processes' memory watched instead
+        started.watch = watch.Watch(*init, limits.memory_mb << 20)
     started.end = _ender(started, init, lock)
     if group is not None:
         try:
@@ -454,6 +464,9 @@ def _ender(started: _Started, init: tuple[int, int] | None, lock: socket.socket 
     def end() -> None:
         if not ended:  # once: the pidfd is closed by the first
             ended.append(True)
+            if started.watch is not None:  # stopped before the init's pidfd is closed below
+                started.watch.stop()
+                started.oom_killed, started.watched_peak = started.watch.exceeded, started.watch.peak
             try:
                 _end_sandbox(started.proc, None if init is None else init[1])
             finally:

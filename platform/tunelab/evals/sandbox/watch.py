@@ -1,0 +1,90 @@
+"""Memory of all a program's processes together where no memory cgroup can be made (issue 51).
+
+RLIMIT_AS bounds each process's address space, not their sum (32 processes may each hold `memory_mb`), nor the
+page tables that map it (a page in a 2 MiB span of its own needs a 4 KiB page table: twice `memory_mb` per
+process). Where the kernel gives the evaluator no cgroup (an unprivileged evaluator on cgroup v1, a container
+without a writable cgroup), a thread of the evaluator's watches instead: every POLL_S it walks the sandbox's
+process tree from its init (every process of the pid namespace descends from it: an orphan is reparented to
+it) and sums what each holds that is the program's, from /proc/<pid>/status:
+
+    RssAnon   its private memory (heap, stacks, copied-on-write pages)
+    RssShmem  shared anonymous memory and mapped tmpfs files (/work is bounded by its own size, but a
+              MAP_SHARED|MAP_ANONYMOUS region is counted nowhere else); the interpreter's own files, a tmpfs
+              copy (view.py), count here too: a few MiB a process
+    VmPTE     its page tables
+
+Past `memory_mb` the watch kills the sandbox's init, which takes every process of the namespace with it, and the
+result says why. A sum per process is conservative: a page shared after fork counts once in each process that
+maps it, so a many-process program is held to less than `memory_mb` in truth (a cgroup counts each page once).
+Not a kernel limit: between two looks a program can allocate what its processes fault in in POLL_S (each still
+within RLIMIT_AS); benchmarks and tests/test_sandbox.py measure the overshoot. docs/RELIABILITY.md says what it
+covers and what it does not."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+
+POLL_S = 0.01
+_FIELDS = (b"RssAnon:", b"RssShmem:", b"VmPTE:")
+
+
+def processes(init: int) -> list[int]:
+    """`init` and every process below it (through every thread's children)."""
+    out, todo = [], [init]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # gone
+            continue
+        for tid in tids:
+            with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                todo.extend(int(c) for c in f.read().split())
+    return out
+
+
+def held(pid: int) -> int:
+    """Bytes of `pid` that are the program's (module docstring); 0 for a process gone, or a zombie."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = f.read()
+    except OSError:
+        return 0
+    kb = 0
+    for line in status.splitlines():
+        if line.startswith(_FIELDS):
+            kb += int(line.split()[1])
+    return kb << 10
+
+
+class Watch:
+    """Watches the processes under a sandbox's init (`pid`, and a pidfd of it to kill by: never a reused pid) until
+    `stop()`; kills them all once they hold more than `limit` bytes together."""
+
+    def __init__(self, pid: int, pidfd: int, limit: int) -> None:
+        self.pid, self.pidfd, self.limit = pid, pidfd, limit
+        self.peak = 0  # bytes: the most seen at once
+        self.exceeded = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"sandbox-memory-{pid}", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while True:
+            total = sum(held(p) for p in processes(self.pid))
+            self.peak = max(self.peak, total)
+            if total > self.limit:
+                self.exceeded = True
+                with contextlib.suppress(OSError):  # (the pidfd stays open until stop() has joined this thread)
+                    signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+                return
+            if self._stop.wait(POLL_S):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
