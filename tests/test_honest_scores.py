@@ -97,6 +97,23 @@ def test_a_dequantized_model_is_said_in_env_results_and_the_leaderboard(tmp_path
     assert "Model weights of c: dequantized from a GGUF." in note(build([rec]))
 
 
+def test_a_together_groups_peak_memory_is_said_to_be_the_groups(tmp_path):
+    """peak MB of a cell trained in a together-group is the group's process: the leaderboard says which rows."""
+    from tunelab.report.leaderboard import note
+    from tunelab.report.records import Record
+    from tunelab.report.table import build
+
+    def rec(slug, together):
+        return Record(dir=tmp_path, slug=slug, id=slug, eval_id=None, varying={"optim.lr": slug}, config={},
+                      state="done", train={"peak_mem_mb": 900.0, **({"together": together} if together else {})})
+
+    records = [rec("alone", None), rec("solo-group", {"members": 1}), rec("joined", {"members": 4, "member": 2})]
+    said = note(build(records))
+    assert "peak MB of joined: trained in a together-group" in said
+    assert "alone" not in said.split("peak MB of")[-1].split(":")[0]
+    assert "together-group" not in note(build(records[:2]))
+
+
 def test_eval_run_with_nothing_to_score_fails(cli, tmp_path):
     code, out, err = cli("eval", "run", "tiny-random-llama", "--tasks", "gsm8k,bbh", "--data-dir", tmp_path / "none",
                          "--out", tmp_path / "out")

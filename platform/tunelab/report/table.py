@@ -181,8 +181,8 @@ def build(records: list[Record], *, aggregate: bool = True, by: list[str] | None
     if any(r.tune.get("role") in ("tuned", "default") for r in records):
         keys = [*keys, *(k for k in tuned_rows.keys(records) if k not in keys)]
     columns = _columns(records)
-    notes = (_model_notes(records) + ([TEST_SELECTED_NOTE] if any(r.tune.get("test_selected") for r in records)
-                                      else []) + list(notes or []))
+    selected = [TEST_SELECTED_NOTE] if any(r.tune.get("test_selected") for r in records) else []
+    notes = _model_notes(records) + _together_notes(records) + selected + list(notes or [])
     board = Board(keys, columns, aggregated=aggregate or bool(by), notes=notes + tuned_rows.notes(tuned))
     costs = None
     if tuned:
@@ -223,6 +223,18 @@ def _model_notes(records: list[Record]) -> list[str]:
         if note := (r.env.get("model") or {}).get("note"):
             by_note.setdefault(note, []).append(r.slug)
     return [f"Model weights of {', '.join(cells)}: {note}." for note, cells in by_note.items()]
+
+
+def _together_notes(records: list[Record]) -> list[str]:
+    """peak MB of a cell trained in a together-group is its group's process (train/summary.json `together`): not
+    comparable with a cell trained alone."""
+    joined = [r.slug for r in records if (r.train.get("together") or {}).get("members", 1) > 1
+              and "peak_mem_mb" in r.train]
+    if not joined:
+        return []
+    which = ", ".join(joined) if len(joined) <= 6 else f"{len(joined)} cells"
+    return [f"peak MB of {which}: trained in a together-group, so the group's whole process (the base once, every "
+            "member's adapter, optimizer state and activations), not comparable with a cell trained alone."]
 
 
 def _sort(board: Board, column: str) -> None:
