@@ -21,6 +21,10 @@ scoring is the same code for both and runs afterwards).
 
 tunelab runs before every lm-eval run and once after the last (`--tunelab-runs interleaved`, the default), so
 that a change in the machine's load hits both sides; its median time is compared.
+An lm-eval batch size whose first batch cannot be held in the machine's memory (MMLU at 32: the 32 longest 5-shot
+prompts, padded alike, need some 17 GB of fp32 logits and as much again for their log-softmax) fails inside this
+process (its address space capped at what is available while lm-eval runs) and is reported as not fitting; the
+kernel's OOM killer would otherwise end the whole invocation.
 
 Prints items, seconds, items/s and the score of every run, the ratio against the fastest lm-eval batch
 size, whether the scores are identical, and for generation tasks the parity of the generated strings
@@ -35,6 +39,7 @@ MKL's one-row kernel into its slower several-row one; 1 drops the padding (and t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -315,6 +320,28 @@ def warm_imports() -> None:
     from tunelab.evals.lmeval import harness, lm  # noqa: F401
 
 
+@contextlib.contextmanager
+def within_memory():
+    """The process's address space capped at what it holds now plus the machine's available memory, so that an
+    allocation past it fails in this process (MemoryError, torch's "can't allocate memory") instead of waking the
+    kernel's OOM killer, which would end the whole invocation and lose every run's figures."""
+    import resource
+
+    held = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    available = int(meminfo["MemAvailable"].split()[0]) << 10
+    old = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (held + available, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, old)
+
+
+def out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, MemoryError) or "can't allocate memory" in str(e)
+
+
 def run_all(args, subsets: list[str], peers: list[int]) -> dict:
     """Every run, in order: tunelab first, then each lm-eval batch size (interleaved: tunelab again after each)."""
     runs: dict = {}
@@ -327,10 +354,20 @@ def run_all(args, subsets: list[str], peers: list[int]) -> dict:
         print(f"{name} done: {runs[name]['seconds']:.1f} s; requests served by {runs[name].get('served')}; load "
               f"average {os.getloadavg()[0]:.1f}", flush=True)
 
+    args.did_not_fit = {}
     ours(0)
     args.metric = runs["tunelab"].get("metric")
     for i, bs in enumerate(peers):
-        runs[f"lm-eval bs {bs}"] = peer_run(args, subsets, bs)
+        try:
+            with within_memory():
+                runs[f"lm-eval bs {bs}"] = peer_run(args, subsets, bs)
+        except (MemoryError, RuntimeError) as e:  # a batch size the machine cannot hold is not the peer's best
+            if not out_of_memory(e):
+                raise
+            args.did_not_fit[bs] = str(e).strip().splitlines()[-1][:200]
+            print(f"lm-eval batch size {bs}: does not fit in this machine's memory ({args.did_not_fit[bs]})",
+                  flush=True)
+            continue
         print(f"lm-eval batch size {bs} done: {runs[f'lm-eval bs {bs}']['seconds']:.1f} s, load average "
               f"{os.getloadavg()[0]:.1f}", flush=True)
         if args.tunelab_runs == "interleaved":
@@ -355,6 +392,8 @@ def report(args, runs: dict) -> None:
     print(f"tunelab: {len(ours)} run(s), median {seconds:.1f} s ({cpu:.1f} CPU s); fastest lm-eval: {best} "
           f"({theirs[best]['seconds']:.1f} s); speed-up {ratio:.2f}x (items/s, wall clock); in CPU seconds per item "
           f"against {cpu_best}: {cpu_ratio:.2f}x")
+    for bs, why in args.did_not_fit.items():
+        print(f"lm-eval batch size {bs}: not run to its end, it does not fit in this machine's memory ({why})")
     if len({r["score"] for r in ours}) > 1:
         print("tunelab's runs gave DIFFERENT scores: " + ", ".join(f"{r['score']:.6f}" for r in ours))
     diffs = {k: abs(ours[0]["score"] - r["score"]) for k, r in theirs.items()}
