@@ -728,3 +728,29 @@ for i in range($pages):
 print(f"pages {made} of $pages", file=sys.stderr, flush=True)
 assert made == $pages, made
 '''
+
+# Socket buffers summed over processes (issue 51): each process fills the queues of $pairs socketpairs (both ways)
+# and holds $mb MiB of its own; $procs such processes. Each stays within RLIMIT_NOFILE and RLIMIT_AS alone; their
+# kernel memory (socket buffers) shows in no /proc count of memory.
+SOCKET_HOG = '''
+import socket, sys, time
+kids = []
+for _ in range($procs):
+    pid = os.fork()
+    if pid == 0:
+        held = bytearray($mb << 20)
+        held[::4096] = b"x" * len(held[::4096])
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) for _ in range($pairs)]
+        for a, b in pairs:
+            for s in (a, b):
+                s.setblocking(False)
+                try:
+                    while True:
+                        s.send(b"q" * 32768)
+                except OSError:
+                    pass
+        time.sleep(2)
+        os._exit(0)
+    kids.append(pid)
+assert all(os.waitpid(k, 0)[1] == 0 for k in kids), "a process was killed"
+'''

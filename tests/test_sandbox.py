@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import warnings
@@ -15,7 +16,17 @@ from string import Template
 
 import pytest
 from sandbox_evaluator import sandboxed_tasks
-from sandbox_hostile import ENV_SECRET, FILE_SECRET, FORGERIES, HOSTILE, KERNEL_HOG, NOBODY, PAGE_TABLE_HOG, PREAMBLE
+from sandbox_hostile import (
+    ENV_SECRET,
+    FILE_SECRET,
+    FORGERIES,
+    HOSTILE,
+    KERNEL_HOG,
+    NOBODY,
+    PAGE_TABLE_HOG,
+    PREAMBLE,
+    SOCKET_HOG,
+)
 
 from tunelab.core.errors import UserError
 from tunelab.evals.sandbox import contain, wire
@@ -236,8 +247,8 @@ def test_memory_of_all_processes_together(evaluator):
 
 
 def test_an_honest_program_of_many_processes_runs(evaluator):
-    """Eight forked workers (pages shared after fork count in each process the watch reads: about 100 MiB in all
-    here) and a subprocess, under 256 MB: not killed, with a cgroup or the watch."""
+    """Eight forked workers (pages shared after fork count in each process the watch reads, and their pipes: 100-130
+    MiB in all here) and a subprocess, under 256 MB: not killed, with a cgroup or the watch."""
     code = (
         "import subprocess\nkids = []\nfor _ in range(8):\n    pid = os.fork()\n    if pid == 0:\n"
         "        data = [j * j for j in range(200_000)]\n        os._exit(0 if sum(data) > 0 else 1)\n"
@@ -256,6 +267,36 @@ def test_page_tables_count_against_the_limit(evaluator):
     answer, more = _held_together(evaluator, Template(PAGE_TABLE_HOG).substitute(pages=40_000), 256)
     assert "pages 5000" in answer["stderr_tail"]  # it ran, and mapped pages
     _assert_held_to(evaluator, answer, more, 256)
+
+
+def test_socket_buffers_of_many_processes_count_against_the_limit(evaluator):
+    """Issue 51: 16 processes, each with 10 MiB of its own and 12 socketpairs whose queues it fills (about 160 MiB of
+    socket buffers in all, in no /proc count of memory): past 256 MB, ended, with a cgroup (it counts them) and
+    without (the watch charges each socket descriptor the most its queue can hold: test_the_watch_charges_descriptors;
+    here its per-process count of the interpreter's own files alone would also end it)."""
+    answer, more = _held_together(evaluator, Template(SOCKET_HOG).substitute(procs=16, pairs=12, mb=10), 256)
+    _assert_held_to(evaluator, answer, more, 256)
+
+
+def test_the_watch_charges_descriptors():
+    """Without a cgroup the watch charges every socket descriptor the most its queue can hold and every pipe end 16
+    pages, whatever they hold now (watch.py): opening 3 socketpairs and 2 pipes adds exactly that."""
+    from tunelab.evals.sandbox import watch
+
+    before = watch.buffers(os.getpid())
+    pairs, pipes = [socket.socketpair() for _ in range(3)], [os.pipe() for _ in range(2)]
+    try:
+        added = watch.buffers(os.getpid()) - before
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+    wmem = int(open("/proc/sys/net/core/wmem_default").read())
+    assert added == 6 * (2 * wmem + 8192) + 4 * 16 * 4096
+    assert watch.held(os.getpid()) > watch.buffers(os.getpid()) > 0
 
 
 def test_a_counter_does_not_cross_from_one_run_to_the_next(evaluator):

@@ -12,6 +12,10 @@ it) and sums what each holds that is the program's, from /proc/<pid>/status:
               MAP_SHARED|MAP_ANONYMOUS region is counted nowhere else); the interpreter's own files, a tmpfs
               copy (view.py), count here too: a few MiB a process
     VmPTE     its page tables
+    its descriptors: the most the kernel can hold for them, charged whatever they hold now (their buffers are
+              in no /proc count): a socket's queue holds at most one peer's send buffer (sockets come only in
+              socketpairs, their buffers at the default: docs/RELIABILITY.md), 2 x net.core.wmem_default + 8 KiB;
+              a pipe at most 16 pages (F_SETPIPE_SZ is refused)
 
 Past `memory_mb` the watch kills the sandbox's init, which takes every process of the namespace with it, and the
 result says why. A sum per process is conservative: a page shared after fork counts once in each process that
@@ -29,6 +33,18 @@ import threading
 
 POLL_S = 0.01
 _FIELDS = (b"RssAnon:", b"RssShmem:", b"VmPTE:")
+PIPE_BYTES = 16 * 4096
+
+
+def _socket_bytes() -> int:
+    try:
+        with open("/proc/sys/net/core/wmem_default") as f:
+            return 2 * int(f.read()) + 8192
+    except (OSError, ValueError):
+        return 2 * 212_992 + 8192  # the kernel's own default
+
+
+SOCKET_BYTES = _socket_bytes()
 
 
 def processes(init: int) -> list[int]:
@@ -58,7 +74,24 @@ def held(pid: int) -> int:
     for line in status.splitlines():
         if line.startswith(_FIELDS):
             kb += int(line.split()[1])
-    return kb << 10
+    return (kb << 10) + buffers(pid)
+
+
+def buffers(pid: int) -> int:
+    """The most the kernel can hold for `pid`'s sockets and pipes (module docstring). A descriptor shared after
+    fork is charged in each process that holds it."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return 0
+    total = 0
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        total += SOCKET_BYTES if target.startswith("socket:") else PIPE_BYTES if target.startswith("pipe:") else 0
+    return total
 
 
 class Watch:
