@@ -247,8 +247,8 @@ def test_memory_of_all_processes_together(evaluator):
 
 
 def test_an_honest_program_of_many_processes_runs(evaluator):
-    """Eight forked workers (pages shared after fork count in each process the watch reads, and their pipes: 100-130
-    MiB in all here) and a subprocess, under 256 MB: not killed, with a cgroup or the watch."""
+    """Eight forked workers (pages shared after fork count in each process the watch reads, and their pipes and
+    mappings: 120-140 MiB in all here) and a subprocess, under 256 MB: not killed, with a cgroup or the watch."""
     code = (
         "import subprocess\nkids = []\nfor _ in range(8):\n    pid = os.fork()\n    if pid == 0:\n"
         "        data = [j * j for j in range(200_000)]\n        os._exit(0 if sum(data) > 0 else 1)\n"

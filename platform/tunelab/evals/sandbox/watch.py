@@ -12,6 +12,8 @@ it) and sums what each holds that is the program's, from /proc/<pid>/status:
               MAP_SHARED|MAP_ANONYMOUS region is counted nowhere else); the interpreter's own files, a tmpfs
               copy (view.py), count here too: a few MiB a process
     VmPTE     its page tables
+    VmSize    its mappings' kernel records: each mapping spans a page at least, so at most VmSize / 4 KiB of them,
+              each charged VMA_BYTES (a process of 256 MB of one-page mappings holds 65,536 of them: 16 MiB)
     its descriptors: the most the kernel can hold for them, charged whatever they hold now (their buffers are
               in no /proc count): a socket's queue holds at most one peer's send buffer (sockets come only in
               socketpairs, their buffers at the default: docs/RELIABILITY.md), 2 x net.core.wmem_default + 8 KiB;
@@ -33,6 +35,7 @@ import threading
 
 POLL_S = 0.01
 _FIELDS = (b"RssAnon:", b"RssShmem:", b"VmPTE:")
+VMA_BYTES = 256  # a vm_area_struct (about 200 bytes on x86_64) and its anon_vma links, rounded up
 PIPE_BYTES = 16 * 4096
 
 
@@ -74,6 +77,8 @@ def held(pid: int) -> int:
     for line in status.splitlines():
         if line.startswith(_FIELDS):
             kb += int(line.split()[1])
+        elif line.startswith(b"VmSize:"):
+            kb += int(line.split()[1]) // 4 * VMA_BYTES // 1024
     return (kb << 10) + buffers(pid)
 
 
