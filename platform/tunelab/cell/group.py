@@ -351,9 +351,10 @@ class Group:
                                 self.datasets, [s.val_loss for s in seats])
 
     def _scoring_model(self) -> Any:
+        from tunelab.train.modes import set_training
         from tunelab.train.parallel.anatomy import causal_lm
 
-        self.model.eval()
+        set_training(self.model, False)
         return causal_lm(self.model)
 
     def _evaluate_alone(self, seat: Seat) -> None:

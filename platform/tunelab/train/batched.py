@@ -189,6 +189,7 @@ def backward(members: Sequence[Any], micro: Sequence[list[dict]], n_items: Seque
     through the shared base. Each member's gradients are left on its parameters and its random state advanced as
     alone; the caller finishes each member's step (clipping, optimizer) in its turn."""
     from tunelab.train.members import activate_all
+    from tunelab.train.modes import set_training
 
     t0 = time.perf_counter()
     model = members[0].model
@@ -199,7 +200,7 @@ def backward(members: Sequence[Any], micro: Sequence[list[dict]], n_items: Seque
               for m in members]
     losses = [torch.zeros((), device=device) for _ in members]
     activate_all(model, [m.name for m in members])
-    model.train()
+    set_training(model, True)
     with routing(model, routes):  # the routes' rows and widths are set for each micro-batch below
         for i in range(len(micro[0])):
             batch, spans = join([mb[i] for mb in micro], pad_id)

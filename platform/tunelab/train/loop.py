@@ -202,8 +202,7 @@ def _setup(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, folder: 
     stream = BatchStream(loader(datasets["train"], t.batch_size, pad, shuffle=True, seed=t.seed,
                                 attn=segments.NAME if by_example else attn, group_by_length=t.group_by_length))
     val_ds = datasets["validation"]
-    validate = (lambda: validation_loss(stepper.eval_loss, val_ds, pad, validation.batch_size,
-                                        validation.max_batches)) if len(val_ds) else None
+    validate = functools.partial(_validate, stepper, val_ds, pad, validation) if len(val_ds) else None
     if runtime.is_main:
         folder.train_dir.mkdir(parents=True, exist_ok=True)
     attention: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -215,6 +214,12 @@ def _setup(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, folder: 
                     model=model, tokenizer=tokenizer, validation=validation,
                     trainable=trainable,
                     longest=max(lengths_of(datasets["train"]), default=None))
+
+
+def _validate(stepper: Any, val_ds: Any, pad: int, validation: Validation) -> float:
+    """Validation loss through the stepper, its model in eval mode once for the whole set."""
+    with stepper.evaluating():
+        return validation_loss(stepper.eval_loss, val_ds, pad, validation.batch_size, validation.max_batches)
 
 
 def resume(loop: Training) -> tuple[int, int | None]:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tunelab.train.data import loader
+from tunelab.train.modes import evaluating
 from tunelab.train.parallel.local import eval_loss
 
 EvalLoss = Callable[[dict], tuple[float, int]]  # batch -> (summed token loss, label tokens)
@@ -48,4 +49,5 @@ def model_validation_loss(model, ds, pad_id: int, batch_size: int, max_batches: 
                           precision: str = "fp32") -> float:
     """The same mean for a model without a stepper."""
     attn = getattr(model.config, "_attn_implementation", "sdpa")
-    return validation_loss(lambda b: eval_loss(model, b, precision), ds, pad_id, batch_size, max_batches, attn)
+    with evaluating(model):
+        return validation_loss(lambda b: eval_loss(model, b, precision), ds, pad_id, batch_size, max_batches, attn)

@@ -26,6 +26,7 @@ from tunelab.train.checkpoint import copy_trainable
 from tunelab.train.compiled import CompiledBody
 from tunelab.train.data import label_tokens
 from tunelab.train.loss import causal_lm_loss, sampled_label_loss
+from tunelab.train.modes import evaluating
 from tunelab.train.parallel.stepper import Stepper
 
 
@@ -45,18 +46,12 @@ def forward_loss(model, batch: dict, n_items: int, device, precision: str) -> to
 
 @torch.no_grad()
 def eval_loss(model, batch: dict, precision: str) -> tuple[float, int]:
-    """(summed token loss, label tokens) of one batch, the model in eval mode."""
-    was_training = model.training
-    model.eval()
-    n = label_tokens(batch)
-    device = next(model.parameters()).device
-    loss = float(forward_loss(model, batch, n, device, precision)) * n
-    model.train(was_training)
-    return loss, n
-
-
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    """(summed token loss, label tokens) of one batch, the model in eval mode (put there for this batch unless a
+    whole validation already did: train/modes.py evaluating)."""
+    with evaluating(model):
+        n = label_tokens(batch)
+        device = next(model.parameters()).device
+        return float(forward_loss(model, batch, n, device, precision)) * n, n
 
 
 class LocalStepper(Stepper):
@@ -72,6 +67,7 @@ class LocalStepper(Stepper):
         # Names let Muon tell embeddings from hidden matrices (the registry's `named`); other optimizers get bare
         # parameters, so their state is keyed as every engine keys it (checkpoints load across layouts).
         named = [(self.names(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        self.named = named  # what a checkpoint's model.pt holds (found once: a group's model has many modules)
         self.params = [p for _, p in named]
         self.optimizer = optim_builder(named if optim_spec(cell.optim.name).named else self.params)
         if hasattr(self.optimizer, "fused_step"):  # one gradient buffer for a tied embedding
@@ -115,9 +111,12 @@ class LocalStepper(Stepper):
         with self._compiling():
             return eval_loss(self._model, batch, self.precision)
 
+    def evaluating(self) -> contextlib.AbstractContextManager:
+        return evaluating(self._model)
+
     def save(self, path) -> None:
         path = Path(path)
-        torch.save({self.names(n): v for n, v in trainable_state(self._model).items()}, path / "model.pt")
+        torch.save({n: p.detach().cpu() for n, p in self.named}, path / "model.pt")
         # Optimizers without a state_dict (some in-backward ones) have nothing more to save.
         if callable(getattr(self.optimizer, "state_dict", None)):
             torch.save(self.optimizer.state_dict(), path / "optimizer.pt")

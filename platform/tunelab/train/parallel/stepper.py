@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -47,6 +48,11 @@ class Stepper:
     def eval_loss(self, batch: dict) -> tuple[float, int]:
         """(summed token loss, label tokens) of a whole batch, the same on every rank."""
         raise NotImplementedError
+
+    def evaluating(self) -> contextlib.AbstractContextManager:
+        """Around a whole validation (its eval_loss calls): one process puts its model in eval mode once for all
+        its batches (train/modes.py); an engine switches its own per batch."""
+        return contextlib.nullcontext()
 
     def state_dict(self) -> dict:
         raise NotImplementedError
