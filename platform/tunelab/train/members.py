@@ -275,7 +275,9 @@ class Member:
         activate(self.model, self.name)
         if self.head is not None:
             self.head.put()
-        if not self.model.training:  # (validation puts the mode back; the group's evaluation does not)
+        if not (self.model.training and causal_lm(self.model).training):
+            # Validation puts the mode back; the group's evaluation and from_pretrained (under peft's wrapper, which
+            # is made in training mode) leave the model in eval mode, which its top module may not say.
             set_training(self.model, True)
         checkpoint.set_rng_state(self.rng)
         try:
