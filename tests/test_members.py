@@ -68,9 +68,10 @@ def test_evaluating_switches_once_and_puts_the_mode_back(group):
         assert not group.training
     assert all(m.training for m in group.modules())
     set_training(group, False)
+    group.base_model.model.model.layers[0].train()  # a part left in training mode under a top module in eval mode
     with evaluating(group):
-        pass
-    assert not group.training  # it was in eval mode: left there
+        assert not any(m.training for m in group.modules())  # all in eval mode, as model.eval() would put them
+    assert not any(m.training for m in group.modules())  # and left there, as model.train(False) after
 
 
 def _trainable(model) -> set[str]:

@@ -76,16 +76,23 @@ def set_training(model: nn.Module, mode: bool = True) -> nn.Module:
     return model
 
 
+_INSIDE = "_tunelab_evaluating"  # set on the model while an `evaluating` block runs
+
+
 @contextlib.contextmanager
 def evaluating(model: nn.Module) -> Iterator[nn.Module]:
-    """The model in eval mode for the block and back in the mode it was in after: a whole validation switches once
+    """Every module in eval mode for the block, and after it every module in the mode the model's top module was in
+    (what `model.eval()` ... `model.train(was_training)` around each batch did): a whole validation switches once
     each way, not once a batch (a switch re-kernelizes a transformers model that uses hub kernels, a walk of its
-    own). Inside the block, a nested `evaluating` switches nothing."""
+    own). A nested `evaluating` (eval_loss inside a validation) switches nothing."""
+    if model.__dict__.get(_INSIDE):
+        yield model
+        return
     was_training = model.training
-    if was_training:
-        set_training(model, False)
+    set_training(model, False)
+    model.__dict__[_INSIDE] = True
     try:
         yield model
     finally:
-        if was_training:
-            set_training(model, True)
+        del model.__dict__[_INSIDE]
+        set_training(model, was_training)
