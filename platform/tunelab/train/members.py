@@ -154,6 +154,10 @@ _MATCHING = ("target_modules", "exclude_modules", "layers_to_transform", "layers
              "modules_to_save", "bias", "trainable_token_indices", "ensure_weight_tying", "layer_replication")
 
 
+def _matching(config: Any) -> dict:
+    return {k: getattr(config, k, None) for k in _MATCHING} | {"target_modules": set(config.target_modules)}
+
+
 def _beside(model: Any, name: str, config: Any) -> bool:
     """A LoRA or DoRA member added in the very layers of an earlier member with the same targets, through peft's own
     per-layer code (LoraModel._create_and_replace -> update_layer), in module order as peft's inject_adapter visits
@@ -168,11 +172,9 @@ def _beside(model: Any, name: str, config: Any) -> bool:
     if not isinstance(config, LoraConfig) or config.init_lora_weights not in (True, False, "gaussian") \
             or not isinstance(config.target_modules, list | set) or config.bias != "none":
         return False
-    mine = {k: getattr(config, k, None) for k in _MATCHING}
-    mine["target_modules"] = set(config.target_modules)
+    mine = _matching(config)
     like = next((n for n, c in model.peft_config.items()
-                 if isinstance(c, LoraConfig) and isinstance(c.target_modules, list | set)
-                 and {k: getattr(c, k, None) for k in _MATCHING} | {"target_modules": set(c.target_modules)} == mine),
+                 if isinstance(c, LoraConfig) and isinstance(c.target_modules, list | set) and _matching(c) == mine),
                 None)
     if like is None:
         return False
@@ -195,7 +197,8 @@ def _beside(model: Any, name: str, config: Any) -> bool:
 
 def remove(model: Any, name: str) -> None:
     """A member's adapter gone from every tuner layer (a released or failed member: its memory back)."""
-    for layer, hosted in zip(tuner_layers(model), Index.of(model).hosted):
+    index = Index.of(model)
+    for layer, hosted in zip(index.layers, index.hosted):
         if name in hosted:
             layer._active_adapter = []  # (peft would pick another member to activate; each turn activates its own)
             layer.delete_adapter(name)
