@@ -330,3 +330,33 @@ def test_lora_dora_and_ia3_members_nest_over_one_base_each_as_alone(reference, t
     dirs = together(tmp_path / "runs", "mixed", cells, tmp_path)
     for a, b in zip(alone_dirs, dirs):
         assert_same_cell(a, b)
+
+
+def test_a_member_that_leaves_keeps_its_tensors_parked_until_a_new_member_is_set_up(tmp_path, monkeypatch):
+    """A released (or trained, or failed) member's adapter leaves the model at once, but its tensors are parked, not
+    handed back to malloc mid-run (cell/group.py `_park`: glibc scatters later steps' tensors into such holes); a
+    member set up afterwards wants the memory, and the parked tensors go then."""
+    import gc
+    import weakref
+
+    from tunelab.cell.group import Group, Seat
+    from tunelab.train import members
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    _, cells = matrix(tmp_path, "pk", LORA_DORA[:2] + ["{peft.method: lora, optim.lr: 2.0e-3}"], steps=3)
+    dirs = prepared(tmp_path / "runs", "pk", cells)
+    group = Group("g", [Seat(k, CellFolder(d), CellFolder(d).config(), -1) for k, d in enumerate(dirs)],
+                  write=lambda line: None)
+    group.train({0: (2, (2,)), 1: (2, (2,))})
+    assert [s.state for s in group.seats] == ["paused", "paused", "waiting"]
+    adapter = weakref.ref(members.Index.of(group.model).params["m1"][0])
+    optimizer = weakref.ref(group.seats[1].member.loop.stepper.optimizer)
+    group.release([1])
+    gc.collect()
+    assert "m1" not in members.Index.of(group.model).params and group.seats[1].member is None
+    assert adapter() is not None and optimizer() is not None  # parked
+    group.train({2: (None, ())})  # a member set up now: the parked tensors go
+    gc.collect()
+    assert adapter() is None and optimizer() is None
+    assert group.seats[2].state == "done" and read_json(dirs[2] / "status.json")["state"] == "done"
+    group.end()

@@ -218,3 +218,29 @@ def test_bad_train_keys_are_refused(tmp_path, cli, train_kw, key):
     path.write_text(yaml.safe_dump({"name": "bad", "base": base, "matrix": {"train.seed": [0]}}))
     code, _, err = cli("plan", path)
     assert code == 2 and key in err, err
+
+
+@pytest.mark.parametrize("steps, passes", [(4, 2), (5, 3)])
+def test_the_final_validation_is_the_last_steps_when_it_validated(tmp_path, monkeypatch, steps, passes):
+    """Validated after the last step (every 2 steps of 4): the final validation loss is that one, not measured a
+    second time; after 5 steps the last validation was at step 4, so it is measured."""
+    from tunelab.train import loop
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return validation_loss(*args, **kwargs)
+
+    validation_loss = loop.validation_loss
+    monkeypatch.setattr(loop, "validation_loss", counted)
+    from tunelab.train.validation import Validation
+
+    cfg = cell_cfg(steps=steps, eval_every=2)
+    model, tok, ds = setup(cfg)
+    result = train.run(model, tok, ds, cfg, tmp_path, validation=Validation.of(cfg.eval))  # final: as a cell's
+    rows = read_jsonl(tmp_path / "train" / "metrics.jsonl")
+    assert len(calls) == passes
+    validated = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(validated) == 2 and result.val_loss is not None
+    assert (result.val_loss == validated[-1]) == (steps == 4)

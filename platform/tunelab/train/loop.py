@@ -165,6 +165,7 @@ class Training:
     together: dict | None = None
     continued_in_memory_from: list[int] = field(default_factory=list)
     spent: dict[str, float] = field(default_factory=dict)  # seconds by kind (checkpoint_s), for a run's timings
+    validated_at: int | None = None  # the step this run last validated after (state.val_loss is its loss)
 
     @property
     def metrics_path(self) -> Path:
@@ -293,6 +294,7 @@ def _step(loop: Training, step: int, peak: float | None, done: Backward | None =
     if (t.eval_every and step % t.eval_every == 0 or wanted) and loop.validate:
         v0 = time.perf_counter()
         st.val_loss = record["val_loss"] = loop.validate()
+        loop.validated_at = step
         record["val_s"] = time.perf_counter() - v0  # where a run's time goes (benchmarks/together.py)
     if loop.runtime.is_main and (step % t.log_every == 0 or step == t.steps or "val_loss" in record):
         append_jsonl(loop.metrics_path, record)
@@ -414,10 +416,13 @@ def train(loop: Training) -> TrainResult:
 
 def finish(loop: Training, resumed_from: int | None) -> TrainResult:
     """After the last step: the final validation, the result and its summary, final/ written."""
-    t, runtime = loop.cfg.train, loop.runtime
-    val = loop.validate() if loop.validation.final and loop.validate else None
+    t, runtime, st = loop.cfg.train, loop.runtime, loop.state
+    val = None
+    if loop.validation.final and loop.validate:
+        # The last step validated already (a search's last rung does): the same weights and batches give the same
+        # loss, so it is not measured twice (a second or more of every finished trial).
+        val = st.val_loss if loop.validated_at == t.steps else loop.validate()
     mem, kind = peak_memory_mb(runtime.device)  # before the weights are gathered for saving
-    st = loop.state
     result = TrainResult(
         steps=t.steps, final_loss=st.loss, val_loss=val,
         tokens_per_s=st.tokens_total / st.seconds if st.seconds else 0.0,
