@@ -13,10 +13,11 @@ runs folders, the order alternating from repeat to repeat):
      tensors; the memory model's predictions beside
 
 Where each run's wall time went, from its own files: training steps (every metrics.jsonl record's step_s) and
-validation (val_s), and outside them (wall - steps - validation), split into what the processes recorded: imports
-(a process's start to its attempt's start), model load, data, adapters and loop setup, checkpoint I/O, evaluation
-(attempts.jsonl of every cell; a together-group's process's own in .together/*/record.json), the rest
-(process start and exit, the runner, waits). Printed with the goals of issue 46 on this CPU: outside <= 0.25x;
+validation (val_s, and a finished cell's final validation: summary.json's final_val_s), and outside them (wall -
+steps - validation), split into what the processes recorded: imports (a process's start to its attempt's start),
+model load, data, adapters and loop setup, checkpoint I/O, evaluation (attempts.jsonl of every cell; a
+together-group's process's own in .together/*/record.json), the rest (process start and exit, the runner, waits).
+Printed with the goals of issue 46 on this CPU: outside <= 0.25x;
 (b) wall <= 0.5x with the same winners and leaderboard (every row equal but its timing and memory columns); (c) the
 group's peak <= 1.5x one cell's, the prediction within 10% of the measured tensors (peak RSS less what the process
 held before the model).
@@ -105,8 +106,10 @@ def where(matrix: Path, wall: float) -> dict:
     groups = [json.loads(p.read_text()) for p in matrix.glob(".together/*/record.json")]
     alone = [a for a in attempts if not a.get("together")]
     t = lambda rows, key: sum(r["timings"].get(key, 0.0) for r in rows)  # noqa: E731
+    summaries = [json.loads(f.read_text()) for c in cells if (f := c / "train" / "summary.json").is_file()]
     out = {"wall": wall, "steps": sum(r.get("step_s", 0.0) for r in metrics),
-           "validation": sum(r.get("val_s", 0.0) for r in metrics),
+           "validation": sum(r.get("val_s", 0.0) for r in metrics)
+           + sum(s.get("final_val_s") or 0.0 for s in summaries),  # a finished cell's final validation too
            "processes": len(alone) + len(groups), "attempts": len(attempts),
            "imports": sum(a["started_at"] - a["process_started_at"] for a in alone)
            + sum(g.get("import_s", 0.0) for g in groups),

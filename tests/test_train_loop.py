@@ -244,3 +244,4 @@ def test_the_final_validation_is_the_last_steps_when_it_validated(tmp_path, monk
     validated = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(validated) == 2 and result.val_loss is not None
     assert (result.val_loss == validated[-1]) == (steps == 4)
+    assert (result.final_val_s is None) == (steps == 4)  # its seconds where it was measured

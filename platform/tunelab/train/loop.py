@@ -59,6 +59,7 @@ class TrainResult:
     # Trained in a together-group (train/members.py): the group, and the peak above is the whole process's
     together: dict | None = None
     continued_in_memory_from: list[int] | None = None  # rungs after which it went on without a restart
+    final_val_s: float | None = None  # seconds its final validation took (None: not measured here)
     model: Any = field(default=None, repr=False)  # the trained model with full weights (main process)
 
     def summary(self) -> dict:
@@ -417,11 +418,14 @@ def train(loop: Training) -> TrainResult:
 def finish(loop: Training, resumed_from: int | None) -> TrainResult:
     """After the last step: the final validation, the result and its summary, final/ written."""
     t, runtime, st = loop.cfg.train, loop.runtime, loop.state
-    val = None
+    val, val_s = None, None
     if loop.validation.final and loop.validate:
-        # The last step validated already (a search's last rung does): the same weights and batches give the same
-        # loss, so it is not measured twice (a second or more of every finished trial).
-        val = st.val_loss if loop.validated_at == t.steps else loop.validate()
+        if loop.validated_at == t.steps:  # (eval_every divides train.steps): the same weights and batches give the
+            val = st.val_loss  # same loss, so it is not measured twice
+        else:
+            v0 = time.perf_counter()
+            val = loop.validate()
+            val_s = time.perf_counter() - v0  # validation, not overhead (benchmarks/together.py counts it so)
     mem, kind = peak_memory_mb(runtime.device)  # before the weights are gathered for saving
     result = TrainResult(
         steps=t.steps, final_loss=st.loss, val_loss=val,
@@ -432,7 +436,7 @@ def finish(loop: Training, resumed_from: int | None) -> TrainResult:
         predicted_peak_mb=predicted_peak_mb(loop.model.config, loop.cfg, str(runtime.dtype).removeprefix("torch."),
                                             seq=loop.longest),
         validation=None if val is None else loop.validation.settings(),
-        together=loop.together, continued_in_memory_from=loop.continued_in_memory_from or None,
+        together=loop.together, continued_in_memory_from=loop.continued_in_memory_from or None, final_val_s=val_s,
         model=loop.stepper.unwrap(),  # every rank takes part in gathering the weights
     )
     if runtime.is_main:
