@@ -82,6 +82,19 @@ def test_units_keep_cell_order_cap_at_n_and_say_why_a_cell_is_alone():
     assert Unit((cells[2],), why="told so") in late
 
 
+def test_a_searchs_first_rung_takes_the_plain_cells_of_its_base_along():
+    """tune/driver.py: the matrix's plain cells that could join the first rung's trials train with them (a default
+    row of the same base); a full fine-tuning row, another base, or together off: they run after the search."""
+    from tunelab.tune.driver import _joining
+
+    trials = [C("t0", optim__lr=1e-3), C("t1", optim__lr=1e-4)]
+    plain = [C("a"), C("full", peft__method="none"), C("ia3", peft__method="ia3"), C("long", data__max_length=64)]
+    assert [c.slug for c in _joining(plain, trials, Setting())] == ["a", "ia3"]
+    assert [c.slug for c in _joining(plain, trials, Setting.parse("2", None))] == ["a", "ia3"]  # groups cap it later
+    assert _joining(plain, trials, Setting.parse("off", None)) == []
+    assert _joining(plain, [C("full-trial", peft__method="none")], Setting()) == []
+
+
 MATRIX = """name: tg
 base:
   model: {name: tiny-random-llama}

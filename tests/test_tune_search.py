@@ -115,7 +115,15 @@ def test_a_promoted_trial_continues_from_its_rung_with_the_losses_of_an_unpruned
     d = Path(winner["dir"])
     summary = read_json(d / "train" / "summary.json")
     assert summary["resumed_from"] is None and summary["continued_in_memory_from"] == [2]
-    assert summary["together"]["members"] == 3
+    # Its group: the 3 trials and the LoRA group's default row (a plain cell of the same base), which trained to its
+    # end beside the first rung's trials; the full fine-tuning default row cannot join and ran alone after.
+    assert summary["together"]["members"] == 4
+    for group, joined in (("lora", True), ("none", False)):
+        row = next(c for c in read_json(runs / "cells.json") if c.get("tune", {}).get("role") == "default"
+                   and c["tune"]["group"] == group)
+        folder = next(p.parent for p in runs.glob("*/cell.json") if read_json(p)["id"] == row["id"])
+        together = read_json(folder / "train" / "summary.json").get("together")
+        assert (together is not None and together["group"] == summary["together"]["group"]) == joined, group
     twin = tmp_path / "twin"
     twin.mkdir()
     config = yaml.safe_load((d / "config.yaml").read_text())

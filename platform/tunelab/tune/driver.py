@@ -1,5 +1,5 @@
 """`exp run` on a matrix with a `tune:` section: every group's search, stage by stage, then the winners retrained
-with the matrix's seeds, then the matrix's other cells.
+with the matrix's seeds, then the matrix's other cells (those that could, trained with the first rung's trials).
 
 The groups share one schedule (the same budget), so a stage (bracket b, rung i) of every group runs as one
 batch of cells through the runner: as many cells at once as there are, for every runner on the runs folder to
@@ -9,7 +9,9 @@ read back, its decision taken, and its Optuna study and trials.json written unde
 Trials that share a base train as together-groups (run/together.py), across groups too, and their processes live
 from rung to rung (run/workers.Pool): a promoted trial goes on in memory, without a process start or a checkpoint
 read (its rung checkpoint is still written, for a resume); a pruned one is released from its process before its
-checkpoint is freed, and every process ends before the winners and the plain cells run.
+checkpoint is freed, and every process ends before the winners and the plain cells run. A plain cell that could
+join the first rung's trials (the same base, see run/together.py) trains with them instead, in their group, to its
+end: its results do not depend on the search, and a group's process (its start, imports and base load) is saved.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tunelab.core.locks import CellLock, Locked, lock
 from tunelab.folders.matrix import MatrixFolder
 from tunelab.machine.threads import Share
 from tunelab.matrix.expansion import Cell
-from tunelab.run import runner, workers
+from tunelab.run import runner, together, workers
 from tunelab.run.launch import Launch
 from tunelab.run.outcome import Outcome
 from tunelab.run.progress import view
@@ -59,6 +61,7 @@ class _Run:
     stop: runner.Interrupts = field(default_factory=runner.Interrupts)  # one Ctrl-C stops every stage after it
     shares: tuple[Share, ...] = ()  # --workers: a rung's trials side by side, each on its CPUs
     pool: workers.Pool | None = None  # the search's together-groups, kept from rung to rung
+    joined: set[str] = field(default_factory=set)  # plain cells that trained with the first rung's trials
 
     def say(self, text: str) -> None:
         """A runner's word while it waits (for the search's lock: for whom, and what that process is doing)."""
@@ -100,7 +103,7 @@ def run(groups: list[Group], chosen: list[Group], cells: list[Cell], plain: list
     folder.write_index(_annotated(cells, groups))  # the winners join once their searches end
     r = _Run(folder, console, how, rerun_failed, fail_fast, together, pool=workers.Pool(), shares=shares)
     try:
-        searched = _stages(running, r)
+        searched = _stages(running, r, plain)
     finally:
         r.end()  # the searches' processes end before the winners and the plain cells run
     if not searched:
@@ -114,14 +117,16 @@ def run(groups: list[Group], chosen: list[Group], cells: list[Cell], plain: list
     ours = _unique([c for s in running for c in finals.get(s.group.study, [])])
     if ours and not r.go(ours):
         return Result(list(r.last.values()), waiting)
+    plain = [c for c in plain if c.id not in r.joined]
     if plain:  # none: no word of an empty batch
         r.go(plain)
     return Result(list(r.last.values()), waiting)
 
 
-def _stages(searches: list[Search], r: _Run | None) -> bool:
+def _stages(searches: list[Search], r: _Run | None, plain: list[Cell] = ()) -> bool:
     """Every bracket and rung of the searches (they share one schedule); with r None nothing runs and nothing is
-    written: each search gets as far as its cells already are. False when --fail-fast stopped it."""
+    written: each search gets as far as its cells already are. False when --fail-fast stopped it. `plain`: the
+    matrix's cells to run after the searches; those that can join the first rung's trials train with them."""
     if not searches:
         return True
     brackets = searches[0].group.schedule.brackets
@@ -135,10 +140,13 @@ def _stages(searches: list[Search], r: _Run | None) -> bool:
             if not cells:
                 return True
             if r is not None:
+                joining = _joining(plain, cells, r.together) if b == i == 0 else []
+                r.joined.update(c.id for c in joining)
+                beside = f", and {len(joining)} of the matrix's cells with them (the same base)" if joining else ""
                 r.console.print(f"[bold]tune[/]: bracket {b + 1}/{len(brackets)}, rung {i + 1} (step {step}): "
-                                f"{len(cells)} trial runs over {len(live)} group(s)", highlight=False)
+                                f"{len(cells)} trial runs over {len(live)} group(s){beside}", highlight=False)
                 _record_progress(live, b, i, False, r.say)
-                if not r.go(cells):
+                if not r.go(cells + joining):
                     _record_progress(live, b, i, True, r.say)
                     return False
             for s in live:
@@ -153,6 +161,15 @@ def _stages(searches: list[Search], r: _Run | None) -> bool:
                 for s in live:
                     _free_pruned(s, s.matrix_dir, going_on)
     return True
+
+
+def _joining(plain: list[Cell], trial_cells: list[Cell], setting: Setting) -> list[Cell]:
+    """The plain cells that can share a together-group with these trials (run/together.py's key; none when
+    together-groups are off)."""
+    if setting.off:
+        return []
+    keys = {together.key(c.config) for c in trial_cells if together.why_alone(c.config) is None}
+    return [c for c in plain if together.why_alone(c.config) is None and together.key(c.config) in keys]
 
 
 def _record_progress(live: list[Search], b: int, i: int, collect: bool, say: Callable[[str], None]) -> None:
