@@ -170,3 +170,30 @@ def test_the_fallbacks_stopping_criterion_looks_at_each_rows_completion(tiny):
     batch = torch.cat([prompt.repeat(3, 1), torch.tensor([r + [pad] * (width - len(r)) for r in rows])], dim=1)
     stop = humaneval._stop_in_completion(tokenizer, prompt.shape[1])
     assert stop(batch, None).tolist() == [False, True, False]
+
+
+def test_model_generate_leaves_the_tokenizers_backend_padding_as_found(tiny, monkeypatch):
+    """A padded call turns a fast tokenizer's backend padding on for good (transformers never turns it off): batched
+    encodes would pad from then on and save_pretrained would write it into tokenizer.json (a together-group's
+    member saved after another's evaluation got a left-padding tokenizer.json, and its data no longer built)."""
+    from tunelab.evals.engine.generate import Decoder
+
+    monkeypatch.setattr(Decoder, "supported", lambda self: False)  # the model.generate path pads
+    model, tokenizer = tiny
+    tokenizer = copy.deepcopy(tokenizer)
+    prompts = [p["prompt"] for p in load_problems(limit=2)]
+    before = tokenizer(prompts)["input_ids"]
+    assert tokenizer._tokenizer.padding is None
+    generate(model, tokenizer, prompts, max_new_tokens=2, batch_size=2)
+    assert tokenizer._tokenizer.padding is None and tokenizer(prompts)["input_ids"] == before
+
+
+def test_a_suites_scoring_never_changes_its_callers_tokenizer(tiny):
+    from tunelab.evals import suite
+
+    _, tokenizer = tiny
+    mine = suite.private(tokenizer)
+    mine.padding_side = "left"
+    mine(["a b", "a"], padding=True)
+    assert tokenizer._tokenizer.padding is None and tokenizer.padding_side == "right"
+    assert mine("def f(x):")["input_ids"] == tokenizer("def f(x):")["input_ids"]

@@ -112,6 +112,10 @@ def _generate_hf(model, tokenizer, prompts, *, max_new_tokens, batch_size, n_sam
     if not greedy:
         options.update(temperature=temperature, top_k=0, top_p=1.0)
     saved = tokenizer.padding_side, tokenizer.pad_token, model.training
+    # A padded call leaves a fast tokenizer's backend padding on (transformers sets it and never unsets it): batched
+    # encodes would pad from then on, and save_pretrained writes it into tokenizer.json. Put back as found.
+    backend = getattr(tokenizer, "_tokenizer", None)
+    padding = backend.padding if backend is not None else None
     completions: list[list[str]] = [[] for _ in prompts]
     try:
         # Decoder-only models continue from the last position: pad on the left.
@@ -138,6 +142,11 @@ def _generate_hf(model, tokenizer, prompts, *, max_new_tokens, batch_size, n_sam
                     completions[i] = samples * n_samples if greedy else samples
     finally:
         tokenizer.padding_side, tokenizer.pad_token = saved[0], saved[1]
+        if backend is not None:
+            if padding is None:
+                backend.no_padding()
+            else:
+                backend.enable_padding(**padding)
         model.train(saved[2])
     return completions
 

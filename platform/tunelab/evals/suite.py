@@ -182,9 +182,19 @@ def finish(out: dict, ctx: Context) -> dict:
     return out
 
 
+def private(tokenizer: Any) -> Any:
+    """The tokenizer the scoring uses: a copy, so that whatever a task or a library sets on it (a padded call leaves a
+    fast tokenizer's backend padding on, and save_pretrained would write it into tokenizer.json) stays out of the
+    caller's, whose process may go on to train and save (a together-group, checkpoint scores beside training)."""
+    import copy
+
+    return copy.deepcopy(tokenizer)
+
+
 def run(model, tokenizer, cfg, ctx: Context, emit: Emit = ignore) -> dict:
     """Score every task of `cfg` into ctx.out_dir/results.json, written after each task (a crash keeps what is
     done); `complete` is set once every task is in. Several adapters of one base: evals.together.run_together."""
+    tokenizer = private(tokenizer)
     out = begin(cfg, ctx, tokenizer)
     for name in cfg.tasks:
         emit(EvalTask(name))

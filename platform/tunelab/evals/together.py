@@ -72,6 +72,7 @@ def run_together(model, tokenizer, cfg, contexts: list[Context], adapters: list[
     from tunelab.evals.engine import route
 
     model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    tokenizer = suite.private(tokenizer)
     if why := route.unroutable(model, adapters):
         raise UserError(f"these adapters cannot be evaluated together: {why}; evaluate each alone")
     note = {"adapters": len(adapters), "seconds": "each task's wall time for the whole group"}
