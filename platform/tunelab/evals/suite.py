@@ -185,7 +185,7 @@ def finish(out: dict, ctx: Context) -> dict:
 def private(tokenizer: Any) -> Any:
     """The tokenizer the scoring uses: a copy, so that whatever a task or a library sets on it (a padded call leaves a
     fast tokenizer's backend padding on, and save_pretrained would write it into tokenizer.json) stays out of the
-    caller's, whose process may go on to train and save (a together-group, checkpoint scores beside training)."""
+    caller's, whose process may go on to train and save (a together-group's members after another's evaluation)."""
     import copy
 
     return copy.deepcopy(tokenizer)

@@ -17,7 +17,7 @@ end: its results do not depend on the search, and a group's process (its start, 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -123,7 +123,7 @@ def run(groups: list[Group], chosen: list[Group], cells: list[Cell], plain: list
     return Result(list(r.last.values()), waiting)
 
 
-def _stages(searches: list[Search], r: _Run | None, plain: list[Cell] = ()) -> bool:
+def _stages(searches: list[Search], r: _Run | None, plain: Sequence[Cell] = ()) -> bool:
     """Every bracket and rung of the searches (they share one schedule); with r None nothing runs and nothing is
     written: each search gets as far as its cells already are. False when --fail-fast stopped it. `plain`: the
     matrix's cells to run after the searches; those that can join the first rung's trials train with them."""
@@ -163,7 +163,7 @@ def _stages(searches: list[Search], r: _Run | None, plain: list[Cell] = ()) -> b
     return True
 
 
-def _joining(plain: list[Cell], trial_cells: list[Cell], setting: Setting) -> list[Cell]:
+def _joining(plain: Sequence[Cell], trial_cells: list[Cell], setting: Setting) -> list[Cell]:
     """The plain cells that can share a together-group with these trials (run/together.py's key; none when
     together-groups are off)."""
     if setting.off:
