@@ -360,3 +360,44 @@ def test_a_member_that_leaves_keeps_its_tensors_parked_until_a_new_member_is_set
     assert adapter() is None and optimizer() is None
     assert group.seats[2].state == "done" and read_json(dirs[2] / "status.json")["state"] == "done"
     group.end()
+
+
+ALONG = ("eval: {tasks: [val_loss], val_batches: 2, limit: 1, max_new_tokens: 4, "
+         "checkpoints: {at: [1, 3, 4], tasks: [val_loss, humaneval], workers: 0}}")
+
+
+def test_members_checkpoints_are_scored_over_the_shared_base_in_shared_passes_as_alone(tmp_path, monkeypatch):
+    """eval.checkpoints in a group (checkpoint_scores/shared.py): at the rung (step 2) the step 1 of every member,
+    after training steps 3 and 4, are scored over the group's base in shared passes (each checkpoint's weights
+    swapped into its member's adapter for the pass), not on a base loaded again per checkpoint; every score and
+    generated program is what the cell alone writes, and the members' training after the swaps is still alone's."""
+    from tunelab.cell.group import Group, Seat
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    text = BASE.replace("NAME", "ck").replace("STEPS", "4").replace("eval: {tasks: [val_loss], val_batches: 2}", ALONG)
+    path = write(tmp_path / "ck.yaml", text + "".join(f"  - {e}\n" for e in LORA_DORA[:3]))
+    cells = [c for c in expansion.load(path)[1] if c.config.peft.method != "none"]
+    alone_dirs = alone(tmp_path / "alone", "ck", cells)
+    dirs = prepared(tmp_path / "runs", "ck", cells)
+    group = Group("g", [Seat(k, CellFolder(d), CellFolder(d).config(), -1) for k, d in enumerate(dirs)],
+                  write=lambda line: None)
+    group.train({k: (2, (2,)) for k in range(3)})
+    eval_id = CellFolder(dirs[0]).config().checkpoint_eval_id()
+    assert [sorted(CellFolder(d).step_evaluations(eval_id)) for d in dirs] == [[1]] * 3  # before the decision
+    group.train({k: (None, ()) for k in range(3)})
+    group.end()
+    for a, b in zip(alone_dirs, dirs):
+        assert read_json(b / "status.json")["state"] == "done"
+        assert [r[:4] for r in numbers(a)] == [r[:4] for r in numbers(b)]
+        assert (a / "final" / "adapter_model.safetensors").read_bytes() == \
+            (b / "final" / "adapter_model.safetensors").read_bytes()
+        for step in (1, 3, 4):
+            ra, rb = CellFolder(a).step_results(eval_id, step), CellFolder(b).step_results(eval_id, step)
+            assert ra["evaluated_by"] == "the cell, after training"
+            assert rb["evaluated_by"] == ("the together-group, in shared passes with 3 adapters, "
+                                          + ("paused at step 2" if step == 1 else "after training"))
+            assert rb["together"]["adapters"] == 3 and rb["complete"]
+            for task in ("val_loss", "humaneval"):
+                assert ra["tasks"][task]["value"] == rb["tasks"][task]["value"], (b.name, step, task)
+            sa, sb = (read_jsonl(CellFolder(d).step_dir(eval_id, step) / "samples.jsonl") for d in (a, b))
+            assert [s.get("completion") for s in sa] == [s.get("completion") for s in sb] and sa, (b.name, step)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import write
 from processes import run_exp
@@ -40,8 +41,11 @@ tune:
 """
 
 
-def test_halving_on_a_checkpoint_score_promotes_what_score_at_ranks_first(tmp_path):
-    path = write(tmp_path / "tc.yaml", MATRIX)
+@pytest.mark.parametrize("method", ["none", "lora"])
+def test_halving_on_a_checkpoint_score_promotes_what_score_at_ranks_first(tmp_path, method):
+    """Full fine-tuning: each trial its own process, scoring its rung checkpoint itself; LoRA: the trials in one
+    together-group, their rung checkpoints scored over its base in shared passes (checkpoint_scores/shared.py)."""
+    path = write(tmp_path / "tc.yaml", MATRIX.replace("  tracking:", f"  peft: {{method: {method}}}\n  tracking:"))
     planned = run_exp("plan", path, "--json")
     assert [g["intermediate"] for g in json.loads(planned.stdout)["groups"]] == ["checkpoint"], planned.stdout
     done = run_exp("run", path, "--runs-dir", tmp_path / "runs", timeout=1200)
@@ -61,7 +65,9 @@ def test_halving_on_a_checkpoint_score_promotes_what_score_at_ranks_first(tmp_pa
         assert d.config().eval.checkpoints.at == [2] and d.config().eval.checkpoints.workers == 0
         step = d.step_results(ck, 2)
         # scored by the trial itself, paused at its rung, before the decision; the score is what the search read
-        assert step["complete"] and step["evaluated_by"] == "the cell, paused at step 2"
+        assert step["complete"] and step["evaluated_by"] == ("the cell, paused at step 2" if method == "none" else
+                                                             "the together-group, in shared passes with 3 adapters, "
+                                                             "paused at step 2")
         scored[t["number"]] = score_at(d, 2, "val_loss", ck)
         assert scored[t["number"]] == recorded[t["number"]] == t["intermediate"]["2"]
         # the checkpoint's score is the validation loss of the step-2 weights, as the loop measured it there

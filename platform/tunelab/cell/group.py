@@ -256,6 +256,7 @@ class Group:
             step = min(s.member.next for s in live)
             due = [s for s in live if s.member.next == step]
             joined = self._joined(due) if self.mode == "batched" else {}
+            ended: list[tuple[Seat, int | None]] = []  # at their rung (its step) or their end (None) this round
             for seat in due:
                 m = seat.member
                 if seat.state != "training":  # failed in the joined pass
@@ -267,19 +268,44 @@ class Group:
                             loop.advance(m.loop, step, self.peak, done=joined.get(seat.k))
                         finally:
                             m.next = step + 1
-                        if step >= loop.last_step(m.loop):
-                            self._trained(seat)
+                    if step >= loop.last_step(m.loop):
+                        ended.append((seat, None))
                 except Paused as p:
-                    self._pause(seat, p.step)
+                    ended.append((seat, p.step))
                 except (Preempted, KeyboardInterrupt):
                     raise
                 except Exception as e:  # noqa: BLE001 - this member fails, the group goes on
                     self._fail(seat, e)
                 spent = time.perf_counter() - t0
                 seat.train_s, seat.turns_s = seat.train_s + spent, seat.turns_s + spent
+            self._ended(ended)
             if stop_agreed(self.rt.layout):
                 self._stop(seats)
                 raise Preempted(STOP.signal or "a stop signal")
+
+    def _ended(self, ended: list[tuple[Seat, int | None]]) -> None:
+        """The round's members at their rung or their end: the checkpoints they ask scores of, up to there, scored
+        over the group's base first (checkpoint_scores/shared.py: in shared passes where they can be, no base loaded
+        again; each member's own settle then finds them done), then each paused or trained."""
+        from tunelab.checkpoint_scores import shared
+
+        askers = [shared.Asker(s.folder, s.cfg, s.member.name, paused, s.attempt.emit, s.attempt.timings)
+                  for s, paused in ended if s.cfg.eval.checkpoints is not None and s.attempt is not None]
+        if askers:
+            shared.score(self.model, self._scoring_model, self.tokenizer, self.datasets, askers)
+        for seat, paused in ended:
+            t0 = time.perf_counter()
+            try:
+                if paused is not None:
+                    self._pause(seat, paused)
+                else:
+                    with seat.member.turn():
+                        self._trained(seat)
+            except (Preempted, KeyboardInterrupt):
+                raise
+            except Exception as e:  # noqa: BLE001 - this member fails, the group goes on
+                self._fail(seat, e)
+            seat.turns_s += time.perf_counter() - t0
 
     def _joined(self, due: list[Seat]) -> dict[int, Any]:
         """Batched mode: the backward passes of this step of every member that can join, in one pass per micro-batch
@@ -315,8 +341,8 @@ class Group:
         return {s.k: loop.Backward(micro[j], done.losses[j], done.seconds) for j, s in enumerate(ready)}
 
     def _trained(self, seat: Seat) -> None:
-        """Its last step done (inside its turn): final validation, summary, final/, memory.json, checkpoints'
-        scores; its optimizer freed. Its evaluation comes with the others' (`_evaluate`)."""
+        """Its last step done (in a turn of its own, after the round): final validation, summary, final/,
+        memory.json, checkpoints' scores; its optimizer freed. Its evaluation comes with the others' (`_evaluate`)."""
         from tunelab.train import loop
 
         attempt, m = seat.attempt, seat.member

@@ -56,7 +56,7 @@ def after_training(folder: CellFolder, cfg: CellConfig, rt: Any, emit: Emit, mod
     scores = score(folder, cfg, rt, emit)
     changed = select(folder, cfg, scores, model, tokenizer) if cfg.train.select is not None else False
     checkpoint.prune(folder.checkpoints, cfg.train.keep_checkpoints, scores.protected())
-    timings["checkpoints_s"] = time.perf_counter() - t0
+    timings["checkpoints_s"] = timings.get("checkpoints_s", 0.0) + time.perf_counter() - t0  # (a group's share too)
     return changed
 
 

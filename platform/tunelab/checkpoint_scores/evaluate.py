@@ -152,17 +152,14 @@ class Evaluator:
     def _evaluate(self, step: int) -> None:
         t0 = time.perf_counter()
         with atomic_dir(self.folder.step_dir(self.ecfg.id(), step)) as tmp:
-            mark = {"step": step, "checkpoint": str(self.folder.checkpoint_dir(step).relative_to(self.folder.path)),
-                    "evaluated_by": self.by, "pid": os.getpid()}
-            def emit(ev: events.Event) -> None:  # its tasks say which checkpoint they score
-                self.emit(replace(ev, step=step) if isinstance(ev, events.EvalTask) else ev)
-
             try:
                 out, self._datasets = evaluate_saved(self.folder, self.cfg, self.folder.checkpoint_dir(step),
-                                                     self.ecfg, tmp, self.runtime(), emit, self._datasets)
+                                                     self.ecfg, tmp, self.runtime(), tagged(self.emit, step),
+                                                     self._datasets)
             except UserError as e:  # an unreadable checkpoint: no evaluator will do better, say so
                 out = self.unavailable(f"checkpoint unreadable: {e}")
-            write_json(EvalFolder(tmp).results_file, {**out, **mark, "seconds": time.perf_counter() - t0})
+            write_json(EvalFolder(tmp).results_file, {**out, **mark(self.folder, step, self.by),
+                                                      "seconds": time.perf_counter() - t0})
         say(f"step {step} evaluated in {time.perf_counter() - t0:.1f} s ({self.by})")
 
     def unavailable(self, reason: str) -> dict:
@@ -177,6 +174,17 @@ class Evaluator:
                   "it (train.save_every, train.keep_checkpoints), or it was deleted; scoring it needs training again")
         with atomic_dir(self.folder.step_dir(self.ecfg.id(), step)) as tmp:
             write_json(EvalFolder(tmp).results_file, {**self.unavailable(reason), "step": step, "checkpoint": None})
+
+
+def tagged(emit: Emit, step: int) -> Emit:
+    """`emit` with a checkpoint's tasks saying which step they score."""
+    return lambda ev: emit(replace(ev, step=step) if isinstance(ev, events.EvalTask) else ev)
+
+
+def mark(folder: CellFolder, step: int, by: str) -> dict:
+    """What a checkpoint's results.json says of where it came from and who scored it."""
+    return {"step": step, "checkpoint": str(folder.checkpoint_dir(step).relative_to(folder.path)), "evaluated_by": by,
+            "pid": os.getpid()}
 
 
 def settle(folder: CellFolder, cfg: CellConfig, emit: Emit = events.ignore, rt: Any = None,
