@@ -1,6 +1,6 @@
 """Together-groups against one process per trial and rung (#46), side by side in one invocation.
 
-    python benchmarks/together.py [--out DIR] [--scenarios a,b,c] [--repeats 1] [--threads 1] [--batched]
+    python benchmarks/together.py [--out DIR] [--scenarios a,b,c,d] [--repeats 1] [--threads 1] [--batched]
 
 Scenarios (each run twice per repeat, `exp run --together off` and `exp run` with the default `auto`, in separate
 runs folders, the order alternating from repeat to repeat):
@@ -11,6 +11,10 @@ runs folders, the order alternating from repeat to repeat):
   c  memory: 8 LoRA r8 cells of SmolLM2 in one group (`--together 8`) against one such cell alone, glibc's mmap
      threshold pinned (MALLOC_MMAP_THRESHOLD_=65536, as benchmarks/optimizer_memory.py) so that RSS follows the
      tensors; the memory model's predictions beside
+  d  b's search ranked at its rungs by a checkpoint score (`metric: val_loss`, `intermediate: checkpoint`): each
+     trial scores its rung checkpoint before the rung is decided; alone, each trial's process loads the base again
+     to score it (checkpoint_scores/evaluate.py), together the group scores every member's in shared passes over its
+     base (checkpoint_scores/shared.py)
 
 Where each run's wall time went, from its own files: training steps (every metrics.jsonl record's step_s) and
 validation (val_s, and a finished cell's final validation: summary.json's final_val_s), and outside them (wall -
@@ -62,6 +66,9 @@ tune:
   eta: 2
   min_steps: 3
 """
+
+RANKED = SEARCH.replace("name: together-search", "name: together-ranked").replace(
+    "  min_steps: 3\n", "  min_steps: 3\n  metric: val_loss\n  intermediate: checkpoint\n")
 
 MEMORY = """name: together-memory
 base:
@@ -153,10 +160,10 @@ def scenario_run(name: str, a: argparse.Namespace, env: dict, repeat: int) -> di
     if name == "a":
         file, extra, matrix_name = Path("experiments/paper_tuned_optimizers.yaml"), STAND_IN, "paper_tuned_optimizers"
     else:
-        file = a.out / "search.yaml"
+        file = a.out / f"search-{name}.yaml"
         file.parent.mkdir(parents=True, exist_ok=True)
-        file.write_text(SEARCH)
-        extra, matrix_name = [], "together-search"
+        file.write_text(SEARCH if name == "b" else RANKED)
+        extra, matrix_name = [], "together-search" if name == "b" else "together-ranked"
     order = ["off", "auto"] if repeat % 2 == 0 else ["auto", "off"]
     if a.batched:
         order.append("batched")
