@@ -35,6 +35,7 @@ from tunelab.core.config import CellConfig
 from tunelab.core.events import Emit
 from tunelab.core.files import atomic_dir, write_json
 from tunelab.folders.cell import CellFolder, EvalFolder
+from tunelab.machine.runtime import Preempted
 
 
 @dataclass
@@ -67,7 +68,7 @@ def score(model: Any, scoring_model: Callable[[], Any], tokenizer: Any, datasets
         for pairs in by_eval.values():
             try:
                 _pass(model, scoring_model, tokenizer, datasets, pairs)
-            except (KeyboardInterrupt, SystemExit):
+            except (Preempted, KeyboardInterrupt, SystemExit):  # a stop signal ends the group's work here
                 raise
             except Exception as e:  # noqa: BLE001 - each member's own settle scores these steps (and says why not)
                 print(f"together-group checkpoint scores: a shared pass failed ({type(e).__name__}: {e}); each "
