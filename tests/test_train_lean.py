@@ -145,3 +145,22 @@ def test_other_code_is_left_alone():
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                          hidden_act="gelu_pytorch_tanh"))
     assert lean.apply(model) == 0  # Gemma's norm is (1 + weight) and its MLP GELU-gated
+
+
+def test_the_lean_modules_survive_transformers_mode_switches():
+    """A model loaded as tunelab loads it uses hub kernels (transformers' default where `kernels` is installed), and
+    its every model.train() / eval() kernelizes it again, which gives each kernel layer (RMSNorm is one) its class's
+    forward back: an instance-level lean forward went at the first switch, silently. The lean class stays."""
+    from tunelab.core.config import ModelCfg
+    from tunelab.models import loading
+
+    model, _ = loading.load(ModelCfg(name="tiny-random-llama"))
+    assert model.use_kernels  # (the kernelize walk runs at each switch: the check can fail)
+    assert lean.apply(model) > 0
+    model.train()
+    model.eval()
+    model.train()
+    norms = [m for m in model.modules() if getattr(m, lean.MARK, False) and hasattr(m, "variance_epsilon")]
+    assert norms and all(type(m).__name__.startswith("Lean") for m in norms)
+    x = torch.randn(2, 3, norms[0].weight.shape[0], requires_grad=True)
+    assert all(type(m(x).grad_fn).__name__ == "_RMSNormBackward" for m in norms)

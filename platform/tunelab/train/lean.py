@@ -11,17 +11,17 @@ passes in backward. Forward runs the modules' own operations in their order, so 
 the modules'; the SiLU-product's backward runs autograd's own operations (bit for bit too), the norm's is
 its closed form, equal to autograd's up to float rounding (tests/test_train_lean.py: within 1e-6 in fp32).
 
-`apply(model)` swaps the forward of every module whose class's forward is transformers' LlamaRMSNorm or
-LlamaMLP code (Mistral, Qwen2/3, OLMo-2's MLP, Phi-3's norm share it; the source is compared, not the name),
-the MLP only with a SiLU activation. Every layout gets it (train/parallel/steppers.prepare): the modules are
-still called, so FSDP2's, DeepSpeed's and the tensor-parallel plan's hooks run around them as before.
+`apply(model)` swaps the class of every module whose class's forward is transformers' LlamaRMSNorm or LlamaMLP code
+for a subclass with the lean forward (`_lean_class`: an instance-level forward would not survive transformers'
+kernelize at every mode switch) (Mistral, Qwen2/3, OLMo-2's MLP, Phi-3's norm share it; the source is compared, not
+the name), the MLP only with a SiLU activation. Every layout gets it (train/parallel/steppers.prepare): the modules
+are still called, so FSDP2's, DeepSpeed's and the tensor-parallel plan's hooks run around them as before.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import types
 from typing import Any
 
 import torch
@@ -76,16 +76,32 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SiluMul.apply(gate, up)
 
 
+BASE_FORWARD = "_tunelab_base_forward"  # on a lean class: the forward of the class it swaps for
+
+
 def _norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     if not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)):
-        return type(self).forward(self, hidden_states)  # nothing kept for backward: the module's own code
+        return getattr(type(self), BASE_FORWARD)(self, hidden_states)  # nothing kept for backward: the module's code
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
 def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled():  # evaluation and decoding: the module's own code, no Function call
-        return type(self).forward(self, x)
+        return getattr(type(self), BASE_FORWARD)(self, x)
     return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+@functools.cache
+def _lean_class(cls: Any, kind: str) -> type:
+    """`cls` with the lean forward as its class's own. Not an instance's forward: transformers' kernelize (run by
+    every model.train() / eval() of a model that uses hub kernels, the default where `kernels` is installed) gives
+    each kernel layer (RMSNorm is one) the forward of its class again, and drops an instance-level one; the lean
+    norm then silently went at the first mode switch. Where a hub kernel is mapped for the device (Liger's RMSNorm
+    on CUDA), kernelize still puts it in, over this class's forward."""
+    forward = _norm_forward if kind == "norm" else _mlp_forward
+    body = {"forward": forward, BASE_FORWARD: cls.forward, "__module__": cls.__module__,
+            "__qualname__": f"Lean{cls.__qualname__}"}
+    return type(f"Lean{cls.__name__}", (cls,), body)
 
 
 @functools.cache
@@ -123,7 +139,7 @@ def apply(model: nn.Module) -> int:
             kind = None
         if kind is None:
             continue
-        module.forward = types.MethodType(_norm_forward if kind == "norm" else _mlp_forward, module)
+        module.__class__ = _lean_class(type(module), kind)  # type: ignore[arg-type]  # classes hash by identity
         setattr(module, MARK, True)
         swapped += 1
     return swapped
