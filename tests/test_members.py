@@ -33,7 +33,10 @@ def group():
 
 
 def _state(model) -> list:
-    return [(n, m.training, getattr(m, "_kernels_mode", None)) for n, m in model.named_modules()]
+    """Each module's flag and kernels mode, and the function a kernel layer's forward runs (a CPU's mode switch skips
+    the kernels' walk: the layers must keep what the walk would give them)."""
+    return [(n, m.training, getattr(m, "_kernels_mode", None), getattr(m.__dict__.get("forward"), "__func__", None))
+            for n, m in model.named_modules()]
 
 
 @pytest.mark.parametrize("mode", [False, True])
@@ -45,7 +48,9 @@ def test_set_training_gives_the_flags_of_nn_module_train(group, mode):
         group.train(start)
         set_training(group, mode)
         assert _state(group) == expected
-        assert {flag for _, flag, _ in expected} == {mode}  # (every module switched: the check can fail)
+        assert {flag for _, flag, _, _ in expected} == {mode}  # (every module switched: the check can fail)
+        assert {kmode for _, _, kmode, _ in expected} - {None}  # (the model's kernels mode is in the check)
+        assert any(hasattr(type(m), "kernel_layer_name") for m in group.modules())  # (and kernel layers' forwards)
 
 
 def test_set_training_runs_a_module_s_own_train(group):
