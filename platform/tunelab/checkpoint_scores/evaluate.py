@@ -144,8 +144,7 @@ class Evaluator:
         with claim:
             if self.scores.done(step) or not self.folder.checkpoint_dir(step).is_dir():
                 return False
-            for half in self.folder.eval_dir(eval_id).glob(f".{step_name(step)}-*"):  # what a killed evaluator left
-                shutil.rmtree(half, ignore_errors=True)
+            clear_halves(self.folder, eval_id, step)
             self._evaluate(step)
         return True
 
@@ -174,6 +173,12 @@ class Evaluator:
                   "it (train.save_every, train.keep_checkpoints), or it was deleted; scoring it needs training again")
         with atomic_dir(self.folder.step_dir(self.ecfg.id(), step)) as tmp:
             write_json(EvalFolder(tmp).results_file, {**self.unavailable(reason), "step": step, "checkpoint": None})
+
+
+def clear_halves(folder: CellFolder, eval_id: str, step: int) -> None:
+    """What a killed evaluator left of a step's evaluation (its temporary folders), removed."""
+    for half in folder.eval_dir(eval_id).glob(f".{step_name(step)}-*"):
+        shutil.rmtree(half, ignore_errors=True)
 
 
 def tagged(emit: Emit, step: int) -> Emit:

@@ -19,7 +19,6 @@ a rung or finish in one round hand their due checkpoints here first, and their o
 from __future__ import annotations
 
 import contextlib
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -127,8 +126,7 @@ def _claim(stack: contextlib.ExitStack, asker: Asker, step: int) -> Any:
     stack.callback(claim.release)
     if StepScores(asker.folder, asker.cfg).done(step) or not asker.folder.checkpoint_dir(step).is_dir():
         return None
-    for half in asker.folder.eval_dir(eval_id).glob(f".{asker.folder.step_dir(eval_id, step).name}-*"):
-        shutil.rmtree(half, ignore_errors=True)  # what a killed evaluator left
+    evaluate.clear_halves(asker.folder, eval_id, step)
     return stack.enter_context(atomic_dir(asker.folder.step_dir(eval_id, step)))
 
 
