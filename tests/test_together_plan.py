@@ -5,6 +5,7 @@ run setting (`--together`, the file's `run:` section) that never changes a cell'
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import write
@@ -170,3 +171,33 @@ def test_exp_memory_predicts_a_group_and_refuses_what_cannot_join(cli):
     assert got["together"] == 8 and got["group_bytes"]["peak"] > got["estimate_bytes"]["peak"]
     code, _, err = cli("memory", "--model", "llama-7b", "--together", "8")
     assert code == 2 and "--together N" in err and "--peft lora" in " ".join(err.split())
+
+
+def test_sizing_a_group_reads_a_llama_config_as_transformers_does_without_importing_it(tmp_path):
+    """capacity._model reads a local Llama-like config.json itself (the runner sizes `auto` groups before
+    importing transformers): the memory model sees the shape AutoConfig gives; any field missing, AutoConfig.
+    (SmolLM2-135M's config gives the same shape both ways too; not here: converting it costs a test 17 s.)"""
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig
+
+    from tunelab.models.loading import resolve
+    from tunelab.train.parallel.capacity import SHAPE_FIELDS, _plain_config
+    from tunelab.train.parallel.memory import shape_of
+
+    name = "tiny-random-llama"
+    src = resolve(name)
+    plain = _plain_config(src)
+    assert plain is not None and shape_of(plain) == shape_of(AutoConfig.from_pretrained(src))
+    raw = json.loads((Path(src) / "config.json").read_text())
+    for field in SHAPE_FIELDS:
+        (tmp_path / field).mkdir()
+        (tmp_path / field / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k != field}))
+        assert _plain_config(str(tmp_path / field)) is None  # transformers' defaults then
+    probe = ("import sys; from tunelab.core.config import CellConfig; from tunelab.train.parallel import capacity; "
+             f"cfg = CellConfig.model_validate({{'model': {{'name': {name!r}}}, 'data': {{'recipe': 'arithmetic'}}, "
+             "'peft': {'method': 'lora'}}); "
+             "n = capacity.members([cfg] * 3, 3); print(n, 'transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.split()[-2:] == ["3", "False"], done.stderr[-2000:]
