@@ -20,7 +20,9 @@ Where each run's wall time went, from its own files: training steps (every metri
 validation (val_s, and a finished cell's final validation: summary.json's final_val_s), and outside them (wall -
 steps - validation), split into what the processes recorded: imports (a process's start to its attempt's start),
 model load, data, adapters and loop setup, checkpoint I/O, evaluation (attempts.jsonl of every cell; a
-together-group's process's own in .together/*/record.json), the rest (process start and exit, the runner, waits).
+together-group's process's own in .together/*/record.json), the runner alone before its first process starts and
+after the last attempt ends (trial table, figures, leaderboard, report), the rest (processes' start and exit, the
+runner between them, waits).
 Printed with the goals of issue 46 on this CPU: outside <= 0.25x;
 (b) wall <= 0.5x with the same winners and leaderboard (every row equal but its timing and memory columns); (c) the
 group's peak <= 1.5x one cell's, the prediction within 10% of the measured tensors (peak RSS less what the process
@@ -81,6 +83,7 @@ base:
 matrix:
   optim.lr: LRS
 """
+PARTS = ("imports", "load", "data", "setup", "checkpoint I/O", "evaluation", "runner start", "runner end", "rest")
 TIMING_COLUMNS = {"tok/s", "peak MB", "train s"}  # measured time and memory: not the result
 TIMING_KEYS = {"search cost"}  # a tuned row's measured CPU-hours
 
@@ -89,14 +92,16 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
 
 
-def exp_run(file: Path, runs: Path, extra: list[str], env: dict) -> tuple[float, tuple[float, float]]:
-    """`exp run` to its end -> (wall seconds, load average before and after)."""
-    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+def exp_run(file: Path, runs: Path, extra: list[str], env: dict
+            ) -> tuple[float, tuple[float, float], tuple[float, float]]:
+    """`exp run` to its end -> (wall seconds, load average before and after, its start and end on the epoch clock
+    that the runs' files use)."""
+    t0, load0, since = time.perf_counter(), os.getloadavg()[0], time.time()
     done = subprocess.run([sys.executable, "-m", "tunelab.cli", "run", str(file), "--runs-dir", str(runs), *extra],
                           check=False, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         sys.exit(f"exp run {file} {' '.join(extra)} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return time.perf_counter() - t0, (load0, os.getloadavg()[0])
+    return time.perf_counter() - t0, (load0, os.getloadavg()[0]), (since, time.time())
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -105,8 +110,8 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def where(matrix: Path, wall: float) -> dict:
-    """Where a run's wall time went, from its files (see the docstring)."""
+def where(matrix: Path, wall: float, span: tuple[float, float]) -> dict:
+    """Where a run's wall time went, from its files (see the docstring); `span`: the run's start and end."""
     cells = [p.parent for p in matrix.glob("*/cell.json")]
     metrics = [r for c in cells for r in jsonl(c / "train" / "metrics.jsonl")]
     attempts = [a for c in cells for a in jsonl(c / "attempts.jsonl")]
@@ -125,10 +130,13 @@ def where(matrix: Path, wall: float) -> dict:
            "setup": t(alone, "setup_s") - t(alone, "load_s") - t(alone, "data_s")
            + t([a for a in attempts if a.get("together")], "setup_s") + sum(g.get("inject_s", 0.0) for g in groups),
            "checkpoint I/O": t(attempts, "checkpoint_s"),
-           "evaluation": t(attempts, "eval_s") + t(attempts, "checkpoints_s")}
+           "evaluation": t(attempts, "eval_s") + t(attempts, "checkpoints_s"),
+           # the runner alone: from its start to its first cell's or group's process, from the last attempt's end
+           # to its exit (trial table, figures, leaderboard, report)
+           "runner start": min(a["process_started_at"] for a in attempts) - span[0],
+           "runner end": span[1] - max(a["ended_at"] for a in attempts)}
     out["outside"] = wall - out["steps"] - out["validation"]
-    out["rest"] = out["outside"] - sum(out[k] for k in ("imports", "load", "data", "setup", "checkpoint I/O",
-                                                        "evaluation"))
+    out["rest"] = out["outside"] - sum(out[k] for k in PARTS[:-1])
     return out
 
 
@@ -148,8 +156,7 @@ def trials(matrix: Path) -> list:
 
 
 def show_where(label: str, w: dict, load: tuple[float, float]) -> None:
-    parts = ", ".join(f"{k} {w[k]:.1f}" for k in ("imports", "load", "data", "setup", "checkpoint I/O", "evaluation",
-                                                  "rest"))
+    parts = ", ".join(f"{k} {w[k]:.1f}" for k in PARTS)
     print(f"  {label:9s} wall {w['wall']:7.1f} s (load {load[0]:.1f} -> {load[1]:.1f}): steps {w['steps']:.1f}, "
           f"validation {w['validation']:.1f}, outside {w['outside']:.1f} [{parts}]; {w['processes']} processes, "
           f"{w['attempts']} attempts")
@@ -172,8 +179,8 @@ def scenario_run(name: str, a: argparse.Namespace, env: dict, repeat: int) -> di
         runs = a.out / f"{name}-r{repeat}-{mode}"
         flags = ["--together", "auto", "--together-mode", "batched"] if mode == "batched" else ["--together", mode]
         shutil.rmtree(runs, ignore_errors=True)  # a runs folder of an earlier invocation would make this one a no-op
-        wall, load = exp_run(file, runs, [*extra, *flags], env)
-        got[mode] = {"where": where(runs / matrix_name, wall), "load": load, "board": board(runs / matrix_name),
+        wall, load, span = exp_run(file, runs, [*extra, *flags], env)
+        got[mode] = {"where": where(runs / matrix_name, wall, span), "load": load, "board": board(runs / matrix_name),
                      "trials": trials(runs / matrix_name)}
     off, on = got["off"], got["auto"]
     print(f"\n({name}) repeat {repeat} ({' then '.join(order)}):")
@@ -226,7 +233,7 @@ def scenario_memory(a: argparse.Namespace, env: dict, repeat: int) -> dict:
         file.write_text(MEMORY.replace("LRS", json.dumps(lrs[:n])))
         runs = a.out / f"c-r{repeat}-{label}"
         shutil.rmtree(runs, ignore_errors=True)
-        wall, load = exp_run(file, runs, flags, pinned)
+        wall, load, _ = exp_run(file, runs, flags, pinned)
         matrix = runs / "together-memory"
         if label == "one":
             (cell,) = [p.parent for p in matrix.glob("*/cell.json")]
