@@ -20,7 +20,7 @@ from tunelab.core import registries
 from tunelab.core.events import Emit, EvalProgress, EvalTask, ignore
 from tunelab.core.files import write_json
 from tunelab.folders.cell import EvalFolder
-from tunelab.machine import threads
+from tunelab.machine import collector, threads
 
 
 @dataclass
@@ -160,6 +160,7 @@ def throttled(emit: Emit, task: str, every_s: float = 0.5) -> Callable[[int, int
 
 def begin(cfg, ctx: Context, tokenizer, **extra) -> dict:
     """An evaluation's results.json before its first task (its samples.jsonl emptied)."""
+    collector.settle()  # the model is built: the collector as often as Python's defaults make it from here on
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     (ctx.samples_file).unlink(missing_ok=True)
     return {"tasks": {}, "config": cfg.model_dump(mode="json"), "versions": provenance(tokenizer),

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tunelab.core.errors import UserError
+from tunelab.machine import collector
 
 # The launcher -> child: where the child's thread count came from and why, and the CPUs to pin itself to.
 FROM_ENV = "TUNELAB_THREADS_FROM"  # auto | --threads | OMP_NUM_THREADS
@@ -234,7 +235,9 @@ _RECORD: dict[str, Any] = {}
 def start_process(threads: int | None = None) -> dict[str, Any]:
     """At the start of a torch process of tunelab's, before torch loads: pin it to the CPUs its launcher chose,
     set its waiting policy and thread count in the environment, then set torch's intra- and inter-op threads.
-    `threads`: a command's `--threads`. -> what was set (env.json's "threads")."""
+    `threads`: a command's `--threads`. -> what was set (env.json's "threads"). Also the garbage collector's
+    quiet start and quick exit (machine/collector.py)."""
+    collector.pause()
     pinned: tuple[int, ...] = ()
     note = None
     if os.environ.get(CPUS_ENV):

@@ -28,6 +28,7 @@ from tunelab.core.events import Emit, Resumed, Step, ignore
 from tunelab.core.files import append_jsonl, read_jsonl, warn, write_json, write_text
 from tunelab.core.registries import uses_engine
 from tunelab.folders.cell import CellFolder
+from tunelab.machine import collector
 from tunelab.machine.load import CpuMeter
 from tunelab.machine.runtime import STOP, Layout, Paused, Preempted, Runtime, precision_of, stop_agreed
 from tunelab.optimizers.tied import prepare_for_fused
@@ -394,6 +395,7 @@ def setup(model: Any, tokenizer: Any, datasets: dict, cfg: CellConfig, out: Cell
     `validate_at`: validate after these steps too (neither changes a loss: validation draws no random number).
     `names`: the trainable parameters' names as checkpoints and the optimizer know them (a together-group's member
     keeps the alone cell's: train/members.py)."""
+    collector.settle()  # the model is built: from here on the collector runs as often as Python's defaults make it
     folder = out if isinstance(out, CellFolder) else CellFolder(out)
     runtime = runtime or _local_runtime(model, cfg)
     loop = _setup(model, tokenizer, datasets, cfg, folder, emit, runtime, validation, weights, names)
