@@ -14,6 +14,7 @@ from conftest import write
 from processes import children, closed_port, run_exp, silent_server, start_exp, wait_for
 
 from tunelab.core import hub_access
+from tunelab.core.errors import UserError
 from tunelab.core.files import read_json, read_jsonl
 from tunelab.matrix import expansion
 
@@ -121,7 +122,7 @@ def test_hub_requests_sent_without_a_timeout_end_at_the_bound(monkeypatch):
 
 def test_env_values_are_checked(monkeypatch):
     monkeypatch.setenv(hub_access.TIMEOUT_ENV, "0")
-    with pytest.raises(hub_access.UserError, match="TUNELAB_HUB_TIMEOUT='0'"):
+    with pytest.raises(UserError, match="TUNELAB_HUB_TIMEOUT='0'"):
         hub_access.check_env()
     monkeypatch.setenv(hub_access.TIMEOUT_ENV, "2.5")
     assert hub_access.hub_timeout() == 2.5

@@ -104,8 +104,9 @@ def main() -> None:
     """The boundary: bad input is one paragraph on stderr and exit code 2, never a traceback. UserError is how
     tunelab says it; a file or folder of the user's that the system refused (OSError with its name) is said
     the same way wherever it surfaced."""
-    collector.quick_exit()  # every `exp` command: no walk of the heap at exit (machine/collector.py)
     try:
+        collector.check_env()
+        collector.quick_exit()  # every `exp` command: no walk of the heap at exit (machine/collector.py)
         _command(len(app.registered_commands), len(app.registered_groups))()
     except UserError as e:
         _say(e)

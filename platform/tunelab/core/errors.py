@@ -77,6 +77,29 @@ def read_text(path: str | Path, what: str = "file") -> str:
         raise UserError(f"cannot read the {what}: {e.strerror or e}", file=p) from None
 
 
+def env_number(name: str, default: float, *, least: float = 0.0, strict: bool = True, whole: bool = False,
+               what: str = "a number", unset: str = "") -> float:
+    """A number a user set in the environment (`default` when unset or empty): above `least` (`strict`) or at least
+    it, a whole number when `whole` (`unset`: what leaving it unset means, if not the default). Anything else is
+    the exit-2 paragraph naming the variable."""
+    import math
+    import os
+
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(int(raw)) if whole else float(raw)
+        ok = math.isfinite(value) and (value > least if strict else value >= least)
+    except ValueError:
+        ok = False
+    if not ok:
+        kind = "a whole number" if whole else what
+        raise UserError(f"{name}={raw!r}: expected {kind} {'above' if strict else 'at least'} {least:g}; or unset it "
+                        f"({unset or f'default {default:g}'})", file="environment")
+    return value
+
+
 def load_yaml(path: str | Path, what: str = "file") -> Any:
     """A user's YAML file, parsed; every way it can fail is a UserError naming the file (and the line)."""
     p = Path(path)

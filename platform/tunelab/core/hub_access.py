@@ -19,7 +19,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from tunelab.core.errors import UserError
+from tunelab.core.errors import env_number
 
 TIMEOUT_ENV = "TUNELAB_HUB_TIMEOUT"
 DEFAULT_TIMEOUT_S = 10.0
@@ -27,17 +27,7 @@ _TRUE = {"1", "TRUE", "YES", "ON"}
 
 
 def hub_timeout() -> float:
-    value = os.environ.get(TIMEOUT_ENV)
-    if not value:
-        return DEFAULT_TIMEOUT_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = 0.0
-    if not seconds > 0:
-        raise UserError(f"environment variable {TIMEOUT_ENV}={value!r}: expected seconds, a number above 0 "
-                        f"(default {DEFAULT_TIMEOUT_S:g})")
-    return seconds
+    return env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, what="seconds, a number")
 
 
 def check_env() -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from tunelab.core.errors import env_number
 from tunelab.data.templates import Template, TemplateError
 
 IGNORE = -100
@@ -160,6 +161,7 @@ def tokenize_chunk(convs: list[list[dict]], sources: list[int], tokenizer, s: Se
                      np.asarray(length, dtype=np.int32), np.asarray(truncated, dtype=bool), dropped)
 
 
+NUM_PROC_ENV = "TUNELAB_NUM_PROC"
 CHUNK = 2000  # examples per batched encoder call (and per task for a worker)
 _WORK: dict[str, tuple] = {}  # "job": (convs, sources, tokenizer, settings), inherited by forked workers
 
@@ -170,13 +172,19 @@ def _work(bounds: tuple[int, int]) -> Tokenized:
     return tokenize_chunk(convs[lo:hi], sources[lo:hi], tokenizer, settings, lo)
 
 
+def num_proc_env() -> int | None:
+    """$TUNELAB_NUM_PROC: the tokenizer's worker processes, set by the user (None: unset)."""
+    return int(env_number(NUM_PROC_ENV, 0, least=1, strict=False, whole=True,
+                          unset="sized to the examples and the CPUs")) or None
+
+
 def auto_num_proc(n: int) -> int:
     """The Rust encoder already spreads one batch over every core; worker processes add the Python side
     of the work in parallel, which pays from a few thousand examples on and only with cores to spare
     (on 2 shared cores, 2 workers measured slower than 1: benchmarks/README.md)."""
-    env = os.environ.get("TUNELAB_NUM_PROC")
+    env = num_proc_env()
     if env:
-        return max(1, int(env))
+        return env
     cpus = os.cpu_count() or 1
     return 1 if n < 8000 or cpus < 4 else min(8, cpus // 2)
 

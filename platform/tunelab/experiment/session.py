@@ -90,10 +90,13 @@ def plan(req: Request) -> Planned:
         raise UserError("; ".join(offline), file=req.file)
     from tunelab.core import hub_access
     from tunelab.core.paths import cache_dir
+    from tunelab.data.tokenize import num_proc_env
     from tunelab.report import tracking
+    from tunelab.run.progress import every_s
 
     hub_access.check_env()
     tracking.check_env()
+    num_proc_env(), every_s()  # read by the cells and the progress lines: refused now, before anything is written
     make_dir(cache_dir(), "the cache: $TUNELAB_CACHE, else ~/.cache/tunelab")
     shares, notes = _shares(req, how, configs)
     if len(shares) > 1 and not setting.off:  # a group is one process: side by side, each cell runs alone

@@ -60,6 +60,18 @@ def quick_exit() -> None:
         atexit.register(_at_exit)
 
 
+def check_env() -> None:
+    """At every `exp` command's start: $TUNELAB_GC is one of its two settings (a typo would silently keep the
+    policy)."""
+    value = os.environ.get(PLAIN_ENV, "")
+    if value not in ("", "plain"):
+        from tunelab.core.errors import UserError
+
+        raise UserError(f"{PLAIN_ENV}={value!r}: allowed is 'plain' (Python's garbage-collector defaults in every "
+                        "tunelab process), or unset it (tunelab's policy: rare collections while a process builds "
+                        "itself, no walk of the heap at exit)", file="environment")
+
+
 def settle() -> None:
     """The process is built: one collection, then collections as often as Python's defaults make them."""
     if _defaults and gc.get_threshold() != _defaults[0]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tunelab.core.config import CellConfig, TrackingCfg
-from tunelab.core.errors import UserError
+from tunelab.core.errors import UserError, env_number
 from tunelab.core.events import CheckpointScores, Step
 from tunelab.core.files import write_text
 
@@ -37,13 +37,12 @@ def check_env() -> None:
     if mode and mode not in WANDB_MODES:
         raise UserError(f"environment variable WANDB_MODE={mode!r}: allowed values are {', '.join(WANDB_MODES)} "
                         "(or leave it unset: online with an API key, else offline)")
-    timeout = os.environ.get("WANDB_INIT_TIMEOUT")
-    if timeout:
-        try:
-            assert float(timeout) > 0
-        except (ValueError, AssertionError):
-            raise UserError(f"environment variable WANDB_INIT_TIMEOUT={timeout!r}: expected seconds, a number "
-                            "above 0") from None
+    init_timeout()
+
+
+def init_timeout() -> float:
+    """Seconds a cell waits for W&B's server before it logs offline; W&B's own default is 90 s."""
+    return env_number("WANDB_INIT_TIMEOUT", INIT_TIMEOUT_S, what="seconds, a number")
 
 
 RUN_ID_FILE = "wandb_run_id"
@@ -99,7 +98,7 @@ class Tracker:
     def _init(mode: Any, kwargs: dict) -> Any:
         import wandb
 
-        timeout = float(os.environ.get("WANDB_INIT_TIMEOUT") or INIT_TIMEOUT_S)
+        timeout = init_timeout()
         run = wandb.init(mode=mode, settings=wandb.Settings(console="off", silent=True, init_timeout=timeout),
                          **kwargs)
         _LIVE.add(id(run))

@@ -24,8 +24,10 @@ from rich.progress import (
 )
 
 from tunelab.core import events
+from tunelab.core.errors import env_number
 from tunelab.machine.load import StepWindow, strain
 
+EVERY_ENV = "TUNELAB_PROGRESS_EVERY"
 PLAIN_EVERY_S = 30.0  # seconds between the periodic lines of a plain log ($TUNELAB_PROGRESS_EVERY overrides)
 
 
@@ -183,9 +185,11 @@ def _duration(seconds: float) -> str:
 
 def view(console: Console, matrix: str, cells: int) -> RunView:
     """Bars on a terminal, lines elsewhere; $TUNELAB_PROGRESS_EVERY sets the seconds between plain lines."""
-    import os
-
     if console.is_terminal:
         return BarsView(console, matrix, cells)
-    every = float(os.environ.get("TUNELAB_PROGRESS_EVERY", PLAIN_EVERY_S))
-    return LinesView(console, matrix, cells, every_s=every)
+    return LinesView(console, matrix, cells, every_s=every_s())
+
+
+def every_s() -> float:
+    """Seconds between a plain log's periodic lines: $TUNELAB_PROGRESS_EVERY (0: at every event), else 30."""
+    return env_number(EVERY_ENV, PLAIN_EVERY_S, strict=False, what="seconds, a number")
