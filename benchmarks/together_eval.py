@@ -68,7 +68,7 @@ def child(args) -> None:
 
     times = {"import_s": time.perf_counter() - t0}
     torch.set_num_threads(args.threads)
-    folders = sorted((args.work / "adapters").iterdir())[:args.adapters]
+    folders = [args.work / "adapters" / f"lora{k}" for k in range(args.adapters)]  # (by name: lora10 sorts first)
     cfg = plan.eval_config({"suite": args.suite, "val_batches": args.val_batches})
     t = time.perf_counter()
     base, tok = loading.load(ModelCfg(name=args.model, dtype="float32", attn="sdpa"))

@@ -212,3 +212,25 @@ def test_a_groups_members_and_limits_make_a_marked_subset(tiny, folder, runs, tm
     assert set(group["subtasks"]) == {"tl_mc2"} and group["n"] == 3 and group["subset"] is True
     assert group["value"] == res["tl_group"]["subtasks"]["tl_mc2"]["value"]  # the group's aggregate of one member
     assert mc["n"] == 2 and mc["subset"] is True and mc["limit"] == 2
+
+
+@pytest.mark.parametrize("hf_at", [0, 1])
+def test_one_call_mixing_engine_and_hf_generations_answers_each_request_in_place(tiny, hf_at):
+    """A generate_until call whose requests are served partly by the engine and partly by lm-eval's hf code (here a
+    generation argument the engine does not take): each answer lands at its own request, as when asked alone."""
+    from lm_eval.api.instance import Instance
+
+    from tunelab.evals.lmeval.lm import SharedPrefixLM
+
+    contexts = ["The quick brown fox jumps over", "Once upon a time there was a", "In the beginning"]
+    greedy = {"until": ["\n\n"], "max_gen_toks": 6, "do_sample": False}
+    kwargs = [greedy] * 3
+    kwargs[hf_at] = {**greedy, "repetition_penalty": 1.0}  # the same greedy text, through hf's code
+    lm = SharedPrefixLM(*tiny, batch_size=2)
+
+    def ask(pairs):
+        return lm.generate_until([Instance("generate_until", {}, (c, k), i) for i, (c, k) in enumerate(pairs)])
+
+    each = [ask([(c, greedy)])[0] for c in contexts]
+    assert ask(list(zip(contexts, kwargs))) == each
+    assert len(set(each)) == 3  # distinct answers: one in the wrong place would show

@@ -257,6 +257,10 @@ def test_exp_eval_run_adapters_writes_what_each_cell_wrote_alone(cli, tmp_path):
     cfg = yaml.safe_load((other / "config.yaml").read_text())
     cfg["eval"]["limit"] = 3
     (other / "config.yaml").write_text(yaml.safe_dump(cfg))
+    head = shutil.copytree(cells["lora"], tmp_path / "head")  # a cell whose adapter sits on the shared output head
+    cfg = yaml.safe_load((head / "config.yaml").read_text())
+    cfg["peft"]["target_modules"] = ["q_proj", "lm_head"]
+    (head / "config.yaml").write_text(yaml.safe_dump(cfg))
     def files():  # a lock's file says who holds it: taking a lock writes nothing else
         return {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file() and p.name != ".lock"}
 
@@ -270,6 +274,7 @@ def test_exp_eval_run_adapters_writes_what_each_cell_wrote_alone(cli, tmp_path):
         "--adapters needs the cells": ("tiny-random-llama", "--adapters"),
         "unexpected argument(s) after MODEL": ("tiny-random-llama", cells["lora"]),
         "--out: with --adapters": ("tiny-random-llama", "--adapters", cells["lora"], "--out", tmp_path / "o"),
+        "peft.target_modules: its adapter adapts ['lm_head']": ("tiny-random-llama", "--adapters", cells["lora"], head),
     }
     held = CellFolder(cells["ia3"]).lock()
     assert held.acquire(wait=0)

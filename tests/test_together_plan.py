@@ -53,7 +53,9 @@ def test_what_the_base_and_its_batches_are_made_of_is_shared(change):
     ({"train__compile": True}, "train.compile"),
     ({"eval__checkpoints": {"at": [2], "workers": 1}}, "eval.checkpoints.workers"),
     ({"eval__checkpoints": {"at": [2], "workers": 0}, "train__select": {"metric": "val_loss"}}, "train.select"),
-], ids=["none", "prefix", "dp", "compile", "beside", "select"])
+    ({"peft__target_modules": ["q_proj", "lm_head"]}, "['lm_head']: the output head and the input embeddings"),
+    ({"peft__method": "ia3", "peft__target_modules": ["model.embed_tokens", "down_proj"]}, "['model.embed_tokens']"),
+], ids=["none", "prefix", "dp", "compile", "beside", "select", "head", "embeddings"])
 def test_each_reason_to_run_alone(change, words):
     assert words in (why_alone(cfg(**change)) or "")
 

@@ -161,6 +161,8 @@ def checkpoints_equal(a: Path, b: Path) -> list[str]:
 def assert_same_cell(a: Path, b: Path, final: bool = True) -> None:
     assert numbers(a) == numbers(b), (a.name, numbers(a), numbers(b))
     assert checkpoints_equal(a, b) == [], a.name
+    total = [read_json(d / "train" / "summary.json").get("total_params") for d in (a, b)]  # not its mates' adapters
+    assert total[0] == total[1] or not final, (a.name, total)
     if final:
         fa, fb = a / "final" / "adapter_model.safetensors", b / "final" / "adapter_model.safetensors"
         assert fa.read_bytes() == fb.read_bytes(), a.name
@@ -239,13 +241,21 @@ class FailsAtTwo(torch.optim.AdamW):
 
 
 def test_a_member_that_fails_fails_alone(reference, tmp_path, monkeypatch):
+    """A member whose optimizer fails in training, one whose adapter would sit on the shared output head (the plan
+    keeps it alone by name; steered here as a member, injection refuses it), one whose evaluation cannot write: each
+    fails alone, the others are the cells alone (their evaluation, first tried in a pass with the broken one, again
+    each alone)."""
     _, ref = reference
     cells, alone_dirs = ref["ld"]
     write(tmp_path / "pkg" / "failing_optim.py", FAILING)
     monkeypatch.syspath_prepend(str(tmp_path / "pkg"))
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'pkg'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    _, bad = matrix(tmp_path, "f", ["{peft.method: lora, optim.name: 'failing_optim:FailsAtTwo', optim.lr: 1.0e-3}"])
-    dirs = prepared(tmp_path / "runs", "ld", [cells[0], bad[0], cells[2]])
+    _, bad = matrix(tmp_path, "f", ["{peft.method: lora, optim.name: 'failing_optim:FailsAtTwo', optim.lr: 1.0e-3}",
+                                    "{peft.method: lora, peft.target_modules: [q_proj, lm_head], "
+                                    "optim.lr: 2.0e-3}"])
+    dirs = prepared(tmp_path / "runs", "ld", [cells[0], bad[0], cells[2], bad[1], cells[1]])
+    blocked = CellFolder(dirs[4]).eval_dir(CellFolder(dirs[4]).config().eval.id())
+    write(blocked, "a file where its evaluation's folder goes")
     w = Worker(dirs, tmp_path / "w.log")
     w.train()
     assert w.end() == 0
@@ -254,6 +264,12 @@ def test_a_member_that_fails_fails_alone(reference, tmp_path, monkeypatch):
     assert "failing_optim.py" in status["traceback"]
     assert "fails at its second step" in (dirs[1] / "cell.log").read_text()
     assert [r["step"] for r in read_jsonl(dirs[1] / "train" / "metrics.jsonl")] == [1]
+    head = read_json(dirs[3] / "status.json")
+    assert head["state"] == "failed" and "would sit on lm_head" in head["error"], head
+    assert not (dirs[3] / "train" / "metrics.jsonl").exists()
+    broken = read_json(dirs[4] / "status.json")
+    assert broken["state"] == "failed" and "FileExistsError" in broken["error"], broken
+    assert numbers(dirs[4]) == numbers(alone_dirs[1])  # its training was the cell alone's
     for a, b in ((alone_dirs[0], dirs[0]), (alone_dirs[2], dirs[2])):
         assert_same_cell(a, b)
 

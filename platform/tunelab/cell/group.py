@@ -43,6 +43,7 @@ from tunelab.cell.process import LOCK_WAIT_S, line_stream
 from tunelab.checkpoint_scores.steps import StepScores
 from tunelab.core import events
 from tunelab.core.config import CellConfig
+from tunelab.core.errors import UserError
 from tunelab.core.events import Emit, Ready, Stage
 from tunelab.core.files import write_json
 from tunelab.core.locks import LOCK_FDS_ENV, LOCKED_EXIT, CellLock, lock_holder
@@ -70,6 +71,7 @@ class Seat:
     train_s: float = 0.0  # seconds of its own turns in this attempt (steps, validation, checkpoints)
     turns_s: float = 0.0  # and in all its attempts in this process
     joined: int = 0  # batched mode: its steps in this process that joined the group's passes
+    refused: UserError | None = None  # why its adapter could not join the group's model (it fails when asked)
 
 
 @dataclass
@@ -117,6 +119,8 @@ class Group:
         seats = [self.seats[k] for k in sorted(asks) if self.seats[k].state in ("waiting", "paused")]
         for seat in seats:
             self._attempt(seat, *asks[seat.k])
+            if seat.refused is not None and seat.state == "training":
+                self._fail(seat, seat.refused)
         if self.model is None and any(s.state == "training" for s in seats):
             try:
                 self._load([s for s in seats if s.state == "training"])
@@ -193,7 +197,13 @@ class Group:
         assert files is None, "a together-group runs on one process"
         t2 = time.perf_counter()
         for seat in self.seats:  # every member's, in order: an adapter's init draws on its own seed only
-            model = members.inject(model, members.member_name(seat.k), seat.cfg)
+            try:
+                model = members.inject(model, members.member_name(seat.k), seat.cfg)
+            except UserError as e:  # found before peft touched the model: this member fails, the others go on
+                seat.refused = e
+                if seat.state == "training":
+                    self._fail(seat, e)
+                continue
             seat.rng = checkpoint.rng_state()
         self.model, self.peak = model, peak_flops(first.rt.device)
         if self.mode == "batched":
@@ -369,8 +379,16 @@ class Group:
             by_section.setdefault(seat.attempt.cfg.eval.id(), []).append(seat)
         for same in by_section.values():
             if len(same) > 1 and route.unroutable(self.model, [s.member.name for s in same]) is None:
-                self._scored(same, lambda same=same: self._evaluate_together(same))
-                continue
+                try:
+                    self._evaluate_together(same)
+                except (Preempted, KeyboardInterrupt):
+                    raise
+                except Exception as e:  # noqa: BLE001 - one member's broken evaluation must not fail the others
+                    print(f"members {[s.k for s in same]} evaluated together failed ({type(e).__name__}: {e}); each "
+                          "is evaluated alone", file=sys.stderr, flush=True)
+                else:
+                    self._scored(same, lambda: None)
+                    continue
             for seat in same:
                 self._scored([seat], lambda seat=seat: self._evaluate_alone(seat))
 
@@ -431,7 +449,7 @@ class Group:
 
     def _fail(self, seat: Seat, e: BaseException) -> None:
         """This member failed: status failed with its traceback (in its cell.log too), its adapter dropped."""
-        text = traceback.format_exc()
+        text = "".join(traceback.format_exception(e))  # (also outside the except that caught it: a refused member)
         print(f"member {seat.k} ({seat.folder.path.name}) failed:\n{text}", file=sys.stderr, flush=True)
         with seat.folder.log_file.open("a") as log:
             log.write(text)

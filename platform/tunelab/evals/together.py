@@ -23,10 +23,12 @@ in one generation, each adapter's programs run in the sandbox as alone). Every o
 task without a `together` fact) runs once per adapter with every row routed to it.
 
 Equal to alone: each row goes through its own adapter over the unmerged base, as `train.peft.for_eval` evaluates a
-cell alone, and a row's numbers do not depend on the rows beside it (evals/engine/route.py): on CPU log-likelihoods,
-generated strings and val_loss are bit for bit alone's (tests/test_eval_together.py); on a GPU kernels round by
-shape, so generated strings agree up to near-ties. results.json differs from alone's by `together` (the group it
-was scored in) and `seconds` (the group's wall time for the task).
+cell alone, and a row's numbers do not depend on the rows beside it (evals/engine/route.py): on CPU at the tests'
+sizes log-likelihoods, generated strings and val_loss are bit for bit alone's (tests/test_eval_together.py); where
+kernels split their sums by shape (larger models, several threads, a GPU) they agree in the last bits (SmolLM2's
+quick suite on 2 CPU threads: log-likelihoods within 9.3e-6, every generated string the same:
+benchmarks/README.md), and generated strings up to near-ties. results.json differs from alone's by `together` (the
+group it was scored in) and `seconds` (the group's wall time for the task).
 """
 
 from __future__ import annotations

@@ -81,6 +81,17 @@ def eval_section(cfg: EvalCfg) -> list[Problem]:
     return out
 
 
+# The base's two ends, by their names in transformers' causal LMs. Adapters that share one base in a process (a
+# together-group, a shared evaluation pass) all go through the same output head and embeddings: an adapter there
+# would change the others' path (the loss's chunked head reads a plain weight), and its final/ holds base weights.
+SHARED_ENDS = ("lm_head", "embed_tokens", "embed_in", "embed_out", "wte", "wpe", "word_embeddings")
+
+
+def shared_ends(cfg: CellConfig) -> list[str]:
+    """The targets of `cfg`'s adapter that name the base's output head or input embeddings."""
+    return [t for t in cfg.peft.target_modules or () if t.rsplit(".", 1)[-1] in SHARED_ENDS]
+
+
 def peft_across(cfg: CellConfig) -> list[str]:
     """A CUDA-only method with train.device cpu cannot run anywhere; without CUDA on this machine it may still
     run on the machine that runs the cell, so that is checked there."""

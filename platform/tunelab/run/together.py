@@ -25,8 +25,10 @@ from typing import Any
 from tunelab.core.config import CellConfig, content_id, world_size
 from tunelab.core.errors import UserError
 from tunelab.core.registries import PEFT, optimizer_spec, uses_engine
+from tunelab.plan.sections import shared_ends
 
 AUTO_MAX = 32  # members of one group at most under `auto`
+
 MODES = ("exact", "batched")
 
 
@@ -73,6 +75,9 @@ def why_alone(cfg: CellConfig) -> str | None:
     spec = PEFT[cfg.peft.method]
     if spec.joins is None:
         return f"peft.method {cfg.peft.method}: {spec.alone_because}"
+    if ends := shared_ends(cfg):
+        return (f"peft.target_modules {ends}: the output head and the input embeddings are every member's, so no "
+                "member's adapter can sit on them")
     n = world_size(cfg.parallel)
     if n > 1:
         return f"it runs on {n} processes (parallel): a group is one process"

@@ -18,6 +18,7 @@ from tunelab.core.config import CellConfig, EvalCfg
 from tunelab.core.errors import UserError
 from tunelab.core.events import Emit, ignore
 from tunelab.folders.cell import CellFolder, open_cell
+from tunelab.plan.sections import shared_ends
 
 ROUTED = ("lora", "dora", "ia3")  # the methods whose adapters share passes over one base (evals/engine/route.py)
 
@@ -37,6 +38,10 @@ def check(base: str, paths: list[Path], ecfg: EvalCfg | None) -> tuple[list[Cell
             raise UserError(f"a {cfg.peft.method} cell: --adapters evaluates {', '.join(ROUTED)} adapters over one "
                             "base (their layers route each row to its adapter); evaluate this cell on its own "
                             "(`exp run` of its matrix)", file=folder.path, key="peft.method")
+        if ends := shared_ends(cfg):
+            raise UserError(f"its adapter adapts {ends}: the output head and the input embeddings are the base's, "
+                            "shared by every adapter of a shared pass; evaluate this cell on its own (`exp run` of "
+                            "its matrix)", file=folder.path, key="peft.target_modules")
         if not folder.is_trained():
             raise UserError("the cell has no trained final/ adapter yet (see `exp status`); nothing to evaluate",
                             file=folder.path)

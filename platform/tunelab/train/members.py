@@ -72,11 +72,14 @@ class Index:
 
             layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
             params: dict[str, list[torch.nn.Parameter]] = {}
+            seen: set[int] = set()
             for layer in layers:
-                for attr in layer.adapter_layer_names:
+                # (a DoRA layer may name lora_magnitude_vector twice: each parameter once)
+                for attr in dict.fromkeys(layer.adapter_layer_names):
                     for key, held in getattr(layer, attr).items():  # modules (LoRA's A, B) or parameters (IA3's)
                         ps = [held] if isinstance(held, torch.nn.Parameter) else list(held.parameters())
-                        params.setdefault(key, []).extend(ps)
+                        params.setdefault(key, []).extend(p for p in ps if id(p) not in seen)
+                        seen.update(id(p) for p in ps)
             hosted = [frozenset(k for attr in layer.adapter_layer_names for k in getattr(layer, attr))
                       for layer in layers]
             index = model.__dict__[INDEX] = cls(layers, hosted, params)
@@ -131,6 +134,11 @@ def inject(model: Any, name: str, cfg: CellConfig) -> Any:
     _changed(model)
     base = model.get_base_model() if hasattr(model, "peft_config") else model
     config = tpeft.config(base, cfg.peft)
+    if ends := shared_ends(base, config):  # run/together.py keeps these alone by name; a name it does not know
+        from tunelab.core.errors import UserError
+
+        raise UserError(f"its adapter would sit on {', '.join(ends)}, which every member of its together-group "
+                        "shares; run it with --together off", key="peft.target_modules")
     try:
         if not hasattr(model, "peft_config"):
             return get_peft_model(model, config, adapter_name=name)
@@ -146,6 +154,15 @@ def inject(model: Any, name: str, cfg: CellConfig) -> Any:
     finally:
         _changed(model)
     return model
+
+
+def shared_ends(base: Any, config: Any) -> list[str]:
+    """The base's output head and input embeddings, where `config` would adapt them (peft's own matching)."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    lm = causal_lm(base)
+    ends = {id(m) for m in (lm.get_output_embeddings(), lm.get_input_embeddings()) if m is not None}
+    return [key for key, m in base.named_modules() if id(m) in ends and bool(check_target_module_exists(config, key))]
 
 
 # What decides which modules a LoRA config adapts (and what else inject_adapter does beyond them): two configs equal
@@ -301,6 +318,8 @@ def setup(k: int, model: Any, rng: dict, shared: dict[str, Any], make_loop: Call
     activate(model, name)
     checkpoint.set_rng_state(rng)
     training = make_loop(lambda n: alone_key(n, name))
+    # Its parameters as the cell alone has them (total_params, MFU): the base and its own adapter, not its mates'.
+    training.n_params -= sum(p.numel() for key, ps in Index.of(model).params.items() if key != name for p in ps)
     head = HeadSettings.of(model, shared)
     start, resumed_from = tloop.resume(training)
     cfg = training.cfg

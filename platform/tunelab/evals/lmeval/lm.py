@@ -154,7 +154,8 @@ class SharedPrefixLM(HFLM):
         # every adapter's requests in one generation: each row through its own adapter (route.py)
         results = decoder.generate([replace(mine[i], adapter=name) for name in self.adapters for i in order])
         for at, result in enumerate(results):
-            k, i = divmod(at, len(order))
+            k, j = divmod(at, len(order))
+            i = order[j]  # the request's own index: the calls HFLM serves (`theirs`) may sit anywhere among them
             text = postprocess_generated_text(self.tok_decode(result.tokens), stops[i], None)
             if k == 0:
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)
