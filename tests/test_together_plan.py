@@ -80,9 +80,20 @@ def test_units_keep_cell_order_cap_at_n_and_say_why_a_cell_is_alone():
     assert [[c.slug for c in u.cells] for u in two if u.together] == [["a", "b"], ["ia3", "c"]]
     assert all(not u.together for u in together.plan(cells, Setting.parse("off", None)))
     three = together.plan(cells, Setting.parse(3, None))
-    assert "full (3 members each)" in next(u.why for u in three if u.cells[0].slug == "c")
+    assert "fill its groups (3 members)" in next(u.why for u in three if u.cells[0].slug == "c")
     late = together.plan(cells, Setting(), alone=lambda c: "told so" if c.slug == "b" else None)
     assert Unit((cells[2],), why="told so") in late
+
+
+def test_auto_sizes_each_group_on_its_own_members():
+    """Under auto each group is sized on the cells it takes: a later run of larger ranks gets smaller groups than the
+    first cells' size (which could overfill the device)."""
+    cells = [C(f"r{r}-{i}", peft__r=r, train__seed=i) for i, r in enumerate([8, 8, 8, 32, 32, 32])]
+    units = together.plan(cells, Setting(), cap_of=lambda cs: 3 if cs[0].config.peft.r <= 8 else 2)
+    assert [[c.slug for c in u.cells] for u in units] == [["r8-0", "r8-1", "r8-2"], ["r32-3", "r32-4"], ["r32-5"]]
+    assert units[2].why == "its base's other cells fill its groups (3 + 2 members)"
+    one = together.plan(cells[:2], Setting(), cap_of=lambda cs: 1)
+    assert all("one member at a time fits" in u.why for u in one)
 
 
 def test_a_searchs_first_rung_takes_the_plain_cells_of_its_base_along():

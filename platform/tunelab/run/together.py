@@ -136,13 +136,16 @@ def plan(cells: Sequence, setting: Setting, cap_of: Callable[[list], int] | None
     for c in cells:
         if reasons[id(c)] is None:
             by_key.setdefault(key(c.config), []).append(c)
-    caps = {k: max(1, setting.cap() or (cap_of(group) if cap_of else AUTO_MAX)) for k, group in by_key.items()}
     chunks: dict[int, Unit] = {}  # by the id of each unit's first cell
     for k, group in by_key.items():
-        for i in range(0, len(group), caps[k]):
-            part = tuple(group[i:i + caps[k]])
-            lone = NO_PARTNER if len(group) == 1 else f"its base's groups are full ({caps[k]} members each)"
-            chunks[id(part[0])] = Unit(part, k) if len(part) > 1 else Unit(part, why=lone)
+        i, sizes = 0, []
+        while i < len(group):  # each group sized on its own cells: later ones may have larger ranks or optimizers
+            cap = max(1, setting.cap() or (cap_of(group[i:]) if cap_of else AUTO_MAX))
+            part, i = tuple(group[i:i + cap]), i + cap
+            if len(part) > 1:
+                chunks[id(part[0])], sizes = Unit(part, k), sizes + [len(part)]
+                continue
+            chunks[id(part[0])] = Unit(part, why=_lone(len(group), sizes))
     units = []
     for c in cells:
         if reasons[id(c)] is not None:
@@ -150,6 +153,15 @@ def plan(cells: Sequence, setting: Setting, cap_of: Callable[[list], int] | None
         elif id(c) in chunks:
             units.append(chunks[id(c)])
     return units
+
+
+def _lone(cells: int, sizes: list[int]) -> str:
+    """Why a cell that shares its key with others is a unit of its own."""
+    if cells == 1:
+        return NO_PARTNER
+    if not sizes:
+        return "one member at a time fits this machine's memory (the memory model)"
+    return f"its base's other cells fill its groups ({' + '.join(map(str, sizes))} members)"
 
 
 def describe(units: list[Unit], setting: Setting, searches: Sequence = ()) -> list[str]:
