@@ -238,7 +238,9 @@ def test_exp_eval_run_adapters_writes_what_each_cell_wrote_alone(cli, tmp_path):
     (eval_dir,) = [p for p in (cells["lora"] / "eval").iterdir() if p.is_dir()]
     by_exp_run = {m: comparable(cells[m] / "eval" / eval_dir.name) for m in ("lora", "ia3")}
 
-    code, out, err = cli("eval", "run", "tiny-random-llama", "--adapters", cells["lora"], cells["ia3"])
+    # a CELL as everywhere: by the name the leaderboard prints, by its final/
+    code, out, err = cli("eval", "run", "tiny-random-llama", "--adapters", "lora", cells["ia3"] / "final",
+                         "--runs-dir", runs)
     assert code == 0, err
     for m in ("lora", "ia3"):
         written = json.loads((cells[m] / "eval" / eval_dir.name / "results.json").read_text())
@@ -270,7 +272,8 @@ def test_exp_eval_run_adapters_writes_what_each_cell_wrote_alone(cli, tmp_path):
         "a none cell: --adapters evaluates lora, dora, ia3 adapters": ("tiny-random-llama", "--adapters",
                                                                         cells["lora"], cells["none"]),
         "base model is 'tiny-random-llama', not": (str(tmp_path / "elsewhere"), "--adapters", cells["lora"]),
-        "not a cell folder": ("tiny-random-llama", "--adapters", tmp_path),
+        "`exp eval run --adapters` takes a cell": ("tiny-random-llama", "--adapters", tmp_path),
+        "the cell is named twice": ("tiny-random-llama", "--adapters", cells["lora"], cells["lora"] / "final"),
         "--adapters needs the cells": ("tiny-random-llama", "--adapters"),
         "unexpected argument(s) after MODEL": ("tiny-random-llama", cells["lora"]),
         "--out: with --adapters": ("tiny-random-llama", "--adapters", cells["lora"], "--out", tmp_path / "o"),

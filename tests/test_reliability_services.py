@@ -126,3 +126,9 @@ def test_env_values_are_checked(monkeypatch):
         hub_access.check_env()
     monkeypatch.setenv(hub_access.TIMEOUT_ENV, "2.5")
     assert hub_access.hub_timeout() == 2.5
+    monkeypatch.setenv(hub_access.TIMEOUT_ENV, "")  # empty is unset, for every variable tunelab reads
+    assert hub_access.hub_timeout() == hub_access.DEFAULT_TIMEOUT_S
+    from tunelab.core.paths import cache_dir
+
+    monkeypatch.setenv("TUNELAB_CACHE", "")  # not the current folder
+    assert cache_dir() == Path.home() / ".cache" / "tunelab"

@@ -134,17 +134,39 @@ def test_exp_plan_says_which_cells_join_and_why_the_others_run_alone(cli, tmp_pa
 
 def test_the_run_section_and_the_flag_change_no_cell_id(cli, tmp_path):
     ids = []
-    for name, run, flags in (("a", "", ()), ("b", "run: {together: 2}\n", ()), ("c", "", ("--together", "off"))):
+    for name, run, flags in (("a", "", ()), ("b", "run: {together: 2}\n", ()), ("c", "", ("--together", "off")),
+                             ("d", "run: {together: off}\n", ())):  # (YAML reads a bare off as false)
         path = write(tmp_path / f"{name}.yaml", MATRIX.replace("RUN", run))
         code, out, err = cli("plan", path, "--json", *flags)
         assert code == 0, err
-        rows = json.loads(out)
+        rows = json.loads(out)  # (stdout is the plan alone: what libraries print goes to stderr)
         ids.append([(r["id"], r["eval_id"]) for r in rows])
         joined = [r["together"] for r in rows if "group" in r["together"]]
-        assert len(joined) == {"a": 4, "b": 4, "c": 0}[name]
+        assert len(joined) == {"a": 4, "b": 4, "c": 0, "d": 0}[name]
         if name == "b":
             assert {len(j["members"]) for j in joined} == {2}
-    assert ids[0] == ids[1] == ids[2]
+    assert ids[0] == ids[1] == ids[2] == ids[3]
+
+
+def test_exp_plan_sizes_auto_groups_as_exp_run_does(cli, tmp_path):
+    """Nine IA3 cells, a method the memory model does not cover: auto takes at most capacity.FALLBACK members, in
+    the plan as in the runner (runner.units)."""
+    from tunelab.run import groups, together
+    from tunelab.train.parallel.capacity import FALLBACK
+
+    lrs = str([i / 1000 for i in range(1, 10)])
+    text = MATRIX.replace("[none, lora, dora]", "[ia3]").replace("[1.0e-3, 1.0e-4]", lrs)
+    path = write(tmp_path / "ia3.yaml", text.replace("RUN", ""))
+    code, out, err = cli("plan", path, "--json")
+    assert code == 0, err
+    joins = [r["together"] for r in json.loads(out)]
+    assert [len(j["members"]) for j in joins if "group" in j][:1] == [FALLBACK] and FALLBACK < 9
+    assert joins[-1] == {"alone": f"its base's other cells fill its groups ({FALLBACK} members)"}
+    from tunelab.matrix import expansion
+
+    cells = expansion.load(path)[1]
+    runner_units = together.plan(cells, together.Setting(), cap_of=groups.auto_cap)
+    assert [len(u.cells) for u in runner_units] == [FALLBACK, 1]
 
 
 @pytest.mark.parametrize(("args", "run", "words"), [
@@ -152,8 +174,11 @@ def test_the_run_section_and_the_flag_change_no_cell_id(cli, tmp_path):
     (("--together-mode", "fast"), "", ["--together-mode 'fast'", "exact, batched"]),
     ((), "run: {together_mode: fast}\n", ["tg.yaml", "run.together_mode", "exact", "batched"]),
     ((), "run: {together: 0}\n", ["tg.yaml", "run.together", "a number of members"]),
+    ((), "run: {together: '0'}\n", ["tg.yaml", "run.together", "a number of members"]),
+    (("--together-mode", "exact"), "run: {together: 'x'}\n", ["tg.yaml", "run.together", "a number of members"]),
+    ((), "run: {together: true}\n", ["tg.yaml", "run.together", "write auto, or a number"]),
     ((), "run: {togethr: 2}\n", ["tg.yaml", "run.togethr"]),
-], ids=["flag", "mode", "file-mode", "file-zero", "file-typo"])
+], ids=["flag", "mode", "file-mode", "file-zero", "file-zero-text", "file-beside-a-flag", "file-true", "file-typo"])
 def test_bad_together_settings_are_one_paragraph_and_exit_2(cli, tmp_path, args, run, words):
     path = write(tmp_path / "tg.yaml", MATRIX.replace("RUN", run))
     code, out, err = cli("run", path, "--runs-dir", tmp_path / "runs", *args)
@@ -175,6 +200,11 @@ def test_a_groups_memory_counts_the_base_once_and_one_members_step_at_a_time():
     assert group.optimizer == 7 * one.optimizer + big.optimizer
     assert group.activations == big.activations and group.grads == big.grads  # one member steps at a time
     assert big.peak < group.peak < 1.1 * big.peak  # 7 more adapters and their state: small beside the base
+    batched = estimate_group(shape, [lora] * 7 + [rank64], batched=True)  # one pass: every member's at once
+    assert batched.activations == 7 * one.activations + big.activations
+    lomo = Setup(peft="lora", lora_r=16, seq=512, batch=4, dp=1, optim="lomo")  # steps exact even in batched mode
+    mixed = estimate_group(shape, [lora, lora, lomo], batched=True)
+    assert mixed.activations == max(2 * one.activations, estimate(shape, lomo).activations)
 
 
 def test_exp_memory_predicts_a_group_and_refuses_what_cannot_join(cli):
@@ -184,6 +214,12 @@ def test_exp_memory_predicts_a_group_and_refuses_what_cannot_join(cli):
     assert got["together"] == 8 and got["group_bytes"]["peak"] > got["estimate_bytes"]["peak"]
     code, _, err = cli("memory", "--model", "llama-7b", "--together", "8")
     assert code == 2 and "--together N" in err and "--peft lora" in " ".join(err.split())
+    for args, says in ((("--peft", "lora", "--together", "2", "--backend", "deepspeed"), "--backend"),
+                       (("--peft", "lora", "--batched"), "give --together N"),
+                       (("--peft", "lora", "--together", "100000000"), "at most 4,096 members"),
+                       (("--device-gb", "nan"), "--device-gb must be positive")):
+        code, _, err = cli("memory", "--model", "llama-7b", *args)
+        assert code == 2 and says in " ".join(err.split()), (args, err)
 
 
 def test_sizing_a_group_reads_a_llama_config_as_transformers_does_without_importing_it(tmp_path):

@@ -84,6 +84,13 @@ BAD = {
     "an unknown intermediate value": ("pruner: halving\n  min_steps: 2\n  intermediate: loss", "tune.intermediate",
                                       "unknown intermediate value 'loss'"),
     "a checkpoint intermediate without rungs": ("intermediate: checkpoint", "tune", "pruner none has none"),
+    "a negative seed": ("seed: -1", "tune.seed", "greater than or equal to 0"),
+    "a seed past numpy's": ("seed: 4294967296", "tune.seed", "less than or equal to 4294967295"),
+    "studies past numpy's seeds": ("seed: 4294967295\n  studies: 2", "tune", "the last, 4294967296, is above"),
+    "a budget of true": ("trials: true", "tune.trials", "a whole number, not true/false"),
+    "a bound of true": ("space: {peft.r: {int: [true, 8]}}", "tune.space.peft.r", "numbers, not true/false"),
+    "a choice value twice": ("space: {optim.lr: {choice: [0.001, 1.0e-3, 0.01]}}", "tune.space.optim.lr",
+                             "0.001 is named twice"),
 }
 DEFAULT = {"space": "space: {optim.lr: {log_uniform: [1.0e-6, 1.0e-3]}}", "trials": "trials: 4"}
 

@@ -27,8 +27,10 @@ def run_cmd(
     model: Annotated[str, typer.Argument(help="what to evaluate: a catalog alias, a cell (its folder, its final/, or "
                                               "its name as the leaderboard prints it), a cell's checkpoint "
                                               "(CELL/checkpoints/step-N), a folder with a model, or a hub id")],
-    cells: Annotated[list[Path] | None, typer.Argument(help="with --adapters: the LoRA/DoRA/IA3 cells of MODEL to "
-                                                            "evaluate together", show_default=False)] = None,
+    cells: Annotated[list[str] | None, typer.Argument(help="with --adapters: the LoRA/DoRA/IA3 cells of MODEL to "
+                                                           "evaluate together (each a folder, its final/, or its "
+                                                           "name as the leaderboard prints it)",
+                                                      show_default=False)] = None,
     adapters: Annotated[bool, typer.Option("--adapters", help="MODEL is a base; evaluate the final/ adapters of the "
                                            "CELLS after it over one load of it, in shared passes, each into its "
                                            "cell's eval/<eval-id>/ (its own eval section unless --suite/--tasks)")
@@ -75,7 +77,9 @@ def run_cmd(
     console = Console()
     if adapters:  # each cell's own eval section unless the command line sets one
         own = suite is None and tasks is None and all(v is None for v in given.values())
-        _adapters(model, cells or [], None if own else cfg, device, console)
+        # each CELL read as everywhere: its folder, its final/, or its name as the leaderboard prints it
+        folders = [resolve(str(c), "eval run --adapters", ("cell",), runs_dir).cell.path for c in cells or []]
+        _adapters(model, folders, None if own else cfg, device, console)
         return
     out = Path("eval-out") if out is None else out
     with interruptible(f"nothing was scored; {out} holds what was written so far"), \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import asdict
 from pathlib import Path
@@ -13,7 +14,16 @@ from rich.table import Table
 from tunelab.cli.common import INSPECT, Json, app, err, out, print_json, print_wide
 from tunelab.core.errors import UserError
 from tunelab.core.registries import ENGINES, OPTIMIZERS
-from tunelab.train.parallel.memory import DTYPE_BYTES, GB, SHAPES, Estimate, Setup, devices_needed, estimate
+from tunelab.train.parallel.memory import (
+    DTYPE_BYTES,
+    GB,
+    SHAPES,
+    Estimate,
+    Setup,
+    devices_needed,
+    estimate,
+    steps_exact,
+)
 
 
 def _kinds_help() -> str:
@@ -22,6 +32,7 @@ def _kinds_help() -> str:
     return f"{', '.join(KINDS[:-1])} or {KINDS[-1]}; all of them when left out"
 
 
+MOST_MEMBERS = 4096  # `exp memory --together N`: an estimate is built per member
 LINES_FROM = 200  # rows from which a kind is listed as plain lines: a box drawn around thousands of rows helps no one
 
 
@@ -108,7 +119,7 @@ def memory(
     s = Setup(optim=optim, peft=peft, lora_r=lora_r, lora_dropout=lora_dropout, dtype=dtype, dp=dp, tp=tp, pp=pp,
               zero=zero, seq=seq, batch=batch, microbatches=microbatches, pp_schedule=pp_schedule,
               activation_checkpointing=activation_checkpointing, backend=backend)
-    _check_setup(s, together, device_gb)
+    _check_setup(s, together, device_gb, batched)
     try:
         shape = load_shape(model)
     except (OSError, ValueError) as err:
@@ -124,7 +135,9 @@ def memory(
     _print_estimate(model, s, est, need, device_gb)
     if group is not None:
         more = (group.params + group.optimizer - est.params - est.optimizer) / (together - 1)
-        steps = "every member's step in one pass" if batched else "one member's step at a time"
+        steps = "every member's step in one pass" if batched and not steps_exact(s) else \
+            "one member's step at a time" + (" (these members step exact in batched mode too: run/together.py "
+                                             "why_not_batched)" if batched else "")
         out.print(f"together-group of {together} such members on one device "
                   f"({'batched' if batched else 'exact'} mode): the base's weights once, "
                   f"{more / GB:.3f} GB more per member after the first (its adapter, optimizer state and objects), "
@@ -132,7 +145,7 @@ def memory(
                   f"({'fits' if group.peak <= device_gb * GB else 'does not fit'} {device_gb:g} GB)", highlight=False)
 
 
-def _check_setup(s: Setup, together: int, device_gb: float) -> None:
+def _check_setup(s: Setup, together: int, device_gb: float, batched: bool = False) -> None:
     """`exp memory`'s options against what each allows (exit 2, naming the option)."""
     allowed: dict[str, tuple[object, Collection]] = {
         "--optim": (s.optim, OPTIMIZERS), "--peft": (s.peft, ("none", "lora")), "--dtype": (s.dtype, DTYPE_BYTES),
@@ -143,12 +156,17 @@ def _check_setup(s: Setup, together: int, device_gb: float) -> None:
             raise UserError(f"{flag} {value!r} is not one of {', '.join(map(str, choices))}")
     if not 0 <= s.lora_dropout < 1:
         raise UserError(f"--lora-dropout {s.lora_dropout} is not in [0, 1)")
-    if min(s.dp, s.tp, s.pp, s.microbatches, s.seq, s.batch, s.lora_r, together) < 1 or device_gb <= 0:
+    if min(s.dp, s.tp, s.pp, s.microbatches, s.seq, s.batch, s.lora_r, together) < 1 or not device_gb > 0 \
+            or not math.isfinite(device_gb):
         raise UserError("--dp, --tp, --pp, --microbatches, --seq, --batch, --lora-r, --together and --device-gb must "
                         "be positive")
-    if together > 1 and (s.peft == "none" or s.dp * s.tp * s.pp > 1):
-        raise UserError("--together N: members of a together-group share a frozen base on one process: give --peft "
-                        "lora and no --dp, --tp or --pp")
+    if together > 1 and (s.peft == "none" or s.dp * s.tp * s.pp > 1 or ENGINES[s.backend].steps_alone):
+        raise UserError("--together N: members of a together-group share a frozen base on one plain process: give "
+                        "--peft lora and no --dp, --tp, --pp or an engine that steps alone (--backend)")
+    if together > MOST_MEMBERS:
+        raise UserError(f"--together {together}: at most {MOST_MEMBERS:,} members (a group on one device)")
+    if batched and together == 1:
+        raise UserError("--batched: the members of a together-group in batched mode; give --together N (2 or more)")
 
 
 def _print_estimate(model: str, s: Setup, est: Estimate, need: int | None, device_gb: float) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -46,13 +48,13 @@ def _say_warnings(spec, file: Path, cells: list, groups: list) -> None:
         err.print(f"[yellow]warning:[/] {escape(f'{file}: {line}')}", highlight=False, soft_wrap=True)
 
 
-def _group_peaks(units: list) -> None:
+def _group_peaks(units: list, batched: bool) -> None:
     """Each together-group's peak by the memory model (`exp memory --together`), and its device's memory."""
     from tunelab.train.parallel import capacity
 
     for n, u in enumerate(units, 1):
         cfgs = [c.config for c in u.cells]
-        peak = capacity.peak_mb(cfgs)
+        peak = capacity.peak_mb(cfgs, batched)
         device = capacity.device_memory_mb(cfgs[0].train.device)
         said = f"predicted peak {peak:,.0f} MB (the memory model, tensors only)" if peak is not None else \
             f"peak not predicted (a method or optimizer the memory model does not cover: auto takes at most " \
@@ -96,29 +98,33 @@ def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets =
     """Expand a matrix file and print its cells (and which train together); runs nothing."""
     from tunelab.core.errors import Errors
     from tunelab.experiment import ownership
+    from tunelab.experiment.session import together_setting
     from tunelab.folders.matrix import MatrixFolder
     from tunelab.matrix import expansion
     from tunelab.matrix.sets import parse_sets
     from tunelab.run import together as joining
+    from tunelab.run.groups import auto_cap
     from tunelab.tune import plan as tune_plan
     from tunelab.tune import show
 
-    overrides = parse_sets(sets or [])
-    errors = Errors(file)  # every error of the file at once: its cells' and its searches' (tune.plan raises)
-    spec, cells = expansion.load(file, overrides, errors)
-    groups = tune_plan.groups(spec, file, overrides, errors)
-    # The run folder this file would run in belongs to another file of its name: `exp run` would refuse it too.
-    ownership.refuse(MatrixFolder(runs_dir / spec.name), file, file.read_text())
-    setting = joining.Setting.parse(together if together is not None else spec.run.together,
-                                    together_mode or spec.run.together_mode)
-    units = joining.plan(cells, setting)
-    unit_of = {id(c): (n, u) for n, u in enumerate(units) for c in u.cells}
-    from tunelab.plan.warnings import cell_warnings
+    # What libraries print while the plan is made (a model built for the memory model: DeepSpeed's accelerator
+    # line) goes to stderr: stdout is the plan (`--json` is read by programs).
+    with contextlib.redirect_stdout(sys.stderr):
+        overrides = parse_sets(sets or [])
+        errors = Errors(file)  # every error of the file at once: its cells' and its searches' (tune.plan raises)
+        spec, cells = expansion.load(file, overrides, errors)
+        groups = tune_plan.groups(spec, file, overrides, errors)
+        # The run folder this file would run in belongs to another file of its name: `exp run` would refuse it too.
+        ownership.refuse(MatrixFolder(runs_dir / spec.name), file, file.read_text())
+        setting = together_setting(together, together_mode, spec, file)
+        units = joining.plan(cells, setting, cap_of=lambda cs: auto_cap(cs, setting.mode == "batched"))  # as exp run
+        unit_of = {id(c): (n, u) for n, u in enumerate(units) for c in u.cells}
+        from tunelab.plan.warnings import cell_warnings
 
-    rows = [{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
-             "checkpoints": c.checkpoints and {**c.checkpoints, "mode": _along(c.config)},
-             "together": _joins(*unit_of[id(c)]), "config": c.config.model_dump(mode="json"),
-             "warnings": cell_warnings(c.config)} for c in cells]
+        rows = [{"id": c.id, "eval_id": c.eval_id, "slug": c.slug, "varying": c.varying,
+                 "checkpoints": c.checkpoints and {**c.checkpoints, "mode": _along(c.config)},
+                 "together": _joins(*unit_of[id(c)]), "config": c.config.model_dump(mode="json"),
+                 "warnings": cell_warnings(c.config)} for c in cells]
     if as_json:  # a matrix with searches: {"cells": [...], "groups": [...], "warnings": [...]}
         searches = [{**r, "warnings": cell_warnings(g.config)} for r, g in zip(show.plan_rows(groups), groups)]
         return print_json({"cells": rows, "groups": searches, "warnings": tune_plan.warnings(spec, file)}
@@ -130,7 +136,7 @@ def plan(file: Annotated[Path, typer.Argument(help="matrix YAML")], sets: Sets =
         print_wide(show.plan_table(spec.name, groups))
     for line in joining.describe(units, setting, groups):
         out.print(escape(line), highlight=False, soft_wrap=True)
-    _group_peaks([u for u in units if u.together])
+    _group_peaks([u for u in units if u.together], setting.mode == "batched")
     from tunelab.matrix.input_checks import offline_problems
     from tunelab.plan.later import run_time_checks
 

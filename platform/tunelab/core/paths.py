@@ -38,7 +38,7 @@ def available(kind: str, suffix: str = ".yaml") -> list[str]:
 
 def cache_dir() -> Path:
     """tunelab's cache (models, built datasets, offline eval data): $TUNELAB_CACHE or ~/.cache/tunelab."""
-    return Path(os.environ.get("TUNELAB_CACHE", Path.home() / ".cache" / "tunelab"))
+    return Path(os.environ.get("TUNELAB_CACHE") or Path.home() / ".cache" / "tunelab")  # (empty: unset, not cwd)
 
 
 # A hub id is org/name: one slash. A name with more slashes, or that starts like a path, is a local folder.

@@ -71,7 +71,7 @@ def plan(req: Request) -> Planned:
     req.how.check()
     errors = Errors(req.file)  # every error of the file at once: its cells' and its searches' (tune.plan raises)
     spec, cells = expansion.load(req.file, req.sets, errors)
-    setting = together_setting(req, spec)
+    setting = together_setting(req.together, req.together_mode, spec, req.file)
     how = replace(req.how, slurm=launcher.with_overrides(spec.launcher, req.slurm_flags))
     groups, chosen_groups = _searches(spec, req, how, errors)
     chosen = runner.select(cells, req.only)
@@ -113,15 +113,17 @@ def plan(req: Request) -> Planned:
                    chosen_groups=chosen_groups, shares=shares, notes=notes)
 
 
-def together_setting(req: Request, spec: MatrixFile) -> Setting:
-    """--together over the file's `run.together` (and the modes likewise); refused values are exit 2."""
-    if req.together is not None or req.together_mode is not None:
-        return Setting.parse(req.together if req.together is not None else spec.run.together,
-                             req.together_mode or spec.run.together_mode)
+def together_setting(together: str | None, mode: str | None, spec: MatrixFile, file: Path) -> Setting:
+    """--together over the file's `run.together` (and the modes likewise); a refused value is exit 2, named where it
+    was given (the flag, or the file's key with the file)."""
+    flag = (together is not None, mode is not None)
+    names = ("--together" if flag[0] else "run.together", "--together-mode" if flag[1] else "run.together_mode")
     try:
-        return Setting.parse(spec.run.together, spec.run.together_mode, ("run.together", "run.together_mode"))
+        return Setting.parse(together if flag[0] else spec.run.together, mode if flag[1] else spec.run.together_mode,
+                             names)
     except UserError as e:
-        raise UserError(str(e), file=req.file) from None
+        in_file = str(e).startswith("run.")
+        raise UserError(str(e), file=file if in_file else None) from None
 
 
 def _shares(req: Request, how: Launch, configs: list) -> tuple[tuple[Share, ...], list[str]]:

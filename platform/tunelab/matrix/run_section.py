@@ -19,11 +19,13 @@ class RunSection(BaseModel):
                              "batched: all members' rows of a step in one pass through the base, each row through "
                              "its own adapter (one step within 1e-6 of alone; docs/training.md)")
 
-    @field_validator("together")
+    @field_validator("together", mode="before")
     @classmethod
-    def _together(cls, v: str | int) -> str | int:
-        if isinstance(v, bool) or (isinstance(v, int) and v < 1):
-            raise ValueError("auto, off, or a number of members (1 or more; 1 is off)")
-        if isinstance(v, str) and v.strip().lower() not in ("auto", "off") and not v.strip().isdigit():
-            raise ValueError("auto, off, or a number of members (1 or more; 1 is off)")
-        return v
+    def _together(cls, v: object) -> str | int:
+        if v is False:  # YAML reads a bare `off` (and no, false) as false
+            return "off"
+        text = str(v).strip().lower() if isinstance(v, str | int) and not isinstance(v, bool) else None
+        if text is None or text not in ("auto", "off") and not (text.isdigit() and int(text) >= 1):
+            raise ValueError(f"auto, off, or a number of members (1 or more; 1 is off); got {v!r}"
+                             + (" (write auto, or a number)" if v is True else ""))
+        return v  # type: ignore[return-value]

@@ -24,6 +24,7 @@ BUDGET_KEYS = ("trials", "metric", "mode", "sampler", "pruner", "eta", "min_step
 # A study's best value of a searched key this close to an end of its range is "at the edge" (docs/tuning.md, after
 # Google's tuning playbook: the best trials should not sit at the boundary of the search space).
 EDGE_SHARE = 0.1
+SEED_MAX = 2**32 - 1  # numpy's (and so every Optuna sampler's) largest seed
 
 
 class Dist(BaseModel):
@@ -44,6 +45,8 @@ class Dist(BaseModel):
         (kind,) = raw
         if kind not in KINDS:
             raise ValueError(f"unknown distribution {kind!r}; allowed: {', '.join(KINDS)}")
+        if kind != "choice" and isinstance(raw[kind], list | tuple) and any(isinstance(b, bool) for b in raw[kind]):
+            raise ValueError(f"{kind}: {raw[kind]}: its bounds are numbers, not true/false")
         return raw
 
     @model_validator(mode="after")
@@ -118,7 +121,11 @@ def _number(v: Any) -> bool:
 def _check_choice(values: list[Any]) -> None:
     if any(v is not None and not isinstance(v, (bool, int, float, str)) for v in values):
         raise ValueError("choice values are numbers, strings, booleans or null")
-    if len({repr(v) for v in values}) < 2:
+    same = [a for i, a in enumerate(values) for b in values[:i]
+            if a == b and isinstance(a, bool) == isinstance(b, bool)]
+    if same:  # (1 and 1.0 are one value: a grid over them would train one configuration twice)
+        raise ValueError(f"{same[0]!r} is named twice in {values}: each value of a choice once")
+    if len(values) < 2:
         raise ValueError("a choice needs two or more different values (one value is no search: set it in base)")
 
 
@@ -139,7 +146,8 @@ class TuneSpec(BaseModel):
                               "loss at the rung step) or checkpoint (tune.metric scored on the rung's checkpoint)")
     batch: int | None = Field(None, gt=0, description="trials sampled per round; default: all of them at once, for "
                               "tpe a quarter (each round sees the rounds before)")
-    seed: int = Field(0, description="the sampler's seed")
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="the sampler's seed (0 .. 2^32 - 1, as Optuna's samplers "
+                      "take it)")
     storage: str = Field("journal", description="journal (an Optuna journal file in the runs folder) or a "
                          "postgresql:// / sqlite:/// URL")
     baseline: bool = Field(False, description="also run each group as written (its own values of the searched "
@@ -151,6 +159,13 @@ class TuneSpec(BaseModel):
     workloads: list[str] = Field(default_factory=list, description="matrix axes that are workloads (e.g. "
                                  "data.recipe): every method group is tuned on each, and the leaderboard aggregates "
                                  "each method over them (performance profile)")
+
+    @field_validator("trials", "eta", "min_steps", "batch", "seed", "studies", mode="before")
+    @classmethod
+    def _whole(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # (YAML's true would pass as 1)
+            raise ValueError(f"{str(v).lower()}: a whole number, not true/false")
+        return v
 
     @field_validator("space")
     @classmethod
@@ -205,6 +220,9 @@ class TuneSpec(BaseModel):
 
     @model_validator(mode="after")
     def _together(self) -> TuneSpec:
+        if self.seed + self.studies - 1 > SEED_MAX:
+            raise ValueError(f"seed {self.seed} with {self.studies} studies: study s samples with seed + s, and the "
+                             f"last, {self.seed + self.studies - 1}, is above {SEED_MAX}")
         if self.metric in TASKS and TASKS[self.metric].split == "test" and not self.allow_test_selection:
             raise ValueError(test_selection_refused(self.metric))
         for key in self.workloads:

@@ -138,7 +138,7 @@ def plan(cells: Sequence, setting: Setting, cap_of: Callable[[list], int] | None
             by_key.setdefault(key(c.config), []).append(c)
     chunks: dict[int, Unit] = {}  # by the id of each unit's first cell
     for k, group in by_key.items():
-        i, sizes = 0, []
+        i, sizes = 0, list[int]()
         while i < len(group):  # each group sized on its own cells: later ones may have larger ranks or optimizers
             cap = max(1, setting.cap() or (cap_of(group[i:]) if cap_of else AUTO_MAX))
             part, i = tuple(group[i:i + cap]), i + cap

@@ -52,7 +52,7 @@ def check(base: str, paths: list[Path], ecfg: EvalCfg | None) -> tuple[list[Cell
             raise UserError(f"the cell's model section {cfg.model.model_dump(exclude_defaults=True)} differs from "
                             f"{folders[0].path}'s {cfgs[0].model.model_dump(exclude_defaults=True)}: cells evaluated "
                             "together load one base the same way", file=folder.path, key="model")
-        if folder.path in [f.path for f in folders]:
+        if folder.path.resolve() in [f.path.resolve() for f in folders]:  # (one cell written two ways too)
             raise UserError("the cell is named twice", file=folder.path)
         folders.append(folder)
         cfgs.append(cfg)

@@ -85,9 +85,10 @@ def members(cfgs: list[CellConfig], most: int, batched: bool = False) -> int:
     return min(most, FALLBACK) if n is None else n
 
 
-def peak_mb(cfgs: list[CellConfig]) -> float | None:
-    """The memory model's peak of these cells as one group on this machine's device (tensors only), or None."""
+def peak_mb(cfgs: list[CellConfig], batched: bool = False) -> float | None:
+    """The memory model's peak of these cells as one group on this machine's device (tensors only), or None
+    (`batched`: in batched mode)."""
     from tunelab.train.parallel.predict import group_peak_mb
 
     model = _model(cfgs[0])
-    return None if model is None else group_peak_mb(model[0], cfgs, model[1])
+    return None if model is None else group_peak_mb(model[0], cfgs, model[1], batched=batched)

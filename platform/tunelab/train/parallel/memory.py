@@ -237,16 +237,28 @@ def estimate_group(shape: Shape, setups: list[Setup], batched: bool = False) -> 
     """A together-group's peak on its one device (run/together.py): the base's weights once; each member's adapter
     weights and optimizer state for as long as it lives, and a fixed overhead (MEMBER_OVERHEAD). In exact mode the
     members step one at a time, so a step's gradients, temporaries and activations are those of the largest; in
-    batched mode (train/batched.py) one pass holds every member's activations and gradients at once: their sum.
-    One process only (a group has no engine)."""
+    batched mode (train/batched.py) one pass holds the joined members' activations and gradients at once: their sum
+    (a member that steps exact even so, run/together.py `why_not_batched`, steps alone after the pass). One process
+    only (a group has no engine)."""
     ests = [estimate(shape, s) for s in setups]
     base = _stage_params(shape, setups[0]) * DTYPE_BYTES[setups[0].dtype]
     adapters = sum(e.params - base for e in ests)
-    most = sum if batched else max
-    return Estimate(params=base + adapters + MEMBER_OVERHEAD * len(setups), grads=most(e.grads for e in ests),
-                    optimizer=sum(e.optimizer for e in ests), activations=most(e.activations for e in ests),
+    joined = [e for e, s in zip(ests, setups) if batched and not steps_exact(s)]
+    apart = [e for e, s in zip(ests, setups) if not (batched and not steps_exact(s))]
+
+    def most(part: str) -> float:
+        return max([sum(getattr(e, part) for e in joined), *(getattr(e, part) for e in apart)])
+
+    return Estimate(params=base + adapters + MEMBER_OVERHEAD * len(setups), grads=most("grads"),
+                    optimizer=sum(e.optimizer for e in ests), activations=most("activations"),
                     trainable=sum(e.trainable for e in ests), total_params=ests[0].total_params,
                     load=max(e.load for e in ests), step=max(e.step for e in ests))
+
+
+def steps_exact(s: Setup) -> bool:
+    """A member that does not join a batched pass (run/together.py `why_not_batched`, in the memory model's words):
+    an optimizer that updates inside its own backward, or a recomputed layer that would draw its dropout again."""
+    return OPTIMIZERS[s.optim].fused or (s.activation_checkpointing and s.peft == "lora" and s.lora_dropout > 0)
 
 
 def _layer_values(shape: Shape, s: Setup) -> float:
