@@ -89,6 +89,7 @@ BAD = {
     "studies past numpy's seeds": ("seed: 4294967295\n  studies: 2", "tune", "the last, 4294967296, is above"),
     "a budget of true": ("trials: true", "tune.trials", "a whole number, not true/false"),
     "a bound of true": ("space: {peft.r: {int: [true, 8]}}", "tune.space.peft.r", "numbers, not true/false"),
+    "a study in memory": ("storage: 'sqlite:///'", "tune.storage", "a database in memory"),
     "a choice value twice": ("space: {optim.lr: {choice: [0.001, 1.0e-3, 0.01]}}", "tune.space.optim.lr",
                              "0.001 is named twice"),
 }
@@ -318,3 +319,17 @@ def test_run_only_matching_nothing_names_the_searches_and_writes_nothing(cli, tm
     code, _, err = cli("run", path, "--only", "zzz*", "--runs-dir", tmp_path / "runs")
     assert code == 2 and "adamw (a search)" in err and "adam-s0" in err
     assert not (tmp_path / "runs" / "tp").exists()
+
+
+def test_a_mode_against_its_metrics_direction_is_warned(cli, tmp_path):
+    text = f"""name: against
+base:
+  model: {{name: tiny-random-llama}}
+  data: {{recipe: arithmetic}}
+  train: {{steps: 8}}
+tune:
+{section("mode: max")}"""
+    code, _, err = cli("plan", write(tmp_path / "a.yaml", text))
+    assert code == 0 and "tune.mode max on val_loss, whose better scores are lower" in " ".join(err.split()), err
+    code, _, err = cli("plan", write(tmp_path / "b.yaml", text.replace("mode: max", "mode: min")))
+    assert code == 0 and "whose better scores" not in err

@@ -216,6 +216,9 @@ class TuneSpec(BaseModel):
     def _storage(cls, v: str) -> str:
         if v != "journal" and not v.startswith(STORAGE_PREFIXES):
             raise ValueError(f"{v!r}: journal, or a URL starting with {', '.join(STORAGE_PREFIXES)}")
+        if v.startswith("sqlite:///") and v.removeprefix("sqlite:///") in ("", ":memory:"):
+            raise ValueError(f"{v!r} is a database in memory: the study would be lost when `exp run` ends (and a "
+                             "second runner could not share it); name a file, sqlite:///path/to/study.db")
         return v
 
     @model_validator(mode="after")

@@ -19,7 +19,7 @@ from typing import Any
 from tunelab.core.config import CellConfig, content_id
 from tunelab.core.errors import Errors, UserError
 from tunelab.core.keys import set_dotted
-from tunelab.core.registries import INTERMEDIATES, PRUNERS
+from tunelab.core.registries import INTERMEDIATES, PRUNERS, TASKS
 from tunelab.matrix import expansion, input_checks
 from tunelab.matrix.schema import MatrixFile
 from tunelab.matrix.sets import cell_sets
@@ -255,9 +255,18 @@ def select(groups_: list[Group], only: str | None) -> list[Group]:
 
 def warnings(spec: MatrixFile, path: Path) -> list[str]:
     """What a tune: section does that the file may not mean: an include entry's (or axis's) own value of a searched
-    key never runs while tune.baseline is off (the search replaces it)."""
+    key never runs while tune.baseline is off (the search replaces it); a mode against its metric's own direction
+    (tunelab's tasks: `mode: max` on val_loss searches for the worst)."""
     unused: dict[str, list[str]] = {}
+    against: dict[str, str] = {}
     for combo in expansion.combos(spec, path):
+        t = combo.tune
+        if t is not None and t.mode is not None and t.metric in TASKS:
+            own = "min" if TASKS[t.metric].lower_is_better else "max"
+            if t.mode != own:
+                against[combo.tune_at] = (f"{combo.tune_at}.mode {t.mode} on {t.metric}, whose better scores are "
+                                          f"{'lower' if own == 'min' else 'higher'}: the search looks for its worst "
+                                          f"(leave mode out to take the task's own direction)")
         if combo.tune is None or combo.tune.baseline:
             continue
         for key in combo.tune.space:
@@ -268,4 +277,4 @@ def warnings(spec: MatrixFile, path: Path) -> list[str]:
         never = "these values never run" if len(values) > 1 else "this value never runs"
         out.append(f"{', '.join(values)}: searched by {at}.space, so {never} (the search replaces it); "
                    "tune.baseline: true also runs each group with its own value (the leaderboard's `default` rows)")
-    return out
+    return out + list(against.values())
