@@ -62,6 +62,8 @@ def search_trials(matrix: MatrixFolder) -> dict[str, dict[str, Any]]:
             continue
         for t in table.get("trials", []):
             pruned = t.get("state") == "pruned"
+            if pruned and t["cell"] in out:  # a point drawn twice: the trial that went on says what its cell is
+                continue
             out[t["cell"]] = {"id": t["cell"], "slug": f"{table.get('group')}-t{t['number']:02d}",
                               "state": t.get("state"),
                               "note": f"pruned at step {t.get('pruned_at')} by its search" if pruned else

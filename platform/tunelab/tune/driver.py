@@ -155,11 +155,13 @@ def _stages(searches: list[Search], r: _Run | None, plain: Sequence[Cell] = ()) 
                 if r is not None:
                     _write_record(s, s.matrix_dir, r.say)
             if r is not None:
-                going_on = {t.cell.id for s in live for t in s.active if t.view.state == "waiting"}
+                # A cell is let go only when every trial on it is pruned: a point drawn twice (a choice or int space,
+                # another study, another bracket) is one cell, and its twin may go on or have won.
+                kept = {t.cell.id for s in searches for t in s.trials if t.view.state != "pruned"}
                 r.release([t.cell for s in live for t in s.trials  # out of their processes before their checkpoints go
-                           if t.view.state == "pruned" and t.cell.id not in going_on])
+                           if t.view.state == "pruned" and t.cell.id not in kept])
                 for s in live:
-                    _free_pruned(s, s.matrix_dir, going_on)
+                    _free_pruned(s, s.matrix_dir, kept)
     return True
 
 
@@ -228,12 +230,12 @@ def _write_record(s: Search, mdir: Path, say: Callable[[str], None]) -> None:
         write_json(folder.trials_file(s.group.study), s.table())
 
 
-def _free_pruned(s: Search, mdir: Path, going_on: set[str]) -> None:
+def _free_pruned(s: Search, mdir: Path, kept: set[str]) -> None:
     """A pruned trial never trains again: its rung checkpoint goes (as `exp clean` deletes: under the cell's lock,
     renamed aside first) and its status says it was pruned; its metrics stay. A later run that asks for it again
     starts it over and validates at the same rungs (validate_at), so nothing the search reads is lost."""
     for t in s.trials:
-        if t.view.state != "pruned" or t.cell.id in going_on:  # the same point promoted in another study
+        if t.view.state != "pruned" or t.cell.id in kept:  # the same point in a trial that goes on, or has won
             continue
         d = MatrixFolder(mdir).folder(t.cell)
         if d.checkpoints.is_dir():

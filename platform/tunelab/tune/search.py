@@ -130,6 +130,13 @@ class Search:
     def active_unfinished(self) -> bool:
         return any(t.view.state == "waiting" for t in self.trials)
 
+    def steps_trained(self) -> int:
+        """Steps the search's cells trained: a point drawn twice (a choice or int space) is one cell, trained once."""
+        reached: dict[str, int] = {}
+        for t in self.trials:
+            reached[t.cell.id] = max(reached.get(t.cell.id, 0), t.view.reached)
+        return sum(reached.values())
+
     def summary(self) -> dict[str, Any]:
         """What the leaderboard says of the search (one row per group)."""
         win = self.winner()
@@ -143,7 +150,7 @@ class Search:
                 "tuned": win.view.params if win else None, "winner": win.view.number if win else None,
                 "trials": len(self.trials), "completed": len(values),
                 "pruned": sum(t.view.state == "pruned" for t in self.trials),
-                "search_steps": sum(t.view.reached for t in self.trials),
+                "search_steps": self.steps_trained(),
                 "full_steps": self.group.schedule.full_steps(), "planned_steps": self.group.schedule.planned_steps(),
                 "best": ordered[0] if ordered else None, "worst": ordered[-1] if ordered else None,
                 "median": statistics.median(values) if values else None, "values": values,
