@@ -146,6 +146,11 @@ def test_leaderboard_folds_seeds_into_mean_and_std(mdir, cli):
     assert col["mean"] == pytest.approx(statistics.fmean(lora))
     assert col["spread"] == pytest.approx(statistics.stdev(lora))
     assert rows["none"]["runs"] == 1
+    # one statistic a column: the one-run row shows no ± (its stderr beside the others' std would read as one)
+    assert all(c["spread"] is None for c in rows["none"]["columns"].values()), rows["none"]["columns"]
+    assert rows["lora"]["columns"]["val_loss"]["spread"] is not None
+    code, out, _ = cli("leaderboard", mdir)
+    assert "Not started yet: 1 cell(s) of the matrix (none-s1)" in " ".join(out.split())
     # --no-aggregate: one row per run, seeds as a key
     single = board(cli, mdir, "--no-aggregate")
     assert set(single) == set(RAN) and single["lora-s1"]["columns"]["val_loss"]["mean"] == pytest.approx(lora[1])
@@ -177,3 +182,21 @@ def test_leaderboard_latex_is_booktabs_with_spreads_in_their_cells(mdir, cli):
     assert lora.count("&") == header.count("&")
     # the files exp run writes: the same table
     assert (mdir / "leaderboard.tex").is_file() and (mdir / "leaderboard.json").is_file()
+
+
+def test_a_nan_is_no_best_and_sorts_last_and_key_columns_sort_as_numbers():
+    """A diverged run's NaN (training has no guard; JSON keeps it) neither wins a column nor leads a sort, either
+    way; a numeric key sorts by value (5e-05 before 0.001), not as text."""
+    from tunelab.report.table import Board, Column, Stat, _mark_best, _sort
+
+    col = Column("train loss", "figure", higher_is_better=False)
+    rows = [{"cell": c, "status": "done", "runs": 1, "optim.lr": lr, "train loss": Stat(v, None, 1)}
+            for c, lr, v in (("a", 0.001, float("nan")), ("b", 5e-05, 6.9), ("c", 0.01, 6.8))]
+    board = Board(["optim.lr"], [col], rows)
+    _mark_best(board)
+    assert [r["cell"] for r in board.rows if r["train loss"].best] == ["c"]
+    for order, first in (("train loss", "c"), ("-train loss", "b")):
+        _sort(board, order)
+        assert (board.rows[0]["cell"], board.rows[-1]["cell"]) == (first, "a"), order
+    _sort(board, "optim.lr")
+    assert [r["optim.lr"] for r in board.rows] == [5e-05, 0.001, 0.01]

@@ -34,7 +34,8 @@ FIGURES_NOTE = ("tok/s: non-padding tokens per second of training; peak MB: meas
 
 
 def note(board: Board) -> str:
-    spread = ("±: the standard deviation over the runs of a row (runs = how many finished)"
+    spread = ("±: the standard deviation over the runs of a row (runs = how many finished; a value of one run has "
+              "none)"
               if board.spread_kind == "std" else "±: the standard error of the score (results.json)")
     return " ".join([MARKS, f"{spread}.", FIGURES_NOTE, *board.notes])
 

@@ -134,11 +134,18 @@ def left_out(matrix_dir: Path) -> list[CellFolder]:
 
 
 def left_out_notes(matrix_dir: Path) -> list[str]:
-    """What the leaderboard says of the folders it does not show (left_out), in every format."""
+    """What the leaderboard says of the cells it does not show, in every format: the matrix's cells not started yet
+    (their rows count only the runs that started, so a row of 1 run of 2 seeds says why), and folders the matrix as
+    last run does not list (left_out)."""
+    m = MatrixFolder(matrix_dir)
+    unstarted = [str(e.get("slug")) for e in m.index() or [] if isinstance(e, dict) and m.find(e.get("id", "")) is None]
+    more = " ..." if len(unstarted) > 12 else ""
+    said = [f"Not started yet: {len(unstarted)} cell(s) of the matrix ({', '.join(unstarted[:12])}{more}): their "
+            "rows count only the runs that started."] if unstarted else []
     found = left_out(matrix_dir)
     if not found:
-        return []
-    return [f"Not in this table: {len(found)} cell folder(s) that the matrix as last run does not list (earlier "
+        return said
+    return said + [f"Not in this table: {len(found)} cell folder(s) that the matrix as last run does not list (earlier "
             f"runs with other settings, e.g. `--set`): {', '.join(f.path.name for f in found)}; `exp leaderboard "
             f"{matrix_dir} --all` shows every cell folder."]
 

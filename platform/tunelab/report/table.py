@@ -145,16 +145,20 @@ def _label(group: list[Record], by: list[str] | None, aggregate: bool) -> str:
     return row_label(first.slug, first.tune, first.config.get(SEED) if SEED in first.varying else None)
 
 
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
 def _mark_best(board: Board) -> None:
     for col in board.columns:
         if col.higher_is_better is None:
             continue
-        means = [r[col.name].mean for r in board.rows if r[col.name].mean is not None]
+        means = [m for r in board.rows if _finite(m := r[col.name].mean)]  # (a diverged run's NaN is no best)
         if len(set(means)) < 2:  # one value, or all equal: nothing stands out
             continue
         best = max(means) if col.higher_is_better else min(means)
         for r in board.rows:
-            if r[col.name].mean is not None and math.isclose(r[col.name].mean, best, rel_tol=1e-12, abs_tol=0):
+            if _finite(r[col.name].mean) and math.isclose(r[col.name].mean, best, rel_tol=1e-12, abs_tol=0):
                 r[col.name] = Stat(**{**r[col.name].__dict__, "best": True})
 
 
@@ -191,6 +195,11 @@ def build(records: list[Record], *, aggregate: bool = True, by: list[str] | None
         costs = Folders(tuned[0].dir.parent)
     groups = grouped(records, aggregate, by)
     board.rows = [_row(g, keys, columns, label, costs) for label, g in groups]
+    if board.spread_kind == "std":  # one statistic a column: a value of one run has no spread over runs, and its
+        for row in board.rows:  # own standard error beside the others' standard deviations would read as one
+            for c in columns:
+                if isinstance(s := row.get(c.name), Stat) and s.n == 1 and s.spread is not None:
+                    row[c.name] = Stat(**{**s.__dict__, "spread": None})
     if "profile score" in keys:
         board.profiles, note = tuned_rows.profiles_of(board.columns, board.rows, [g for _, g in groups])
         board.notes += [note] if note else []
@@ -243,14 +252,16 @@ def _sort(board: Board, column: str) -> None:
     name = column.lstrip("-")
     col = next((c for c in board.columns if c.name == name), None)
     if col is not None:
-        missing = -math.inf if col.higher_is_better else math.inf
+        def finite(r) -> bool:
+            return _finite(r[name].mean)
 
-        def key(r):
-            return r[name].mean if r[name].mean is not None else missing
-
-        board.rows.sort(key=key, reverse=bool(col.higher_is_better) != reverse)
+        ordered = sorted(filter(finite, board.rows), key=lambda r: r[name].mean,
+                         reverse=bool(col.higher_is_better) != reverse)
+        board.rows = ordered + [r for r in board.rows if not finite(r)]  # a missing value or a NaN last, either way
     elif name in board.keys or name in ("cell", "status"):
-        board.rows.sort(key=lambda r: str(r.get(name)), reverse=reverse)
+        values = [r.get(name) for r in board.rows]
+        numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)  # 5e-05 before 0.001
+        board.rows.sort(key=lambda r: (float(r[name]), "") if numeric else (0.0, str(r.get(name))), reverse=reverse)
     else:
         names = ["cell", "status", *board.keys, *(c.name for c in board.columns)]
         raise UserError(f"--sort {column!r}: no such column{did_you_mean(name, names)}; columns: {', '.join(names)}")
