@@ -149,6 +149,9 @@ def test_leaderboard_folds_seeds_into_mean_and_std(mdir, cli):
     # one statistic a column: the one-run row shows no ± (its stderr beside the others' std would read as one)
     assert all(c["spread"] is None for c in rows["none"]["columns"].values()), rows["none"]["columns"]
     assert rows["lora"]["columns"]["val_loss"]["spread"] is not None
+    scored = read_json(next(mdir.glob("lora-s0-*/eval/*/results.json")))["tasks"]["val_loss"]
+    assert scored["n"] == 8 and scored["subset"] and scored["of"] > 8  # val_batches 1 of batch 8: the rows scored
+    assert rows["lora"]["columns"]["val_loss"]["subset"]  # and marked as a subset
     code, out, _ = cli("leaderboard", mdir)
     assert "Not started yet: 1 cell(s) of the matrix (none-s1)" in " ".join(out.split())
     # --no-aggregate: one row per run, seeds as a key

@@ -67,8 +67,9 @@ def val_loss_task(name, model, tokenizer, cfg, ctx: Context) -> dict:
 
         value = model_validation_loss(model, ctx.validation, tokenizer.pad_token_id, cfg.batch_size,
                                       cfg.val_batches)
-    n = len(ctx.validation) if ctx.validation is not None else 0
-    return {**base, "status": "ok", "value": value, "n": n}
+    rows = len(ctx.validation) if ctx.validation is not None else 0
+    n = min(rows, cfg.batch_size * cfg.val_batches) if cfg.val_batches else rows  # the rows scored, not the set's
+    return {**base, "status": "ok", "value": value, "n": n, **({"subset": True, "of": rows} if n < rows else {})}
 
 
 def humaneval_problems(name, cfg) -> tuple[list[dict] | None, str] | dict:
