@@ -263,16 +263,19 @@ def status(matrix_dir: MatrixDir, as_json: Json = False) -> None:
 def _status_table(matrix_dir: Path, found: list[dict]) -> Table:
     table = Table(title=str(matrix_dir))
     slurm = any(r["slurm_job"] for r in found)  # the job id column when the cells went to SLURM
-    for col in ("cell", "state", *(["slurm job"] if slurm else []), "train s", "eval s", "disk", "cause / note"):
-        table.add_column(col, justify="right" if col in ("train s", "eval s", "disk") else "left")
+    # Wall seconds of the attempts' stages (validation and checkpoints in training's): not the leaderboard's `train s`,
+    # which is the steps alone.
+    walls = ("train wall s", "eval wall s")
+    for col in ("cell", "state", *(["slurm job"] if slurm else []), *walls, "disk", "cause / note"):
+        table.add_column(col, justify="right" if col in (*walls, "disk") else "left")
     colors = {"done": "green", "failed": "red", "running": "yellow", "interrupted": "yellow", "pending": "dim"}
     for r in found:
         t = r["timings"]
         cause = "; ".join(dict.fromkeys(c for c in (r["error"], r["exit"], r["note"]) if c))
         table.add_row(r["cell"], f"[{colors.get(r['state'], 'white')}]{r['state']}",
                       *([r["slurm_job"] or "-"] if slurm else []),
-                      f"{t['train_s']:.0f}" if "train_s" in t else "-",
-                      f"{t['eval_s']:.0f}" if "eval_s" in t else "-", human_bytes(r["disk_bytes"]),
+                      f"{t['train_s']:.1f}" if "train_s" in t else "-",
+                      f"{t['eval_s']:.1f}" if "eval_s" in t else "-", human_bytes(r["disk_bytes"]),
                       escape(cause))
     return table
 
