@@ -82,6 +82,29 @@ def test_cells_compare_on_the_same_items_and_refuse_different_ones(cli, tmp_path
     assert code == 0 and t["refused"].startswith("the two sides scored different items (50 and 20")
     code, out, _ = cli("compare", a, b)
     assert code == 0 and "McNemar" in out and "optim.name" in out
+    text = " ".join(out.split())
+    assert "mmlu │ 0.2* │ 1* │" in text and "`*`: a subset of the benchmark" in text  # 50 of MMLU's items: marked
+    code, out, _ = cli("compare", a, short)
+    assert "50 / 20" in out and "+0.8" not in out  # no difference over different items
+
+
+def test_compare_says_each_sides_state_and_what_is_unavailable(cli, tmp_path):
+    a = _cell(tmp_path / "m", "a", {"mmlu": [1, 0]}, {"optim.name": "adamw"}, {"optim": {"name": "adamw"}})
+    b = _cell(tmp_path / "m", "b", {"mmlu": [1, 1]}, {"optim.name": "lion"}, {"optim": {"name": "lion"}},
+              state="failed")
+    results = b / "eval" / "e1" / "results.json"
+    got = json.loads(results.read_text())
+    got["tasks"]["mmlu"] = {"status": "unavailable", "reason": "no test set here", "value": None, "n": 0}
+    got["complete"] = False
+    results.write_text(json.dumps(got))
+    code, out, err = cli("compare", a, b, "--json", "--resamples", "200")
+    assert code == 0, err
+    (c,) = json.loads(out)
+    assert c["states"] == ["done", "failed, its evaluation not complete: the scores are of the tasks it finished"]
+    (t,) = c["tasks"]
+    assert t["refused"] == "unavailable on B (no test set here)" and t["marks"][1]["unavailable"]
+    code, out, _ = cli("compare", a, b)
+    assert "unavailable" in out and "(failed, its evaluation not complete" in " ".join(out.split())
 
 
 def test_matrices_are_matched_on_the_keys_both_vary(cli, tmp_path):

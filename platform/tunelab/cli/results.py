@@ -12,8 +12,8 @@ from rich.table import Table
 
 from tunelab.cli.common import INSPECT, Json, MatrixDir, RunsDir, app, out, print_json, print_wide
 from tunelab.core.errors import UserError
-from tunelab.report.compare import Comparison
-from tunelab.report.scores import fmt
+from tunelab.report.compare import Comparison, state_of
+from tunelab.report.scores import MARKS, fmt, marked
 
 
 def _where(pairs: list[str]) -> dict[str, str]:
@@ -95,7 +95,7 @@ def _pct(p: float | None) -> str:
 
 
 def _show(c: Comparison) -> None:
-    out.print(f"[bold]A[/] {c.a.dir}\n[bold]B[/] {c.b.dir}")
+    out.print(f"[bold]A[/] {c.a.dir} ({state_of(c.a)})\n[bold]B[/] {c.b.dir} ({state_of(c.b)})", soft_wrap=True)
     table = Table(title="config: what differs", title_justify="left")
     for col in ("key", "A", "B"):
         table.add_column(col)
@@ -107,15 +107,18 @@ def _show(c: Comparison) -> None:
         table.add_column(col, justify="left" if col in ("task", "test") else "right")
     for t in c.tasks:
         r = t.result
+        sides = [marked(s.value, s.subset, not s.ok) if s else "-" for s in t.scores]
         if r is None:
             va, vb = t.values
-            both = isinstance(va, (int, float)) and isinstance(vb, (int, float))
-            table.add_row(t.task, fmt(va), fmt(vb), f"{vb - va:+.4g}" if both else "", "", "",
-                          f"no test: {t.refused}", "")
+            # a difference only over the same items: not when the sides scored different ones
+            both = isinstance(va, (int, float)) and isinstance(vb, (int, float)) and "different items" not in t.refused
+            table.add_row(t.task, *sides, f"{vb - va:+.4g}" if both else "", "", "", f"no test: {t.refused}",
+                          " / ".join(str(s.n) if s else "-" for s in t.scores))
         else:
-            table.add_row(t.task, fmt(r.a), fmt(r.b), f"{r.diff:+.4g}", f"[{r.ci[0]:+.3g}, {r.ci[1]:+.3g}]",
+            table.add_row(t.task, *sides, f"{r.diff:+.4g}", f"[{r.ci[0]:+.3g}, {r.ci[1]:+.3g}]",
                           _pct(r.p), r.test, str(r.n))
     print_wide(table)
+    out.print(MARKS, soft_wrap=True, highlight=False, markup=False)
     table = Table(title="training", title_justify="left")
     for col in ("figure", "A", "B", "B - A", "B / A"):
         table.add_column(col, justify="left" if col == "figure" else "right")
@@ -127,8 +130,11 @@ def _show(c: Comparison) -> None:
 
 
 def _as_json(c: Comparison) -> dict:
-    return {"a": str(c.a.dir), "b": str(c.b.dir), "config_diff": c.config_diff, "figures": c.figures,
+    return {"a": str(c.a.dir), "b": str(c.b.dir), "states": [state_of(c.a), state_of(c.b)],
+            "config_diff": c.config_diff, "figures": c.figures,
             "tasks": [{"task": t.task, "refused": t.refused or None, "values": t.values,
+                       "marks": [{"subset": s.subset, "unavailable": not s.ok, "stand_in": s.stand_in, "n": s.n}
+                                 if s else None for s in t.scores],
                        **({**asdict(t.result), "p": t.result.p, "test": t.result.test} if t.result else {})}
                       for t in c.tasks]}
 

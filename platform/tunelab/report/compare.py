@@ -32,6 +32,7 @@ class TaskComparison:
     result: Paired | None = None
     refused: str = ""  # why no test was run
     values: tuple = (None, None)  # the two headline values from results.json
+    scores: tuple = (None, None)  # the two Scores (their marks: a subset, unavailable), None where not scored
 
 
 @dataclass
@@ -92,21 +93,33 @@ def compare_cells(a: Record, b: Record, resamples: int = 10_000, seed: int = 0) 
     out = Comparison(a, b, diff)
     ia, ib = items(a), items(b)
     for task in dict.fromkeys([*a.scores, *b.scores]):
-        values = tuple(s.value if (s := r.scores.get(task)) else None for r in (a, b))
-        if task not in ia or task not in ib:
+        scores = (a.scores.get(task), b.scores.get(task))
+        values = tuple(s.value if s else None for s in scores)
+        missing = [side for side, s in zip("AB", scores) if s is not None and not s.ok]
+        if missing:
+            reason = next(s.reason for s in scores if s and not s.ok) or "no score"
+            why = f"unavailable on {' and '.join(missing)} ({reason})"
+            out.tasks.append(TaskComparison(task, refused=why, values=values, scores=scores))
+        elif task not in ia or task not in ib:
             why = "no per-item results" if task == "val_loss" else "scored on one side only, or no samples"
-            out.tasks.append(TaskComparison(task, refused=why, values=values))
+            out.tasks.append(TaskComparison(task, refused=why, values=values, scores=scores))
         else:
             res = (a.results.get("tasks") or {}).get(task, {})
             # how the task's headline is made from its items: lm-eval's groups say (micro or macro), a perplexity
             # is a ratio of sums (stats.RATIOS)
             average = res.get("metric") if res.get("metric") in RATIOS else res.get("average") or "micro"
             out.tasks.append(_task(task, ia[task], ib[task], resamples, seed, average))
-            out.tasks[-1].values = values
+            out.tasks[-1].values, out.tasks[-1].scores = values, scores
     for key, (header, _) in TRAIN_FIGURES.items():
         out.figures[header] = (a.train.get(key), b.train.get(key))
     out.figures["val_loss"] = (a.train.get("val_loss"), b.train.get("val_loss"))
     return out
+
+
+def state_of(rec: Record) -> str:
+    """What `exp compare` says of a side beside its folder: its state, and an evaluation that did not finish."""
+    partial = rec.results and rec.results.get("complete") is False
+    return rec.state + (", its evaluation not complete: the scores are of the tasks it finished" if partial else "")
 
 
 def _record(path: Path) -> Record:
