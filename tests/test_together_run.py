@@ -73,6 +73,11 @@ def test_a_matrix_runs_its_lora_cells_as_one_group_with_the_numbers_of_separate_
         assert ended["seconds"] == round(sum(parts.get(k, 0.0) for k in OWN_TIMINGS), 3) < ended["wall_s"]
     record = read_json(next((tmp_path / "runs" / "tr" / ".together").glob("*/record.json")))
     assert record["states"] == {"0": "done", "1": "done", "2": "done"} and record["peak_mb"] > 0
+    import csv
+
+    rows = {r["cell"]: r for r in csv.DictReader((tmp_path / "runs" / "tr" / "leaderboard.csv").open())}
+    tagged = {cell for cell, r in rows.items() if r["notes"] == "peak-MB-of-together-group"}
+    assert len(tagged) == 3 and rows.keys() - tagged == {CellFolder(full).meta()["slug"]}  # the CSV says it too
 
 
 def test_a_member_locked_elsewhere_comes_back_later_and_runs_alone(apart, tmp_path):

@@ -87,7 +87,7 @@ def to_csv(board: Board) -> str:
             row |= {col.name: st.mean, f"{col.name} ±": st.spread, f"{col.name} marks": " ".join(marks)}
             if studied:
                 row |= {f"{col.name} min": st.low, f"{col.name} max": st.high}
-        out.append(row)
+        out.append({**row, "notes": " ".join(r.get("tags", []))})  # the board's notes that concern this row
     return pd.DataFrame(out).to_csv(index=False)
 
 
@@ -137,6 +137,7 @@ def to_json(board: Board) -> str:
     rows = []
     for r in board.rows:
         rows.append({"cell": r["cell"], "status": r["status"], "runs": r["runs"], **{k: r[k] for k in board.keys},
+                     "notes": r.get("tags", []),
                      "columns": {c.name: {**r[c.name].__dict__, "kind": c.kind, "higher_is_better": c.higher_is_better}
                                  for c in board.columns}})
     return json.dumps({"rows": rows, "spread": board.spread_kind, "note": note(board),

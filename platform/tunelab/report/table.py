@@ -101,6 +101,7 @@ def _row(group: list[Record], keys: list[str], columns: list[Column], label: str
            ", ".join(f"{n} {s}" for s, n in states.items()), "runs": len(done),
            **{k: None if k in varied else value_of(group[0], k) for k in keys}}
     row.update({k: searched.get(k) for k in keys if k in tuned_rows.KEYS})
+    row["tags"] = tags(group)
     on_test = bool(group[0].tune.get("test_selected"))
     for col in columns:
         if col.kind == "score":
@@ -223,6 +224,17 @@ def grouped(records: list[Record], aggregate: bool = True,
             gid = tuple(repr(value_of(r, k)) for k in group_keys) if group_keys is not None else (i,)
         groups.setdefault(gid, []).append(r)
     return [(_label(g, by, aggregate), g) for g in groups.values()]
+
+
+def tags(records: list[Record]) -> list[str]:
+    """A row's share of the board's notes, as short words for the CSV and JSON (the other formats say the notes in
+    full): its peak MB is a together-group's process, its weights a stand-in (_together_notes, _model_notes)."""
+    out = []
+    if any((r.train.get("together") or {}).get("members", 1) > 1 and "peak_mem_mb" in r.train for r in records):
+        out.append("peak-MB-of-together-group")
+    if any((r.env.get("model") or {}).get("note") for r in records):
+        out.append("model-weights-stand-in")
+    return out
 
 
 def _model_notes(records: list[Record]) -> list[str]:
