@@ -203,3 +203,20 @@ def test_a_nan_is_no_best_and_sorts_last_and_key_columns_sort_as_numbers():
         assert (board.rows[0]["cell"], board.rows[-1]["cell"]) == (first, "a"), order
     _sort(board, "optim.lr")
     assert [r["optim.lr"] for r in board.rows] == [5e-05, 0.001, 0.01]
+
+
+def test_no_best_is_marked_between_scores_over_different_numbers_of_items():
+    from tunelab.report.table import Board, Column, Stat, _mark_best
+
+    col = Column("humaneval pass@1", "score", higher_is_better=True, source="humaneval")
+    rows = [{"cell": c, "status": "done", "runs": 1, col.name: Stat(v, None, 1, subset=True, items=n)}
+            for c, v, n in (("a", 0.5, 2), ("b", 0.2, 4))]
+    board = Board([], [col], rows)
+    _mark_best(board)
+    assert not any(r[col.name].best for r in board.rows)
+    assert board.notes == ["humaneval pass@1: its rows scored different numbers of items (2, 4), so no value is "
+                           "marked best."]
+    rows[1][col.name] = Stat(0.2, None, 1, subset=True, items=2)  # the same items: the higher is best
+    board = Board([], [col], rows)
+    _mark_best(board)
+    assert [r["cell"] for r in board.rows if r[col.name].best] == ["a"] and not board.notes

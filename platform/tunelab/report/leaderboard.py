@@ -84,7 +84,8 @@ def to_csv(board: Board) -> str:
                                       ("unavailable", st.unavailable), ("best", st.best),
                                       ("test-selected", st.test_selected),
                                       (f"median-of-{st.studies}-studies", st.studies > 1)) if on]
-            row |= {col.name: st.mean, f"{col.name} ±": st.spread, f"{col.name} marks": " ".join(marks)}
+            row |= {col.name: st.mean, f"{col.name} ±": st.spread, f"{col.name} marks": " ".join(marks),
+                    **({f"{col.name} n": st.items} if col.kind == "score" else {})}
             if studied:
                 row |= {f"{col.name} min": st.low, f"{col.name} max": st.high}
         out.append({**row, "notes": " ".join(r.get("tags", []))})  # the board's notes that concern this row

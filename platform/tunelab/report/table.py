@@ -38,6 +38,7 @@ class Stat:
     studies: int = 0  # > 1: a tuned row's value is the median over its studies' winners (tune.studies) ...
     low: float | None = None  # ... and these the smallest and largest of them
     high: float | None = None
+    items: int | None = None  # a score's items, the same in each of its runs (None: they differ, or a figure)
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,9 @@ def _row(group: list[Record], keys: list[str], columns: list[Column], label: str
             row[col.name] = (Stat(**studied, subset=flags[0], stand_in=flags[2]) if studied
                              else _stat([v for _, v in values], [s.stderr for _, s in ok] if not col.field else [],
                                         *flags))
-            if on_test:
-                row[col.name] = Stat(**{**row[col.name].__dict__, "test_selected": True})
+            counts = {s.n for _, s in ok}
+            row[col.name] = Stat(**{**row[col.name].__dict__, "test_selected": on_test,
+                                    "items": counts.pop() if len(counts) == 1 else None})
         else:
             vals = [float(r.train[col.source]) for r in done if isinstance(r.train.get(col.source), (int, float))]
             row[col.name] = _stat(vals, [], False, False, False)
@@ -153,6 +155,12 @@ def _finite(value: float | None) -> bool:
 def _mark_best(board: Board) -> None:
     for col in board.columns:
         if col.higher_is_better is None:
+            continue
+        counts = {r[col.name].items for r in board.rows if _finite(r[col.name].mean)} if col.kind == "score" else set()
+        if len(counts) > 1:  # a score over 2 items beside one over 164 is not like for like: no best between them
+            said = ", ".join(sorted(str(c) for c in counts if c is not None)) + (", mixed" if None in counts else "")
+            board.notes.append(f"{col.name}: its rows scored different numbers of items ({said}), so no value is "
+                               "marked best.")
             continue
         means = [m for r in board.rows if _finite(m := r[col.name].mean)]  # (a diverged run's NaN is no best)
         if len(set(means)) < 2:  # one value, or all equal: nothing stands out
