@@ -28,8 +28,7 @@ def run_cmd(
                                               "its name as the leaderboard prints it), a cell's checkpoint "
                                               "(CELL/checkpoints/step-N), a folder with a model, or a hub id")],
     cells: Annotated[list[str] | None, typer.Argument(help="with --adapters: the LoRA/DoRA/IA3 cells of MODEL to "
-                                                           "evaluate together (each a folder, its final/, or its "
-                                                           "name as the leaderboard prints it)",
+                                                           "evaluate together (read as MODEL's cell is)",
                                                       show_default=False)] = None,
     adapters: Annotated[bool, typer.Option("--adapters", help="MODEL is a base; evaluate the final/ adapters of the "
                                            "CELLS after it over one load of it, in shared passes, each into its "
@@ -77,9 +76,7 @@ def run_cmd(
     console = Console()
     if adapters:  # each cell's own eval section unless the command line sets one
         own = suite is None and tasks is None and all(v is None for v in given.values())
-        # each CELL read as everywhere: its folder, its final/, or its name as the leaderboard prints it
-        folders = [resolve(str(c), "eval run --adapters", ("cell",), runs_dir).cell.path for c in cells or []]
-        _adapters(model, folders, None if own else cfg, device, console)
+        _adapters(model, cells or [], runs_dir, None if own else cfg, device, console)
         return
     out = Path("eval-out") if out is None else out
     with interruptible(f"nothing was scored; {out} holds what was written so far"), \
@@ -131,11 +128,14 @@ def _evaluate(target: Any, model_cfg: Any, cfg: Any, out: Path, device: str, con
         return evals.run(lm, tok, cfg, evals.Context(out_dir=out, model_note=loading.source_note(model_cfg.name)), emit)
 
 
-def _adapters(base: str, cells: list[Path], ecfg: Any, device: str, console: Any) -> None:
+def _adapters(base: str, cells: list[str], runs_dir: Path, ecfg: Any, device: str, console: Any) -> None:
+    from tunelab.folders.targets import resolve
     from tunelab.tools import evaluate_adapters
 
+    # each CELL read as everywhere: its folder, its final/, or its name as the leaderboard prints it
+    folders = [resolve(c, "eval run --adapters", ("cell",), runs_dir).cell.path for c in cells]
     with _bars(console) as emit:
-        done = evaluate_adapters.evaluate(base, cells, ecfg, device, emit)
+        done = evaluate_adapters.evaluate(base, folders, ecfg, device, emit)
     for folder, out, result in done:
         console.print(f"{folder.label}:", highlight=False)
         _show(result, out, console)
