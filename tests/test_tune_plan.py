@@ -89,6 +89,8 @@ BAD = {
     "studies past numpy's seeds": ("seed: 4294967295\n  studies: 2", "tune", "the last, 4294967296, is above"),
     "a budget of true": ("trials: true", "tune.trials", "a whole number, not true/false"),
     "a bound of true": ("space: {peft.r: {int: [true, 8]}}", "tune.space.peft.r", "numbers, not true/false"),
+    "batch with hyperband": ("pruner: hyperband\n  trials: 6\n  eta: 2\n  min_steps: 2\n  batch: 2", "tune",
+                             "hyperband samples each of its brackets as one round"),
     "a study in memory": ("storage: 'sqlite:///'", "tune.storage", "a database in memory"),
     "a choice value twice": ("space: {optim.lr: {choice: [0.001, 1.0e-3, 0.01]}}", "tune.space.optim.lr",
                              "0.001 is named twice"),

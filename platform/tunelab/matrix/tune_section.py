@@ -234,6 +234,9 @@ class TuneSpec(BaseModel):
                                  "tuned on, not a hyperparameter")
         if not PRUNERS[self.pruner].rungs and (self.eta is not None or self.min_steps is not None):
             raise ValueError("eta and min_steps set the rungs of pruner halving or hyperband; pruner none has none")
+        if self.pruner == "hyperband" and self.batch is not None:  # (tune/schedule.py: brackets are its rounds)
+            raise ValueError("batch: hyperband samples each of its brackets as one round; batch sets the rounds of "
+                             "pruner none or halving")
         if not PRUNERS[self.pruner].rungs and self.intermediate != "val_loss":
             raise ValueError(f"intermediate {self.intermediate} ranks trials at the rungs of pruner halving or "
                              "hyperband; pruner none has none")
