@@ -237,19 +237,25 @@ def grouped(records: list[Record], aggregate: bool = True,
 def tags(records: list[Record]) -> list[str]:
     """A row's share of the board's notes, as short words for the CSV and JSON (the other formats say the notes in
     full): its peak MB is a together-group's process, its weights a stand-in (_together_notes, _model_notes)."""
-    out = []
-    if any((r.train.get("together") or {}).get("members", 1) > 1 and "peak_mem_mb" in r.train for r in records):
-        out.append("peak-MB-of-together-group")
-    if any((r.env.get("model") or {}).get("note") for r in records):
-        out.append("model-weights-stand-in")
-    return out
+    return [tag for tag, of in (("peak-MB-of-together-group", _group_peak), ("model-weights-stand-in", _model_note))
+            if any(of(r) for r in records)]
+
+
+def _model_note(r: Record) -> str | None:
+    """env.json's note on the weights (e.g. a dequantized stand-in)."""
+    return (r.env.get("model") or {}).get("note")
+
+
+def _group_peak(r: Record) -> bool:
+    """Its peak MB is a together-group's process (train/summary.json `together`)."""
+    return (r.train.get("together") or {}).get("members", 1) > 1 and "peak_mem_mb" in r.train
 
 
 def _model_notes(records: list[Record]) -> list[str]:
     """Weights that are not what their name says (env.json's model note, e.g. a dequantized stand-in)."""
     by_note: dict[str, list[str]] = {}
     for r in records:
-        if note := (r.env.get("model") or {}).get("note"):
+        if note := _model_note(r):
             by_note.setdefault(note, []).append(r.slug)
     return [f"Model weights of {', '.join(cells)}: {note}." for note, cells in by_note.items()]
 
@@ -257,8 +263,7 @@ def _model_notes(records: list[Record]) -> list[str]:
 def _together_notes(records: list[Record]) -> list[str]:
     """peak MB of a cell trained in a together-group is its group's process (train/summary.json `together`): not
     comparable with a cell trained alone."""
-    joined = [r.slug for r in records if (r.train.get("together") or {}).get("members", 1) > 1
-              and "peak_mem_mb" in r.train]
+    joined = [r.slug for r in records if _group_peak(r)]
     if not joined:
         return []
     which = ", ".join(joined) if len(joined) <= 6 else f"{len(joined)} cells"
@@ -281,7 +286,10 @@ def _sort(board: Board, column: str) -> None:
     elif name in board.keys or name in ("cell", "status"):
         values = [r.get(name) for r in board.rows]
         numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)  # 5e-05 before 0.001
-        board.rows.sort(key=lambda r: (float(r[name]), "") if numeric else (0.0, str(r.get(name))), reverse=reverse)
+        if numeric:
+            board.rows.sort(key=lambda r: float(r[name]), reverse=reverse)
+        else:
+            board.rows.sort(key=lambda r: str(r.get(name)), reverse=reverse)
     else:
         names = ["cell", "status", *board.keys, *(c.name for c in board.columns)]
         raise UserError(f"--sort {column!r}: no such column{did_you_mean(name, names)}; columns: {', '.join(names)}")

@@ -74,8 +74,7 @@ class Index:
             params: dict[str, list[torch.nn.Parameter]] = {}
             seen: set[int] = set()
             for layer in layers:
-                # (a DoRA layer may name lora_magnitude_vector twice: each parameter once)
-                for attr in dict.fromkeys(layer.adapter_layer_names):
+                for attr in layer.adapter_layer_names:  # (a DoRA layer may name its magnitude twice: each param once)
                     for key, held in getattr(layer, attr).items():  # modules (LoRA's A, B) or parameters (IA3's)
                         ps = [held] if isinstance(held, torch.nn.Parameter) else list(held.parameters())
                         params.setdefault(key, []).extend(p for p in ps if id(p) not in seen)
